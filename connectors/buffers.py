@@ -1,0 +1,130 @@
+"""Moving bytes between ``(address, nbytes)`` segments and Python buffers.
+
+``ctypes.memmove`` releases the GIL, so copies on several threads run in parallel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import zlib
+from typing import Sequence
+
+from connectors.base import Page, Segment, page_nbytes
+
+memmove = ctypes.memmove
+
+
+def buffer_address(buf: bytearray | memoryview | "ctypes.Array") -> int:
+    """Address of a writable buffer's first byte (bytearray, ctypes array, writable memoryview)."""
+    if isinstance(buf, ctypes.Array):
+        return ctypes.addressof(buf)
+    mv = memoryview(buf)
+    if mv.readonly:
+        raise ValueError("buffer_address needs a writable buffer")
+    if mv.nbytes == 0:
+        return 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+
+
+def bytes_address(data: bytes) -> int:
+    """Address of an immutable ``bytes`` object's data (valid while ``data`` is alive)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+
+
+def gather(page: Page) -> bytearray:
+    """Copy a page's segments into one new bytearray (one memcpy per segment)."""
+    out = bytearray(page_nbytes(page))
+    if not out:
+        return out
+    dst = buffer_address(out)
+    off = 0
+    for addr, n in page:
+        memmove(dst + off, addr, n)
+        off += n
+    return out
+
+
+def gather_into(page: Page, dst: int) -> int:
+    """Copy a page's segments to ``dst`` back to back; returns bytes copied."""
+    off = 0
+    for addr, n in page:
+        memmove(dst + off, addr, n)
+        off += n
+    return off
+
+
+def scatter(src: int, page: Page) -> int:
+    """Copy contiguous bytes at ``src`` into a page's segments; returns bytes copied."""
+    off = 0
+    for addr, n in page:
+        memmove(addr, src + off, n)
+        off += n
+    return off
+
+
+def page_view(page: Page) -> list[memoryview]:
+    """Writable memoryviews over a page's segments (for preadv / pwritev)."""
+    return [memoryview((ctypes.c_char * n).from_address(addr)).cast("B") for addr, n in page]
+
+
+def page_checksum(page: Page) -> int:
+    """CRC32 over a page's bytes (no copy)."""
+    crc = 0
+    for mv in page_view(page):
+        crc = zlib.crc32(mv, crc)
+    return crc
+
+
+def page_digest(page: Page) -> bytes:
+    """BLAKE2b-128 over a page's bytes (tests and demos: stronger than CRC)."""
+    h = hashlib.blake2b(digest_size=16)
+    for mv in page_view(page):
+        h.update(mv)
+    return h.digest()
+
+
+def split_page(address: int, sizes: Sequence[int]) -> list[Segment]:
+    """Consecutive segments of the given sizes starting at ``address``."""
+    segs, off = [], 0
+    for n in sizes:
+        segs.append((address + off, n))
+        off += n
+    return segs
+
+
+class HostBuffer:
+    """An owned, page-addressable block of host memory (tests, demo, benchmarks).
+
+    Pages are ``page_bytes`` long and split into ``segments`` equal segments placed in
+    separate halves of the buffer when ``interleave`` is False (like SGLang's K and V
+    buffers), so multi-segment pages are really non-contiguous.
+    """
+
+    def __init__(self, num_pages: int, page_bytes: int, segments: int = 1):
+        if page_bytes % segments:
+            raise ValueError("page_bytes must be a multiple of segments")
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.segments = segments
+        self.seg_bytes = page_bytes // segments
+        self.raw = bytearray(num_pages * page_bytes)
+        self.address = buffer_address(self.raw) if self.raw else 0
+
+    def page(self, i: int) -> list[Segment]:
+        if not 0 <= i < self.num_pages:
+            raise IndexError(i)
+        region = self.num_pages * self.seg_bytes
+        return [(self.address + s * region + i * self.seg_bytes, self.seg_bytes) for s in range(self.segments)]
+
+    def fill(self, i: int, data: bytes) -> None:
+        if len(data) != self.page_bytes:
+            raise ValueError("data must be exactly one page")
+        scatter(bytes_address(data), self.page(i))
+
+    def read(self, i: int) -> bytes:
+        return bytes(gather(self.page(i)))
+
+    def zero(self, i: int) -> None:
+        for addr, n in self.page(i):
+            ctypes.memset(addr, 0, n)

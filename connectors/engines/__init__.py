@@ -1,0 +1,1 @@
+"""Engine integrations: SGLang HiCache, LMCache MP server, SGLang PD."""

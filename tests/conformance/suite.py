@@ -1,0 +1,295 @@
+"""One conformance suite for every ``PageStore``.
+
+A store's test module subclasses ``PageStoreConformance`` and provides ``make_store`` (and
+``store_options`` for the config tests). Capability flags on the subclass switch checks:
+
+* ``capacity_bytes``: the capacity ``make_store`` configured, for the eviction test (None:
+  the store cannot be made small enough, the test is skipped with that reason).
+* ``store_name``: registry name, for the config-error checks.
+
+Pages carry a self-describing header (key id, generation, body checksum) so any read
+can be checked to belong to its key and to be untorn, whatever threads did meanwhile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+import threading
+import time
+
+import pytest
+
+from connectors.base import PageStore, StoreClosed, UnknownConfigKey
+from connectors.buffers import HostBuffer
+from connectors.registry import create_store
+from namespace import count_hits
+
+PAGE = 16 * 1024  # bytes per page (2 segments of 8 KiB)
+HDR = struct.Struct("<32sQ")  # sha256(key), generation
+
+
+def page_bytes(key: str, gen: int = 0, size: int = PAGE) -> bytes:
+    """Deterministic page content for (key, generation): header + pseudo-random body."""
+    head = HDR.pack(hashlib.sha256(key.encode()).digest(), gen)
+    seed = hashlib.blake2b(f"{key}/{gen}".encode(), digest_size=8).digest()
+    body = (seed * ((size - HDR.size - 16) // 8 + 1))[: size - HDR.size - 16]
+    body = bytes(b ^ (i & 0xFF) for i, b in enumerate(body[:256])) + body[256:]
+    digest = hashlib.blake2b(head + body, digest_size=16).digest()
+    return head + body + digest
+
+
+def check_page(key: str, data: bytes) -> int:
+    """Generation of a page read for ``key``; raises AssertionError on foreign or torn bytes."""
+    head, body, digest = data[: HDR.size], data[HDR.size: -16], data[-16:]
+    assert hashlib.blake2b(head + body, digest_size=16).digest() == digest, f"torn page for {key}"
+    khash, gen = HDR.unpack(head)
+    assert khash == hashlib.sha256(key.encode()).digest(), f"read returned another key's bytes for {key}"
+    assert data == page_bytes(key, gen, len(data)), f"wrong bytes for {key} gen {gen}"
+    return gen
+
+
+class PageStoreConformance:
+    store_name: str = ""
+    capacity_bytes: int | None = None
+    segments: int = 2
+    threads: int = 8
+
+    # -- to provide -------------------------------------------------------------
+    def make_store(self) -> PageStore:
+        raise NotImplementedError
+
+    def store_options(self) -> dict:
+        """Valid options for ``create_store(store_name, ...)``."""
+        raise NotImplementedError
+
+    # -- fixtures ---------------------------------------------------------------
+    @pytest.fixture
+    def store(self):
+        s = self.make_store()
+        try:
+            yield s
+        finally:
+            s.close()
+
+    def buf(self, n: int) -> HostBuffer:
+        return HostBuffer(n, PAGE, self.segments)
+
+    def keys(self, n: int, tag: str = "") -> list[str]:
+        salt = random.getrandbits(48)
+        return [hashlib.sha256(f"{tag}{salt}-{i}".encode()).hexdigest() for i in range(n)]
+
+    def write(self, store: PageStore, keys: list[str], gen: int = 0) -> list[bool]:
+        b = self.buf(len(keys))
+        for i, k in enumerate(keys):
+            b.fill(i, page_bytes(k, gen))
+        return store.put_from(keys, [b.page(i) for i in range(len(keys))])
+
+    def read(self, store: PageStore, keys: list[str]) -> tuple[list[bool], HostBuffer]:
+        b = self.buf(len(keys))
+        ok = store.get_into(keys, [b.page(i) for i in range(len(keys))])
+        return ok, b
+
+    # -- round trip ---------------------------------------------------------------
+    def test_empty_batches(self, store):
+        assert store.exists([]) == []
+        assert store.get_into([], []) == []
+        assert store.put_from([], []) == []
+        assert store.delete([]) == []
+
+    def test_round_trip_multi_segment_bytes(self, store):
+        keys = self.keys(32)
+        assert self.write(store, keys) == [True] * 32
+        assert store.exists(keys) == [True] * 32
+        ok, b = self.read(store, keys)
+        assert ok == [True] * 32
+        for i, k in enumerate(keys):
+            assert b.read(i) == page_bytes(k), f"page {i} differs"
+
+    def test_miss_is_false(self, store):
+        present = self.keys(2, "p")
+        self.write(store, present)
+        absent = self.keys(2, "a")
+        ok, b = self.read(store, [present[0], absent[0], present[1], absent[1]])
+        assert ok == [True, False, True, False]
+        assert b.read(0) == page_bytes(present[0]) and b.read(2) == page_bytes(present[1])
+
+    def test_size_mismatch_is_miss(self, store):
+        k = self.keys(1)
+        self.write(store, k)
+        small = HostBuffer(1, PAGE // 2, 1)
+        assert store.get_into(k, [small.page(0)]) == [False]
+        big = HostBuffer(1, PAGE * 2, 1)
+        assert store.get_into(k, [big.page(0)]) == [False]
+        ok, b = self.read(store, k)  # the stored page is intact
+        assert ok == [True] and b.read(0) == page_bytes(k[0])
+
+    def test_put_is_idempotent_and_keeps_first_bytes(self, store):
+        keys = self.keys(4)
+        assert self.write(store, keys, gen=1) == [True] * 4
+        assert self.write(store, keys, gen=2) == [True] * 4
+        ok, b = self.read(store, keys)
+        assert ok == [True] * 4
+        assert [check_page(k, b.read(i)) for i, k in enumerate(keys)] == [1] * 4
+
+    def test_prefix_hits(self, store):
+        keys = self.keys(10)
+        self.write(store, keys[:6])
+        self.write(store, keys[7:8])
+        present = store.exists(keys)
+        assert present == [True] * 6 + [False, True, False, False]
+        assert count_hits(present) == 6
+        assert count_hits(present, "trailing_pages", 3) == 0
+        assert count_hits(present[:6], "trailing_pages", 2) == 2
+
+    def test_delete_and_clear(self, store):
+        keys = self.keys(6)
+        self.write(store, keys)
+        assert store.delete(keys[:2] + self.keys(1, "x")) == [True, True, False]
+        assert store.exists(keys) == [False, False] + [True] * 4
+        ok, _ = self.read(store, keys[:2])
+        assert ok == [False, False]
+        assert self.write(store, keys[:1], gen=5) == [True]  # re-put after delete writes anew
+        ok, b = self.read(store, keys[:1])
+        assert ok == [True] and check_page(keys[0], b.read(0)) == 5
+        store.clear()
+        assert store.exists(keys) == [False] * 6
+
+    def test_stats_count_calls(self, store):
+        keys = self.keys(3)
+        self.write(store, keys)
+        self.read(store, keys + self.keys(1, "m"))
+        s = store.stats()
+        assert s.put_pages == 3 and s.put_written == 3
+        assert s.get_pages == 4 and s.get_hits == 3
+        assert s.get_bytes == 3 * PAGE
+
+    # -- errors ----------------------------------------------------------------
+    def test_batch_argument_errors(self, store):
+        keys = self.keys(2)
+        b = self.buf(1)
+        with pytest.raises(ValueError):
+            store.put_from(keys, [b.page(0)])
+        with pytest.raises(ValueError):
+            store.get_into(keys[:1], [[]])
+
+    def test_closed_store_raises(self):
+        s = self.make_store()
+        s.close()
+        s.close()  # idempotent
+        with pytest.raises(StoreClosed):
+            s.exists(["a"])
+
+    def test_unknown_config_key_is_named(self):
+        if not self.store_name:
+            pytest.skip("store has no registry name")
+        opts = dict(self.store_options())
+        opts["no_such_option"] = 1
+        with pytest.raises(UnknownConfigKey) as e:
+            create_store(self.store_name, opts)
+        assert "no_such_option" in str(e.value)
+
+    # -- concurrency -------------------------------------------------------------
+    def test_concurrent_writers_and_readers(self, store):
+        """Many threads write and read overlapping keys: every hit holds that key's bytes."""
+        keys = self.keys(64)
+        errors: list[BaseException] = []
+        hits = [0]
+        deadline = time.monotonic() + 20
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                for _ in range(30):
+                    if time.monotonic() > deadline:
+                        return
+                    batch = rng.sample(keys, 8)
+                    if rng.random() < 0.5:
+                        assert all(self.write(store, batch))
+                    else:
+                        ok, b = self.read(store, batch)
+                        for i, (k, hit) in enumerate(zip(batch, ok)):
+                            if hit:
+                                assert check_page(k, b.read(i)) == 0
+                                hits[0] += 1
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(self.threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors[0]
+        assert hits[0] > 0
+        ok, b = self.read(store, keys)
+        for i, k in enumerate(keys):
+            if ok[i]:
+                check_page(k, b.read(i))
+
+    def test_reads_racing_overwrite_and_delete(self, store):
+        """Writers delete and rewrite keys with new generations while readers read:
+        a read is a miss or an untorn page of its own key, never anything else."""
+        keys = self.keys(16)
+        self.write(store, keys)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        reads = [0, 0]
+
+        def churn(seed: int) -> None:
+            rng = random.Random(seed)
+            gen = 1
+            try:
+                while not stop.is_set():
+                    batch = rng.sample(keys, 4)
+                    store.delete(batch)
+                    self.write(store, batch, gen=gen)
+                    gen += 1
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                while not stop.is_set():
+                    batch = rng.sample(keys, 8)
+                    ok, b = self.read(store, batch)
+                    for i, (k, hit) in enumerate(zip(batch, ok)):
+                        reads[1 if hit else 0] += 1
+                        if hit:
+                            check_page(k, b.read(i))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        ts = [threading.Thread(target=churn, args=(i,)) for i in range(2)]
+        ts += [threading.Thread(target=reader, args=(100 + i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        time.sleep(3)
+        stop.set()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors[0]
+        assert reads[1] > 0, "no read hit while churning"
+
+    # -- capacity -------------------------------------------------------------
+    def test_eviction_under_capacity_pressure(self, store):
+        if self.capacity_bytes is None:
+            pytest.skip("store capacity is not configurable small enough for this test")
+        n = (self.capacity_bytes // PAGE) * 3
+        keys = self.keys(n)
+        for i in range(0, n, 16):
+            assert all(self.write(store, keys[i:i + 16]))
+        present = store.exists(keys)
+        assert sum(present) < n, "nothing was evicted"
+        assert sum(present) * PAGE <= self.capacity_bytes
+        assert all(present[-8:]), "the most recent pages were evicted"
+        ok, b = self.read(store, keys)
+        assert any(ok)
+        for i, k in enumerate(keys):
+            if ok[i]:
+                check_page(k, b.read(i))
+        s = store.stats()
+        if s.bytes_used is not None:
+            assert s.bytes_used <= self.capacity_bytes

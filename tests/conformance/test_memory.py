@@ -1,0 +1,15 @@
+"""Conformance: the in-process reference store."""
+
+from connectors.memory import MemoryStore, MemoryStoreConfig
+from tests.conformance.suite import PAGE, PageStoreConformance
+
+
+class TestMemoryStore(PageStoreConformance):
+    store_name = "memory"
+    capacity_bytes = 64 * PAGE
+
+    def make_store(self):
+        return MemoryStore(MemoryStoreConfig(capacity=self.capacity_bytes))
+
+    def store_options(self):
+        return {"capacity": self.capacity_bytes}

@@ -1,0 +1,11 @@
+import os
+import sys
+from pathlib import Path
+
+# Tests run against the checkout (also when the package is installed editable).
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
