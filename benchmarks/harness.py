@@ -1,0 +1,116 @@
+"""Common benchmark harness: warm-up, repeats, medians, machine facts, JSON results.
+
+Every benchmark writes ``benchmarks/results/<name>.json`` holding the machine, the
+parameters, the raw figures and a ``ratios`` list of
+``{"metric", "ours", "reference", "ratio", "reference_system"}`` where
+``ratio = ours / reference``, oriented so that higher is better unless the metric name says
+otherwise (e.g. ``*_seconds_lower_is_better``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+GiB = 1 << 30
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "hostname_hash": hex(hash(platform.node()) & 0xFFFF),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+    }
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except Exception:  # noqa: BLE001 - informational
+        pass
+    try:
+        info["loadavg"] = os.getloadavg()
+    except OSError:
+        pass
+    return info
+
+
+def measure(fn: Callable[[], Any], *, repeats: int = 5, warmup: int = 1) -> dict[str, Any]:
+    """Run ``fn`` ``warmup`` + ``repeats`` times; seconds per run and their median."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"seconds": times, "median_s": statistics.median(times), "min_s": min(times)}
+
+
+def gib_per_s(nbytes: int, seconds: float) -> float:
+    return nbytes / GiB / seconds if seconds > 0 else float("inf")
+
+
+@dataclass
+class BenchResult:
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    figures: dict[str, Any] = field(default_factory=dict)
+    ratios: list[dict[str, Any]] = field(default_factory=list)
+    limits: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def ratio(self, metric: str, ours: float, reference: float, reference_system: str,
+              higher_is_better: bool = True) -> dict[str, Any]:
+        """Record ``ours / reference`` (or its inverse when lower is better: ratio > 1 = we win)."""
+        if higher_is_better:
+            r = ours / reference if reference else float("inf")
+        else:
+            r = reference / ours if ours else float("inf")
+        row = {"metric": metric, "ours": ours, "reference": reference, "ratio": round(r, 4),
+               "reference_system": reference_system}
+        self.ratios.append(row)
+        return row
+
+    def print_ratios(self) -> None:
+        print(f"\n== {self.name}: ratios (ours / reference; > 1 means kvconnect is better) ==")
+        w = max((len(r["metric"]) for r in self.ratios), default=10)
+        for r in self.ratios:
+            print(f"  {r['metric']:<{w}}  ours {r['ours']:>10.4g}  ref {r['reference']:>10.4g}  "
+                  f"ratio {r['ratio']:>7.3f}  vs {r['reference_system']}")
+
+    def write(self, path: Path | None = None) -> Path:
+        path = path or RESULTS_DIR / f"{self.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"name": self.name, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": machine_info(), "params": self.params, "limits": self.limits,
+               "figures": self.figures, "ratios": self.ratios, "notes": self.notes}
+        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+        print(f"results written to {path}")
+        return path
+
+
+def load_limits() -> dict[str, Any]:
+    """Machine limits from the last ``limits`` run (empty if never run)."""
+    p = RESULTS_DIR / "limits.json"
+    if p.exists():
+        return json.loads(p.read_text()).get("figures", {})
+    return {}
