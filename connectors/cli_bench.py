@@ -1,0 +1,91 @@
+"""``kvconnect bench NAME [args...]``: run ``benchmarks/NAME.py``'s ``main(argv)``.
+
+``benchmarks/`` is a top-level directory of the repository, not an installed package: it
+is found next to the ``connectors`` package (a checkout or an editable install), else in the
+current directory (or ``$KVCONNECT_BENCHMARKS``). Every benchmark accepts ``--quick``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import os
+import sys
+from pathlib import Path
+
+NOT_BENCHMARKS = {"__init__", "harness"}
+
+
+def find_benchmarks_dir() -> Path | None:
+    """The repository's ``benchmarks/`` directory, or None."""
+    candidates = []
+    if os.environ.get("KVCONNECT_BENCHMARKS"):
+        candidates.append(Path(os.environ["KVCONNECT_BENCHMARKS"]))
+    candidates.append(Path(__file__).resolve().parent.parent / "benchmarks")
+    candidates.append(Path.cwd() / "benchmarks")
+    for c in candidates:
+        if (c / "harness.py").is_file():
+            return c.resolve()
+    return None
+
+
+def list_benchmarks(directory: Path) -> dict[str, str]:
+    """name -> first docstring line, for every ``benchmarks/*.py`` that defines ``main``.
+
+    Read with ``ast`` (not imported), so listing never imports a benchmark's dependencies.
+    """
+    out = {}
+    for path in sorted(directory.glob("*.py")):
+        name = path.stem
+        if name in NOT_BENCHMARKS or name.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text())
+        except SyntaxError as e:
+            out[name] = f"(cannot parse: {e})"
+            continue
+        if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            continue
+        doc = (ast.get_docstring(tree) or "").strip().splitlines()
+        out[name] = doc[0] if doc else ""
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", nargs="?", help="benchmark to run (a file benchmarks/NAME.py)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER,
+                   help="arguments passed to the benchmark (e.g. --quick; see kvconnect bench NAME --help)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    directory = find_benchmarks_dir()
+    if directory is None:
+        print("kvconnect bench: error: no benchmarks/ directory found (looked next to the connectors package "
+              "and in the current directory). Run from a kvconnect checkout or set KVCONNECT_BENCHMARKS.",
+              file=sys.stderr)
+        return 2
+    available = list_benchmarks(directory)
+    if args.list or not args.name:
+        w = max((len(n) for n in available), default=8)
+        for name, doc in available.items():
+            print(f"{name:<{w}}  {doc}")
+        if not args.list:
+            print("\nusage: kvconnect bench NAME [--quick] [benchmark options]", file=sys.stderr)
+            return 2
+        return 0
+    if args.name not in available:
+        print(f"kvconnect bench: error: unknown benchmark {args.name!r} in {directory} "
+              f"(accepted: {', '.join(available) or 'none'})", file=sys.stderr)
+        return 2
+    # `benchmarks` is imported as a package from the directory above it, so benchmarks can
+    # import `benchmarks.harness` and `benchmarks.limits` as they do when run as scripts.
+    root = str(directory.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    module = importlib.import_module(f"benchmarks.{args.name}")
+    bench_args = list(args.bench_args)
+    if bench_args[:1] == ["--"]:
+        bench_args = bench_args[1:]
+    return int(module.main(bench_args) or 0)
