@@ -1,0 +1,144 @@
+"""``namespace``: key spaces keep engines apart unless their bytes are interchangeable; hit policies."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from connectors.base import ConfigError
+from namespace import HitPolicy, KeySpace, count_hits, leading_hits
+
+H = "ab" * 32  # a 64-hex SGLang page hash
+
+BASE = KeySpace(model="Qwen/Qwen3-32B", layout="page_first", page_size=64, dtype="bfloat16",
+                geometry="mha:L64:H4:D128", tp_rank=0, tp_size=2)
+
+
+def test_tp_ranks_never_share_keys():
+    r0, r1 = BASE, replace(BASE, tp_rank=1)
+    assert r0.key(H) != r1.key(H)
+    assert r0.is_writer and r1.is_writer
+
+
+def test_mla_ranks_share_keys_and_only_the_writer_writes():
+    mla = replace(BASE, geometry="mla:L61:R512:P64", rank_replicated=True, tp_size=8)
+    keys = {replace(mla, tp_rank=r).key(H) for r in range(8)}
+    assert len(keys) == 1
+    assert replace(mla, tp_rank=0).is_writer
+    assert not any(replace(mla, tp_rank=r).is_writer for r in range(1, 8))
+    # Even a different tp_size shares MLA pages (rank-replicated KV is identical everywhere).
+    assert replace(mla, tp_size=4, tp_rank=3).key(H) == mla.key(H)
+    # ... but MLA pages never collide with the per-rank pages of the same model.
+    assert mla.key(H) != BASE.key(H)
+
+
+@pytest.mark.parametrize("change", [
+    {"tenant": "team-b"}, {"pool": "mamba"}, {"model": "Qwen/Qwen3-8B"}, {"dtype": "float8_e4m3fn"},
+    {"layout": "layer_first"}, {"page_size": 32}, {"geometry": "mha:L64:H8:D128"}, {"weights": "rev2"},
+    {"pp_rank": 1, "pp_size": 2}, {"cp_rank": 1, "cp_size": 2}, {"tp_size": 4},
+])
+def test_every_identity_field_changes_the_key(change):
+    other = replace(BASE, **change)
+    assert other.key(H) != BASE.key(H)
+    assert other.prefix != BASE.prefix
+
+
+def test_same_identity_same_keys_and_stable_across_processes():
+    same = KeySpace(model="Qwen/Qwen3-32B", layout="page_first", page_size=64, dtype="bfloat16",
+                    geometry="mha:L64:H4:D128", tp_rank=0, tp_size=2)
+    assert same.key(H) == BASE.key(H) and same == BASE
+    assert BASE.keys([H, "cd" * 32]) == [BASE.key(H), BASE.key("cd" * 32)]
+    code = ("from namespace import KeySpace; import sys; sys.stdout.write(KeySpace(model='Qwen/Qwen3-32B', "
+            "layout='page_first', page_size=64, dtype='bfloat16', geometry='mha:L64:H4:D128', tp_rank=0, "
+            f"tp_size=2).key('{H}'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={"PYTHONHASHSEED": "123", "PATH": "/usr/bin:/bin"},
+                         cwd=__import__("pathlib").Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == BASE.key(H)
+
+
+def test_writer_rank_is_not_part_of_the_key():
+    assert replace(BASE, writer_rank=1).key(H) == BASE.key(H)
+
+
+def test_side_pool_keyspace():
+    mamba = BASE.for_pool("mamba")
+    assert mamba.pool == "mamba" and mamba.model == BASE.model and mamba.key(H) != BASE.key(H)
+    assert "mamba" in mamba.describe() and mamba.prefix in mamba.describe()
+
+
+@pytest.mark.parametrize("bad", [
+    {"model": ""}, {"tp_rank": 2, "tp_size": 2}, {"tp_size": 0}, {"pp_rank": -1}, {"cp_rank": 1},
+    {"page_size": 0},
+])
+def test_invalid_keyspaces_are_refused(bad):
+    with pytest.raises(ValueError):
+        replace(BASE, **bad)
+
+
+def test_identity_is_json():
+    ident = BASE.identity()
+    json.dumps(ident)
+    assert ident["tp_rank"] == 0 and "writer_rank" not in ident
+    assert replace(BASE, rank_replicated=True).identity()["tp_rank"] is None
+
+
+# ---------------------------------------------------------------------------------
+# Hit policies
+# ---------------------------------------------------------------------------------
+
+T, F = True, False
+
+
+@pytest.mark.parametrize("present,expected", [
+    ([], 0), ([F], 0), ([T], 1), ([T, T, F, T], 2), ([F, T, T], 0), ([T] * 5, 5),
+])
+def test_prefix_counts_the_leading_run(present, expected):
+    assert leading_hits(present) == expected
+    assert count_hits(present) == expected
+    assert count_hits(present, HitPolicy.PREFIX) == expected
+    assert count_hits(present, "prefix") == expected
+
+
+@pytest.mark.parametrize("present,expected", [([T, T, T], 3), ([T, F, T], 1), ([F, T], 0)])
+def test_all_pages_clamps_to_the_leading_run(present, expected):
+    assert count_hits(present, HitPolicy.ALL_PAGES) == expected
+    assert count_hits(present, "ALL_PAGES") == expected
+
+
+def test_trailing_pages_window_only():
+    # `present` is the window itself: all or nothing.
+    assert count_hits([T, T, T], HitPolicy.TRAILING_PAGES) == 3
+    assert count_hits([F, T, T], HitPolicy.TRAILING_PAGES) == 0
+    assert count_hits([], HitPolicy.TRAILING_PAGES) == 0
+
+
+def test_trailing_pages_over_a_span():
+    # Holes before the window do not matter: only the N pages ending at the stop point.
+    span = [F, T, T, T, F, T, T]
+    assert count_hits(span, HitPolicy.TRAILING_PAGES, trailing=2) == 7
+    assert count_hits(span[:5], HitPolicy.TRAILING_PAGES, trailing=2) == 4
+    assert count_hits([F, F, F], HitPolicy.TRAILING_PAGES, trailing=1) == 0
+    assert count_hits([F, F, T], HitPolicy.TRAILING_PAGES, trailing=1) == 3
+
+
+def test_policies_accept_sglang_pool_hit_policy():
+    sglang_storage = pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
+                                         reason="sglang not installed: SGLang's PoolHitPolicy enum unavailable")
+    P = sglang_storage.PoolHitPolicy
+    assert HitPolicy.parse(P.ALL_PAGES) is HitPolicy.ALL_PAGES
+    assert HitPolicy.parse(P.TRAILING_PAGES) is HitPolicy.TRAILING_PAGES
+    assert count_hits([T, F, T], P.TRAILING_PAGES, trailing=1) == 3
+
+
+def test_unknown_policy_names_accepted_values():
+    with pytest.raises(ConfigError) as e:
+        count_hits([T], "suffix")
+    assert e.value.key == "hit_policy"
+    for p in ("prefix", "all_pages", "trailing_pages"):
+        assert f"'{p}'" in str(e.value)
