@@ -1,0 +1,771 @@
+"""``kvconnect demo``: a multi-turn, shared-prefix workload through the SGLang HiCache adapter.
+
+What it replays (the shape of SGLang's ``bench_serving --dataset-name generated-shared-prefix``
+and ``benchmark/hicache/bench_multiturn.py`` that the deployment guides run): ``--groups``
+groups each share a ``--prefix-tokens`` system prompt; ``--clients`` clients (client ``c``
+in group ``c % groups``) each hold a conversation that grows by ``--turn-tokens`` tokens per
+round, for ``--rounds`` rounds, with a barrier between rounds. Round ``r`` of a client
+sends ``system prompt + turns 0..r``.
+
+How each request is served, as SGLang's ``HiCacheController`` does for an engine whose own
+GPU/host cache is cold (e.g. requests spread round-robin over many nodes):
+
+1. page keys: prefix-chained SHA-256 of the full token pages (SGLang's own ``get_hash_str``
+   when sglang is importable, else ``hashlib`` with the same scheme);
+2. ``batch_exists`` per batch of 128 keys (leading hits), as ``_storage_hit_query``;
+3. ``batch_get_v1`` of the hit pages into freshly allocated host-pool pages (poisoned
+   first), per batch of 128, stopping at the first miss, as ``_page_transfer``;
+4. every loaded byte is compared with the bytes that were written for that key: any
+   difference stops the demo with exit status 1 and the page, key and byte offset;
+5. "prefill" of the missing pages: their host memory is filled with bytes derived from the
+   page's hash (hence from its tokens), then ``batch_set_v1`` writes them, per batch of 128,
+   stopping at the first failure, as ``_page_backup``.
+
+With sglang installed the store is reached through the real adapter
+``connectors.engines.sglang_hicache.KVConnectStorage``, built by SGLang's own
+``StorageBackendFactory.create_backend("dynamic", ...)``, over a real SGLang CPU host pool
+(``connectors.engines.sglang_testing.make_cpu_host_pool``). Without sglang (or with
+``--no-sglang``) it drives the ``PageStore`` directly over a ``HostBuffer`` and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import random
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from connectors.base import ConfigError, KVStoreError, Segment
+
+GiB = 1 << 30
+MiB = 1 << 20
+STORAGE_BATCH_SIZE = 128  # pages per get/set/exists call, as SGLang's cache controller
+POISON = 0xA5
+
+
+# ---------------------------------------------------------------------------------
+# Model geometry
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """KV geometry of one rank of a model (what a host-pool page holds)."""
+
+    name: str
+    layers: int
+    kv_heads: int  # MHA: KV heads; MLA: 1
+    head_dim: int  # MHA: head dim; MLA: kv_lora_rank
+    dtype: str = "bfloat16"
+    mla: bool = False
+    rope_dim: int = 0  # MLA: qk_rope_head_dim
+    note: str = ""
+
+    @property
+    def itemsize(self) -> int:
+        return {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        if self.mla:
+            return self.layers * (self.head_dim + self.rope_dim) * self.itemsize
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.itemsize
+
+    def describe(self) -> str:
+        if self.mla:
+            g = f"MLA, {self.layers} layers, latent {self.head_dim}+{self.rope_dim}"
+        else:
+            g = f"MHA, {self.layers} layers, {self.kv_heads} KV heads x {self.head_dim}"
+        return f"{self.name} ({g}, {self.dtype}{', ' + self.note if self.note else ''})"
+
+    def geometry(self) -> str:
+        if self.mla:
+            return f"mla:L{self.layers}:R{self.head_dim}:P{self.rope_dim}"
+        return f"mha:L{self.layers}:H{self.kv_heads}:D{self.head_dim}"
+
+
+SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("tiny", 4, 2, 64),
+    ModelShape("tiny-mla", 4, 1, 64, mla=True, rope_dim=32),
+    ModelShape("llama-8b", 32, 8, 128, note="Llama-3.1-8B, one rank"),
+    ModelShape("qwen3-32b", 64, 8, 128, note="Qwen3-32B, one rank at TP 1"),
+    ModelShape("deepseek-v3", 61, 1, 512, mla=True, rope_dim=64, note="DeepSeek-V3/R1 MLA"),
+)}
+LAYOUTS_MHA = ("page_first", "page_first_direct", "layer_first", "page_head")
+LAYOUTS_MLA = ("page_first", "page_first_direct", "layer_first")
+
+
+# ---------------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------------
+
+
+class Workload:
+    """Deterministic token streams: shared system prompts plus per-client growing turns."""
+
+    VOCAB = 151_000  # token ids below a Qwen-sized vocabulary (all fit uint32)
+
+    def __init__(self, groups: int, clients: int, rounds: int, prefix_tokens: int, turn_tokens: int,
+                 seed: int = 0):
+        self.groups, self.clients, self.rounds = groups, clients, rounds
+        self.prefix_tokens, self.turn_tokens, self.seed = prefix_tokens, turn_tokens, seed
+        self._system = [self._tokens(("system", g), prefix_tokens) for g in range(groups)]
+
+    def _tokens(self, what: tuple, n: int) -> list[int]:
+        rng = random.Random(f"{self.seed}/{what}")
+        return [rng.randrange(self.VOCAB) for _ in range(n)]
+
+    def group_of(self, client: int) -> int:
+        return client % self.groups
+
+    def prompt(self, client: int, round_: int) -> list[int]:
+        """Tokens client ``client`` sends in round ``round_``: system prompt + turns 0..round."""
+        toks = list(self._system[self.group_of(client)])
+        for r in range(round_ + 1):
+            toks += self._tokens(("turn", client, r), self.turn_tokens)
+        return toks
+
+    def requests(self) -> list[list[tuple[int, int]]]:
+        """Per round, the (client, round) pairs; a barrier separates rounds."""
+        return [[(c, r) for c in range(self.clients)] for r in range(self.rounds)]
+
+
+# ---------------------------------------------------------------------------------
+# Page keys: SGLang's prefix-chained SHA-256 of token pages
+# ---------------------------------------------------------------------------------
+
+
+def hashlib_page_hashes(tokens: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
+    """SGLang's page-key scheme in plain Python, for full pages only.
+
+    ``digest_i = SHA256(digest_{i-1} || tokens of page i as little-endian uint32)``; the first
+    page has no prior digest unless ``prior_hash`` is given (as ``sglang.srt.mem_cache.utils.
+    get_hash_str``, tokens below 2**32).
+    """
+    prior = bytes.fromhex(prior_hash) if prior_hash else b""
+    fmt = struct.Struct(f"<{page_size}I")
+    out = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        prior = hashlib.sha256(prior + fmt.pack(*tokens[start:start + page_size])).digest()
+        out.append(prior.hex())
+    return out
+
+
+def page_hasher(use_sglang: bool) -> tuple[Callable[[Sequence[int], int], list[str]], str]:
+    """(hash function over full pages, description). SGLang's native one when it loads."""
+    if use_sglang:
+        try:
+            from sglang.srt.mem_cache.utils import get_hash_str
+
+            get_hash_str([1] * 4, None, page_size=4)  # builds / loads the native extension now
+
+            def sglang_hashes(tokens: Sequence[int], page_size: int) -> list[str]:
+                full = len(tokens) // page_size * page_size
+                return list(get_hash_str(list(tokens[:full]), None, page_size=page_size)) if full else []
+
+            return sglang_hashes, "sglang.srt.mem_cache.utils.get_hash_str (native)"
+        except Exception as e:  # noqa: BLE001 - any failure to load: same scheme in Python
+            return hashlib_page_hashes, f"hashlib (sglang's native hash unavailable: {type(e).__name__}: {e})"
+    return hashlib_page_hashes, "hashlib (SGLang's scheme)"
+
+
+# ---------------------------------------------------------------------------------
+# Page contents: deterministic bytes derived from the page hash, written and verified
+# ---------------------------------------------------------------------------------
+
+
+class VerificationError(AssertionError):
+    """A page loaded from the store does not hold the bytes written for its key."""
+
+
+class PageContent:
+    """Fills and checks page segments with words derived from the page hash.
+
+    Segment ``j`` of the page with hash ``h`` holds uint64 words
+    ``i * K + seed(h) + j * S`` (mod 2**64): every word of every segment of every page
+    differs, so a foreign page, a shifted copy, a torn or partial page and a single flipped
+    byte are all caught.
+    """
+
+    K = 0x9E3779B97F4A7C15  # odd: i -> i*K is a bijection mod 2**64
+    S = 0xD1B54A32D192ED03
+
+    def __init__(self, max_segment_bytes: int):
+        import numpy as np
+
+        self.np = np
+        words = (max_segment_bytes + 7) // 8
+        self._ramp = np.arange(words, dtype=np.uint64) * np.uint64(self.K)
+        self._local = threading.local()
+
+    def _scratch(self, words: int):
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < words:
+            buf = self.np.empty(len(self._ramp), dtype=self.np.uint64)
+            self._local.buf = buf
+        return buf[:words]
+
+    def _view(self, addr: int, nbytes: int):
+        if nbytes % 8:
+            raise ValueError(f"segment of {nbytes} bytes is not a multiple of 8")
+        return self.np.ctypeslib.as_array((ctypes.c_uint64 * (nbytes // 8)).from_address(addr))
+
+    def _seed(self, page_hash: str, segment: int):
+        return self.np.uint64((int(page_hash[:16], 16) + segment * self.S) & 0xFFFF_FFFF_FFFF_FFFF)
+
+    def fill(self, page: Sequence[Segment], page_hash: str) -> None:
+        for j, (addr, n) in enumerate(page):
+            view = self._view(addr, n)
+            self.np.add(self._ramp[: len(view)], self._seed(page_hash, j), out=view)
+
+    @staticmethod
+    def poison(page: Sequence[Segment]) -> None:
+        for addr, n in page:
+            ctypes.memset(addr, POISON, n)
+
+    def check(self, page: Sequence[Segment], page_hash: str) -> str | None:
+        """None when the page holds exactly its bytes; else where the first difference is."""
+        offset = 0
+        for j, (addr, n) in enumerate(page):
+            view = self._view(addr, n)
+            exp = self._scratch(len(view))
+            self.np.add(self._ramp[: len(view)], self._seed(page_hash, j), out=exp)
+            if not self.np.array_equal(view, exp):
+                w = int(self.np.flatnonzero(view != exp)[0])
+                got, want = int(view[w]).to_bytes(8, "little"), int(exp[w]).to_bytes(8, "little")
+                b = next(i for i in range(8) if got[i] != want[i])
+                return (f"segment {j} byte {w * 8 + b} (page byte {offset + w * 8 + b}): "
+                        f"got 0x{got[b]:02x}, expected 0x{want[b]:02x}")
+            offset += n
+        return None
+
+
+# ---------------------------------------------------------------------------------
+# Two ways to reach the store: the real SGLang adapter over a real host pool, or a plain
+# PageStore over a HostBuffer. Same operations, same batch sizes.
+# ---------------------------------------------------------------------------------
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+
+class SGLangPath:
+    """``KVConnectStorage`` built by SGLang's ``StorageBackendFactory`` over a real host pool."""
+
+    ops = ("batch_exists", "batch_get_v1", "batch_set_v1")
+
+    def __init__(self, shape: ModelShape, layout: str, page_size: int, host_pages: int, store: str,
+                 store_options: dict[str, Any]):
+        import sglang
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        from connectors.engines.sglang_testing import make_cpu_host_pool
+
+        self.host = make_cpu_host_pool(layout, page_size=page_size, layer_num=shape.layers,
+                                       head_num=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
+                                       mla=shape.mla, host_tokens=host_pages * page_size,
+                                       rope_dim=shape.rope_dim if shape.mla else None)
+        self.page_size = page_size
+        extra = {"backend_name": "kvconnect", "module_path": "connectors.engines.sglang_hicache",
+                 "class_name": "KVConnectStorage", "interface_v1": 1, "store": store, **store_options}
+        self.extra_config = extra
+        cfg = HiCacheStorageConfig(
+            tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+            is_mla_model=shape.mla, enable_storage_metrics=False,
+            is_page_first_layout=layout == "page_first", model_name=f"kvconnect-demo/{shape.name}",
+            extra_config=dict(extra))
+        # Exactly what HiCacheController.attach_storage_backend does.
+        self.backend = StorageBackendFactory.create_backend("dynamic", cfg, self.host)
+        self.backend.register_mem_pool_host(self.host)
+        if hasattr(self.backend, "on_host_pools_registered"):
+            self.backend.on_host_pools_registered()
+        self._extra_info = HiCacheStorageExtraInfo
+        self._alloc_lock = threading.Lock()
+        self.description = (f"SGLang {sglang.__version__} HiCache adapter connectors.engines.sglang_hicache."
+                            f"KVConnectStorage (StorageBackendFactory 'dynamic', interface_v1) on a real "
+                            f"{type(self.host).__name__} ({layout}, {host_pages} pages)")
+        probe = self.host.alloc(page_size)
+        ptrs, sizes = self.host.get_page_buffer_meta(probe)
+        self.host.free(probe)
+        self.segments_per_page = len(ptrs)
+        self.page_bytes = sum(sizes)
+        self.max_segment = max(sizes)
+
+    # host memory
+    def alloc(self, pages: int):
+        with self._alloc_lock:
+            idx = self.host.alloc(pages * self.page_size)
+        if idx is None:
+            raise RuntimeError(f"host pool exhausted allocating {pages} pages")
+        return idx
+
+    def free(self, handle) -> None:
+        with self._alloc_lock:
+            self.host.free(handle)
+
+    def pages(self, handle) -> list[list[Segment]]:
+        ptrs, sizes = self.host.get_page_buffer_meta(handle)
+        k = self.segments_per_page
+        return [list(zip(ptrs[i:i + k], sizes[i:i + k])) for i in range(0, len(ptrs), k)]
+
+    # the controller's calls
+    def exists(self, hashes: list[str], t: _Timer) -> int:
+        hits = 0
+        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            batch = hashes[s:s + STORAGE_BATCH_SIZE]
+            t0 = time.perf_counter()
+            n = self.backend.batch_exists(batch, self._extra_info(prefix_keys=None))
+            t.seconds += time.perf_counter() - t0
+            t.calls += 1
+            hits += n
+            if n < len(batch):
+                break
+        return hits
+
+    def get(self, hashes: list[str], handle, first_page: int, t: _Timer) -> int:
+        ps, done = self.page_size, 0
+        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            batch = hashes[s:s + STORAGE_BATCH_SIZE]
+            lo = (first_page + s) * ps
+            t0 = time.perf_counter()
+            res = self.backend.batch_get_v1(batch, handle[lo:lo + len(batch) * ps], self._extra_info(prefix_keys=None))
+            t.seconds += time.perf_counter() - t0
+            t.calls += 1
+            n = 0
+            for ok in res:
+                if not ok:
+                    break
+                n += 1
+            done += n
+            if n < len(batch):
+                break
+        return done
+
+    def set(self, hashes: list[str], handle, first_page: int, t: _Timer) -> int:
+        ps, done = self.page_size, 0
+        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            batch = hashes[s:s + STORAGE_BATCH_SIZE]
+            lo = (first_page + s) * ps
+            t0 = time.perf_counter()
+            res = self.backend.batch_set_v1(batch, handle[lo:lo + len(batch) * ps], self._extra_info(prefix_keys=None))
+            t.seconds += time.perf_counter() - t0
+            t.calls += 1
+            if not all(res):  # the controller stops a backup at the first failed batch
+                return done
+            done += len(batch)
+        return done
+
+    def clear(self) -> None:
+        self.backend.clear()
+
+    def store_stats(self) -> dict[str, Any] | None:
+        store = getattr(self.backend, "store", None)
+        if store is not None and hasattr(store, "stats"):
+            return store.stats().as_dict()
+        return None
+
+    def close(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close:
+            close()
+
+
+class HostBufferPath:
+    """The ``PageStore`` driven directly over a ``HostBuffer`` (no sglang here)."""
+
+    ops = ("PageStore.exists", "PageStore.get_into", "PageStore.put_from")
+
+    def __init__(self, shape: ModelShape, page_size: int, host_pages: int, store: str,
+                 store_options: dict[str, Any], why: str):
+        from connectors.buffers import HostBuffer
+        from connectors.registry import create_store
+        from namespace import KeySpace
+
+        self.page_size = page_size
+        self.page_bytes = shape.bytes_per_token * page_size
+        segments = 1 if shape.mla else 2  # K and V halves in separate regions, as SGLang's page_first
+        self.buf = HostBuffer(host_pages, self.page_bytes, segments)
+        self.segments_per_page = segments
+        self.max_segment = self.page_bytes // segments
+        self.store = create_store(store, store_options)
+        self.keyspace = KeySpace(model=f"kvconnect-demo/{shape.name}", layout=f"hostbuffer-{segments}seg",
+                                 page_size=page_size, dtype=shape.dtype, geometry=shape.geometry(),
+                                 rank_replicated=shape.mla)
+        self._free = list(range(host_pages))
+        self._alloc_lock = threading.Lock()
+        self.description = (f"PageStore {store!r} directly over a HostBuffer ({host_pages} pages), "
+                            f"NOT through SGLang: {why}")
+
+    def alloc(self, pages: int) -> list[int]:
+        with self._alloc_lock:
+            if len(self._free) < pages:
+                raise RuntimeError(f"host buffer exhausted allocating {pages} pages")
+            got, self._free = self._free[:pages], self._free[pages:]
+        return got
+
+    def free(self, handle: list[int]) -> None:
+        with self._alloc_lock:
+            self._free.extend(handle)
+
+    def pages(self, handle: list[int]) -> list[list[Segment]]:
+        return [self.buf.page(i) for i in handle]
+
+    def exists(self, hashes: list[str], t: _Timer) -> int:
+        from namespace import count_hits
+
+        hits = 0
+        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            batch = hashes[s:s + STORAGE_BATCH_SIZE]
+            t0 = time.perf_counter()
+            n = count_hits(self.store.exists(self.keyspace.keys(batch)))
+            t.seconds += time.perf_counter() - t0
+            t.calls += 1
+            hits += n
+            if n < len(batch):
+                break
+        return hits
+
+    def get(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
+        from namespace import leading_hits
+
+        done = 0
+        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            batch = hashes[s:s + STORAGE_BATCH_SIZE]
+            pages = [self.buf.page(i) for i in handle[first_page + s:first_page + s + len(batch)]]
+            t0 = time.perf_counter()
+            n = leading_hits(self.store.get_into(self.keyspace.keys(batch), pages))
+            t.seconds += time.perf_counter() - t0
+            t.calls += 1
+            done += n
+            if n < len(batch):
+                break
+        return done
+
+    def set(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
+        done = 0
+        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
+            batch = hashes[s:s + STORAGE_BATCH_SIZE]
+            pages = [self.buf.page(i) for i in handle[first_page + s:first_page + s + len(batch)]]
+            t0 = time.perf_counter()
+            res = self.store.put_from(self.keyspace.keys(batch), pages)
+            t.seconds += time.perf_counter() - t0
+            t.calls += 1
+            if not all(res):
+                return done
+            done += len(batch)
+        return done
+
+    def clear(self) -> None:
+        self.store.clear()
+
+    def store_stats(self) -> dict[str, Any] | None:
+        return self.store.stats().as_dict()
+
+    def close(self) -> None:
+        self.store.close()
+
+
+# ---------------------------------------------------------------------------------
+# The replay
+# ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Totals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    pages_looked_up: int = 0
+    pages_exist: int = 0
+    pages_loaded: int = 0
+    pages_prefilled: int = 0
+    pages_stored: int = 0
+    pages_store_failed: int = 0
+    pages_verified: int = 0
+    exists: _Timer = field(default_factory=_Timer)
+    get: _Timer = field(default_factory=_Timer)
+    set: _Timer = field(default_factory=_Timer)
+    prefill_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def add(self, other: "Totals") -> None:
+        for k, v in other.__dict__.items():
+            if isinstance(v, _Timer):
+                mine = getattr(self, k)
+                mine.seconds += v.seconds
+                mine.calls += v.calls
+            else:
+                setattr(self, k, getattr(self, k) + v)
+
+
+def serve_request(path, content: PageContent, hashes: list[str], prompt_tokens: int, where: str) -> Totals:
+    """One request, as the controller serves it: exists, load the hit prefix, verify, prefill, back up."""
+    t = Totals(requests=1, prompt_tokens=prompt_tokens, pages_looked_up=len(hashes))
+    if not hashes:
+        return t
+    t.pages_exist = path.exists(hashes, t.exists)
+    handle = path.alloc(len(hashes))
+    try:
+        pages = path.pages(handle)
+        for p in pages[: t.pages_exist]:
+            content.poison(p)  # a get that writes nothing can never pass the check
+        loaded = path.get(hashes[: t.pages_exist], handle, 0, t.get) if t.pages_exist else 0
+        t0 = time.perf_counter()
+        for i in range(loaded):
+            bad = content.check(pages[i], hashes[i])
+            if bad:
+                raise VerificationError(f"{where}: page {i} (key {hashes[i]}) loaded from the store holds wrong "
+                                        f"bytes: {bad}")
+        t.verify_seconds = time.perf_counter() - t0
+        t.pages_loaded = t.pages_verified = loaded
+        t0 = time.perf_counter()
+        for i in range(loaded, len(hashes)):
+            content.fill(pages[i], hashes[i])
+        t.prefill_seconds = time.perf_counter() - t0
+        t.pages_prefilled = len(hashes) - loaded
+        t.pages_stored = path.set(hashes[loaded:], handle, loaded, t.set)
+        t.pages_store_failed = t.pages_prefilled - t.pages_stored
+    finally:
+        path.free(handle)
+    return t
+
+
+def ideal_hit_pages(all_hashes: list[list[list[str]]]) -> int:
+    """Pages an unbounded store would hit if requests ran one after another (the best case)."""
+    seen: set[str] = set()
+    hits = 0
+    for round_hashes in all_hashes:
+        for hashes in round_hashes:
+            for h in hashes:
+                if h not in seen:
+                    break
+                hits += 1
+            seen.update(hashes)
+    return hits
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.description = (__doc__ or "").split("\n\n")[0].strip("` ")
+    g = p.add_argument_group("store")
+    g.add_argument("--store", default="memory", help="store name (see `kvconnect stores`)")
+    g.add_argument("--store-options", default="{}", metavar="JSON",
+                   help="store options as a JSON object (merged into the adapter's extra config)")
+    g.add_argument("--clear", action="store_true", help="clear the store before replaying")
+    w = p.add_argument_group("workload")
+    w.add_argument("--clients", type=int, default=16, help="concurrent conversations")
+    w.add_argument("--rounds", type=int, default=4, help="turns per conversation")
+    w.add_argument("--groups", type=int, default=4, help="groups sharing one system prompt")
+    w.add_argument("--prefix-tokens", type=int, default=2048, help="tokens of each group's system prompt")
+    w.add_argument("--turn-tokens", type=int, default=256, help="tokens each round adds to a conversation")
+    w.add_argument("--page-size", type=int, default=64, help="tokens per KV page (SGLang --page-size)")
+    w.add_argument("--seed", type=int, default=0, help="workload seed")
+    m = p.add_argument_group("engine")
+    m.add_argument("--model-shape", default="tiny", choices=sorted(SHAPES),
+                   help="KV geometry of one rank: " + "; ".join(s.describe() for s in SHAPES.values()))
+    m.add_argument("--layout", default="page_first", choices=LAYOUTS_MHA,
+                   help="host pool layout (SGLang --hicache-mem-layout); MLA shapes: no page_head")
+    m.add_argument("--threads", type=int, default=4, help="requests served concurrently (controller I/O threads)")
+    m.add_argument("--no-sglang", action="store_true",
+                   help="drive the store directly over a HostBuffer even when sglang is installed")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _check_args(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("clients", "rounds", "groups", "page_size", "threads"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}", f"must be >= 1, got {getattr(args, name)}")
+    for name in ("prefix_tokens", "turn_tokens"):
+        if getattr(args, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}", f"must be >= 0, got {getattr(args, name)}")
+    if args.groups > args.clients:
+        raise ConfigError("--groups", f"{args.groups} groups need at least as many clients (got {args.clients})")
+    shape = SHAPES[args.model_shape]
+    if shape.mla and args.layout not in LAYOUTS_MLA:
+        raise ConfigError("--layout", f"{args.layout!r} is not an MLA host layout", LAYOUTS_MLA)
+    try:
+        opts = json.loads(args.store_options)
+    except json.JSONDecodeError as e:
+        raise ConfigError("--store-options", f"not valid JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise ConfigError("--store-options", "must be a JSON object")
+    return opts
+
+
+def _gib(n: int) -> float:
+    return n / GiB
+
+
+def run(args: argparse.Namespace) -> int:
+    store_options = _check_args(args)
+    shape = SHAPES[args.model_shape]
+    t_setup = time.perf_counter()
+    wl = Workload(args.groups, args.clients, args.rounds, args.prefix_tokens, args.turn_tokens, args.seed)
+
+    sglang_why = ""
+    use_sglang = not args.no_sglang
+    if use_sglang:
+        try:
+            import sglang  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError as e:
+            use_sglang = False
+            sglang_why = f"sglang is not installed ({e}); install kvconnect[sglang] to use the real adapter"
+    else:
+        sglang_why = "--no-sglang"
+
+    hasher, hash_desc = page_hasher(use_sglang)
+    rounds = wl.requests()
+    prompts = [[wl.prompt(c, r) for c, r in rnd] for rnd in rounds]
+    hashes = [[hasher(toks, args.page_size) for toks in rnd] for rnd in prompts]
+    max_pages = max(len(h) for rnd in hashes for h in rnd)
+    host_pages = args.threads * max(max_pages, 1) + 1
+
+    unique_pages = len({h for rnd in hashes for hs in rnd for h in hs})
+    page_bytes_est = shape.bytes_per_token * args.page_size
+    if args.store == "memory" and "capacity" not in store_options:
+        # Size the embedded store to the working set so the demo shows reuse, not eviction.
+        store_options["capacity"] = max(64 * MiB, int(unique_pages * page_bytes_est * 1.1))
+
+    if use_sglang:
+        path: SGLangPath | HostBufferPath = SGLangPath(shape, args.layout, args.page_size, host_pages,
+                                                        args.store, store_options)
+    else:
+        path = HostBufferPath(shape, args.page_size, host_pages, args.store, store_options, sglang_why)
+    try:
+        if args.clear:
+            path.clear()
+        content = PageContent(path.max_segment)
+        setup_s = time.perf_counter() - t_setup
+        return _replay(args, wl, shape, path, content, prompts, hashes, unique_pages, hash_desc, setup_s,
+                       store_options)
+    finally:
+        path.close()
+
+
+def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, prompts, hashes,
+            unique_pages: int, hash_desc: str, setup_s: float, store_options: dict[str, Any]) -> int:
+    out = sys.stderr if args.json else sys.stdout
+    page_bytes = path.page_bytes
+    if not args.json:
+        print(f"kvconnect demo: store {args.store!r} through {path.description}", file=out)
+        print(f"  model shape  {shape.describe()}: {page_bytes / MiB:.3g} MiB per {args.page_size}-token page "
+              f"in {path.segments_per_page} segment(s)", file=out)
+        print(f"  workload     {wl.groups} groups x {wl.prefix_tokens}-token system prompt, {wl.clients} clients x "
+              f"{wl.rounds} rounds, +{wl.turn_tokens} tokens per round, {args.threads} threads", file=out)
+        print(f"  page keys    {hash_desc}", file=out)
+        print(f"  working set  {unique_pages} distinct pages, {_gib(unique_pages * page_bytes):.3f} GiB"
+              + (f"; store options {json.dumps(store_options)}" if store_options else ""), file=out)
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bar is optional
+        tqdm = None
+    total = wl.clients * wl.rounds
+    bar = tqdm(total=total, unit="req", desc="replaying", file=sys.stderr, disable=args.no_progress,
+               leave=False) if tqdm else None
+    totals = Totals()
+    lock = threading.Lock()
+    failure: BaseException | None = None
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=args.threads, thread_name_prefix="kvconnect-demo") as pool:
+        for r, rnd in enumerate(wl.requests()):  # barrier between rounds, like --enable-round-barrier
+            def one(i: int, rnd=rnd, r=r) -> None:
+                c = rnd[i][0]
+                t = serve_request(path, content, hashes[r][i], len(prompts[r][i]), f"client {c} round {r}")
+                with lock:
+                    totals.add(t)
+                if bar is not None:
+                    bar.update(1)
+
+            futures = [pool.submit(one, i) for i in range(len(rnd))]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            errors = [f.exception() for f in futures if f.done() and f.exception()]
+            if errors:
+                for f in futures:
+                    f.cancel()
+                failure = errors[0]
+                break
+    wall = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+
+    if failure is not None:
+        if isinstance(failure, VerificationError):
+            print(f"kvconnect demo: VERIFICATION FAILED: {failure}", file=sys.stderr)
+            print(f"kvconnect demo: {totals.pages_verified} pages had verified before the failure; the store "
+                  f"{args.store!r} returned bytes that were never written for that key", file=sys.stderr)
+            return 1
+        if isinstance(failure, KVStoreError):
+            raise failure
+        print(f"kvconnect demo: FAILED: {type(failure).__name__}: {failure}", file=sys.stderr)
+        return 1
+
+    ideal = ideal_hit_pages(hashes)
+    tp = totals
+    ps = args.page_size
+    loaded_b, stored_b = tp.pages_loaded * page_bytes, tp.pages_stored * page_bytes
+    fig = {
+        "store": args.store, "path": "sglang" if isinstance(path, SGLangPath) else "hostbuffer",
+        "description": path.description, "page_keys": hash_desc,
+        "model_shape": shape.name, "layout": args.layout if isinstance(path, SGLangPath) else None,
+        "page_size": ps, "page_bytes": page_bytes, "segments_per_page": path.segments_per_page,
+        "groups": wl.groups, "clients": wl.clients, "rounds": wl.rounds, "prefix_tokens": wl.prefix_tokens,
+        "turn_tokens": wl.turn_tokens, "threads": args.threads,
+        "requests": tp.requests, "prompt_tokens": tp.prompt_tokens,
+        "pages_looked_up": tp.pages_looked_up, "pages_exist": tp.pages_exist, "pages_loaded": tp.pages_loaded,
+        "pages_verified": tp.pages_verified, "pages_prefilled": tp.pages_prefilled,
+        "pages_stored": tp.pages_stored, "pages_store_failed": tp.pages_store_failed,
+        "page_hit_rate": tp.pages_loaded / tp.pages_looked_up if tp.pages_looked_up else 0.0,
+        "token_hit_rate": tp.pages_loaded * ps / tp.prompt_tokens if tp.prompt_tokens else 0.0,
+        "ideal_page_hit_rate": ideal / tp.pages_looked_up if tp.pages_looked_up else 0.0,
+        "tokens_from_store": tp.pages_loaded * ps,
+        "tokens_prefilled": tp.prompt_tokens - tp.pages_loaded * ps,
+        "gib_loaded": _gib(loaded_b), "gib_stored": _gib(stored_b),
+        "get_seconds": tp.get.seconds, "get_calls": tp.get.calls,
+        "set_seconds": tp.set.seconds, "set_calls": tp.set.calls,
+        "exists_seconds": tp.exists.seconds, "exists_calls": tp.exists.calls,
+        "get_gib_per_s": _gib(loaded_b) / tp.get.seconds if tp.get.seconds else 0.0,
+        "set_gib_per_s": _gib(stored_b) / tp.set.seconds if tp.set.seconds else 0.0,
+        "moved_gib_per_s_wall": _gib(loaded_b + stored_b) / wall if wall else 0.0,
+        "requests_per_s": tp.requests / wall if wall else 0.0,
+        "replay_seconds": wall, "setup_seconds": setup_s,
+        "verify_seconds": tp.verify_seconds, "prefill_fill_seconds": tp.prefill_seconds,
+        "store_stats": path.store_stats(),
+    }
+    if args.json:
+        print(json.dumps(fig, indent=2, default=str))
+        return 0
+    f = fig
+    print(f"\n  requests     {f['requests']} in {wall:.2f} s ({f['requests_per_s']:.1f} req/s; setup "
+          f"{setup_s:.1f} s)", file=out)
+    print(f"  hit rate     pages {tp.pages_loaded}/{tp.pages_looked_up} = {f['page_hit_rate']:.1%}   tokens "
+          f"{f['tokens_from_store']}/{tp.prompt_tokens} = {f['token_hit_rate']:.1%}   (best possible "
+          f"{f['ideal_page_hit_rate']:.1%} of pages)", file=out)
+    print(f"  loaded       {tp.pages_loaded} pages, {f['gib_loaded']:.3f} GiB by {tp.get.calls} {path.ops[1]} calls "
+          f"in {tp.get.seconds:.2f} s: {f['get_gib_per_s']:.2f} GiB/s", file=out)
+    print(f"  stored       {tp.pages_stored} pages, {f['gib_stored']:.3f} GiB by {tp.set.calls} {path.ops[2]} calls "
+          f"in {tp.set.seconds:.2f} s: {f['set_gib_per_s']:.2f} GiB/s"
+          + (f"  ({tp.pages_store_failed} pages NOT stored)" if tp.pages_store_failed else ""), file=out)
+    print(f"  lookups      {tp.exists.calls} {path.ops[0]} calls in {tp.exists.seconds:.3f} s; "
+          f"{tp.pages_exist} pages reported present", file=out)
+    print(f"  prefilled    {tp.pages_prefilled} pages ({f['tokens_prefilled']} tokens recomputed, incl. "
+          f"partial last pages)", file=out)
+    print(f"  verified     {tp.pages_verified} loaded pages byte-exact ({f['gib_loaded']:.3f} GiB compared) "
+          f"- OK", file=out)
+    print(f"  throughput   {f['moved_gib_per_s_wall']:.2f} GiB/s moved (both directions) over the replay's wall "
+          f"time", file=out)
+    return 0
