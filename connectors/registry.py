@@ -32,6 +32,8 @@ _BUILTIN: dict[str, StoreSpec] = {
     for spec in (
         StoreSpec("memory", "connectors.memory:MemoryStore", None,
                   "in-process LRU store (reference, embedded default)"),
+        StoreSpec("hf3fs", "connectors.hf3fs.store:HF3FSStore", "hf3fs",
+                  "pages in files (3FS usrbio or POSIX) + page index (in-process or durable gRPC service)"),
     )
 }
 

@@ -1,0 +1,462 @@
+"""The HF3FS page index: which key owns which page (slot) of a data file.
+
+One ``PageIndex`` holds many namespaces (SGLang's ``"{rank}:{pool}"``); each namespace
+describes one data file of ``num_pages`` slots of ``page_bytes``. The same class is the
+in-process index of a single-node store and the state of ``kvconnect hf3fs-meta serve``.
+
+Why it is safe where SGLang's ``mini_3fs_metadata_server`` is not:
+
+* **In-flight reservations are tracked.** ``reserve`` of a key that another writer has
+  reserved but not yet confirmed answers ``INFLIGHT`` (the second writer skips the write)
+  instead of handing out a second page; a reservation that is never confirmed expires after
+  ``write_lease_s`` and its page returns to the free list. Duplicate keys in one batch are
+  reserved once.
+* **Generations.** Every reservation bumps the slot's generation. ``confirm`` accepts only
+  the (slot, generation) it handed out, and readers can ``validate`` the (slot, generation)
+  they read after the read: a page reused meanwhile is a miss, never another key's bytes.
+* **Read leases.** ``get`` leases the returned slots for ``read_lease_s``; a freed or
+  evicted slot is not handed to a writer until its lease ran out, so LRU eviction and
+  deletes never reuse a page under a reader. A reader whose read finished within its lease
+  skips the ``validate`` round trip; a slower one validates.
+* **LRU eviction** happens only when no free page is left, picks the least recently used
+  confirmed key whose page is not leased, and never touches reserved pages.
+
+Every state change is described to an optional journal (``connectors.hf3fs.wal``) while the
+lock is held, so the journal order is the state order; ``replay_*`` methods rebuild state
+from it. Keys are ``bytes`` without ``b"\\n"`` (the wire format joins keys with newlines).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+# reserve() statuses
+NEW = 0  # reserved for the caller: write the page, then confirm or release it
+EXISTS = 1  # already stored (confirmed): nothing to write
+INFLIGHT = 2  # another writer holds a live reservation for this key
+NOSPACE = 3  # no page can be freed now (all reserved or leased to readers)
+
+FREE, RESERVED, CONFIRMED = 0, 1, 2
+
+DEFAULT_READ_LEASE_S = 5.0
+DEFAULT_WRITE_LEASE_S = 30.0
+
+
+class IndexError_(ValueError):
+    """A namespace/geometry error (unknown namespace, page-size conflict)."""
+
+
+@dataclass
+class NamespaceInfo:
+    name: str
+    num_pages: int
+    page_bytes: int
+    read_lease_s: float
+    write_lease_s: float
+
+
+class Namespace:
+    """State of one data file. Guarded by the owning ``PageIndex``'s lock."""
+
+    __slots__ = ("name", "num_pages", "page_bytes", "index", "slot_key", "state", "gen", "crc",
+                 "read_until", "free", "fresh_next", "pending", "evictions", "expired", "next_sweep")
+
+    def __init__(self, name: str, num_pages: int, page_bytes: int):
+        self.name = name
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # confirmed key -> slot, LRU first
+        self.slot_key: list[bytes | None] = [None] * num_pages
+        self.state = bytearray(num_pages)
+        self.gen = array("q", bytes(8 * num_pages))
+        self.crc = array("I", bytes(4 * num_pages))
+        self.read_until = array("d", bytes(8 * num_pages))
+        self.free: deque[int] = deque()  # slots freed since start (FREE, maybe still leased)
+        self.fresh_next = 0  # slots >= fresh_next were never handed out
+        self.pending: dict[bytes, tuple[int, int, float]] = {}  # key -> (slot, gen, deadline)
+        self.evictions = 0
+        self.expired = 0
+        self.next_sweep = 0.0  # when to look for expired reservations next
+
+    def rebuild_free(self) -> None:
+        st = self.state
+        self.free = deque(i for i in range(self.fresh_next) if st[i] == FREE)
+
+
+Journal = Callable[..., None]
+
+
+class PageIndex:
+    """Thread-safe, batched page index over many namespaces.
+
+    Args:
+        read_lease_s: how long a slot returned by ``get`` is kept from reuse.
+        write_lease_s: how long a reservation lives without ``confirm``.
+        journal: object with ``record(kind, ns, **fields)`` called under the lock for every
+            state change (``None``: volatile index).
+        clock: monotonic clock (tests).
+    """
+
+    def __init__(self, read_lease_s: float = DEFAULT_READ_LEASE_S,
+                 write_lease_s: float = DEFAULT_WRITE_LEASE_S, journal=None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.lock = threading.Lock()
+        self.read_lease_s = read_lease_s
+        self.write_lease_s = write_lease_s
+        self.journal = journal
+        self.clock = clock
+        self.spaces: dict[str, Namespace] = {}
+
+    # ------------------------------------------------------------------ namespaces
+    def initialize(self, ns: str, num_pages: int, page_bytes: int) -> NamespaceInfo:
+        """Create ``ns`` (idempotent). ``num_pages == 0``: look up only.
+
+        A namespace keeps the geometry it was created with: a different ``page_bytes`` is
+        an error (two engines with different page sizes must not share one file); a
+        different ``num_pages`` is answered with the existing one.
+        """
+        with self.lock:
+            space = self.spaces.get(ns)
+            if space is None and num_pages > 0:
+                if page_bytes <= 0:
+                    raise IndexError_(f"namespace {ns!r}: page_bytes must be > 0")
+                space = self.spaces[ns] = Namespace(ns, num_pages, page_bytes)
+                if self.journal is not None:
+                    self.journal.record("init", ns, num_pages=num_pages, page_bytes=page_bytes)
+            if space is None:
+                return NamespaceInfo(ns, 0, 0, self.read_lease_s, self.write_lease_s)
+            if num_pages > 0 and page_bytes != space.page_bytes:
+                raise IndexError_(
+                    f"namespace {ns!r} holds pages of {space.page_bytes} bytes, not {page_bytes}: "
+                    "engines sharing a file must use the same page geometry (or another file_path_prefix)")
+            return NamespaceInfo(ns, space.num_pages, space.page_bytes, self.read_lease_s, self.write_lease_s)
+
+    def _space(self, ns: str) -> Namespace | None:
+        return self.spaces.get(ns)
+
+    # ------------------------------------------------------------------ allocation
+    def _alloc(self, sp: Namespace, now: float) -> int:
+        """A free slot not under a read lease, evicting the LRU key if needed; -1 if none."""
+        if sp.fresh_next < sp.num_pages:
+            s = sp.fresh_next
+            sp.fresh_next += 1
+            return s
+        ru = sp.read_until
+        free = sp.free
+        for _ in range(min(len(free), 8)):
+            s = free.popleft()
+            if ru[s] <= now:
+                return s
+            free.append(s)
+        # Evict the least recently used confirmed key whose page no reader holds.
+        index = sp.index
+        victim = None
+        for scanned, (k, s) in enumerate(index.items()):
+            if ru[s] <= now:
+                victim = k
+                break
+            if scanned >= 64:
+                break
+        if victim is None:
+            return -1
+        s = index.pop(victim)
+        sp.state[s] = FREE
+        sp.slot_key[s] = None
+        sp.evictions += 1
+        return s
+
+    def _expire(self, sp: Namespace, now: float) -> None:
+        dead = [(k, v) for k, v in sp.pending.items() if v[2] <= now]
+        if not dead:
+            return
+        for k, (s, g, _) in dead:
+            del sp.pending[k]
+            sp.state[s] = FREE
+            sp.slot_key[s] = None
+            sp.free.append(s)
+        sp.expired += len(dead)
+        if self.journal is not None:
+            self.journal.record("release", sp.name, keys=[k for k, _ in dead],
+                                slots=[v[0] for _, v in dead], gens=[v[1] for _, v in dead])
+
+    # ------------------------------------------------------------------ writers
+    def reserve(self, ns: str, keys: Sequence[bytes]) -> tuple[bytes, list[int], list[int]]:
+        """Reserve a page per key. Returns (statuses, slots, generations), one per key."""
+        n = len(keys)
+        status = bytearray(n)
+        slots = [-1] * n
+        gens = [0] * n
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                raise IndexError_(f"namespace {ns!r} is not initialized")
+            now = self.clock()
+            if sp.pending and now >= sp.next_sweep:
+                self._expire(sp, now)
+                sp.next_sweep = now + 1.0
+            index, pending, gen = sp.index, sp.pending, sp.gen
+            deadline = now + self.write_lease_s
+            new_k, new_s, new_g = [], [], []
+            for i, k in enumerate(keys):
+                s = index.get(k)
+                if s is not None:
+                    index.move_to_end(k)
+                    status[i] = EXISTS
+                    slots[i] = s
+                    gens[i] = gen[s]
+                    continue
+                p = pending.get(k)
+                if p is not None:
+                    if p[2] > now:
+                        status[i] = INFLIGHT
+                        continue
+                    # expired reservation of a writer that never confirmed: take it over
+                    del pending[k]
+                    sp.state[p[0]] = FREE
+                    sp.slot_key[p[0]] = None
+                    sp.free.append(p[0])
+                    sp.expired += 1
+                s = self._alloc(sp, now)
+                if s < 0:
+                    status[i] = NOSPACE
+                    continue
+                g = gen[s] + 1
+                gen[s] = g
+                sp.state[s] = RESERVED
+                sp.slot_key[s] = k
+                pending[k] = (s, g, deadline)
+                status[i] = NEW
+                slots[i] = s
+                gens[i] = g
+                new_k.append(k)
+                new_s.append(s)
+                new_g.append(g)
+            if new_k and self.journal is not None:
+                self.journal.record("reserve", ns, keys=new_k, slots=new_s, gens=new_g)
+        return bytes(status), slots, gens
+
+    def commit(self, ns: str, keys: Sequence[bytes], slots: Sequence[int], gens: Sequence[int],
+               crcs: Sequence[int], confirm: Sequence[int] | bytes) -> bytes:
+        """Confirm (``confirm[i]`` true) or release each reservation.
+
+        Confirm makes the key visible; it succeeds only for the caller's live reservation
+        (same slot and generation) or when that exact page is already confirmed (a retried
+        call). Release returns the page of a failed write. Returns one ok byte per item.
+        """
+        n = len(keys)
+        ok = bytearray(n)
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                raise IndexError_(f"namespace {ns!r} is not initialized")
+            index, pending, gen, state = sp.index, sp.pending, sp.gen, sp.state
+            ck, cs, cg, cc, rk, rs, rg = [], [], [], [], [], [], []
+            for i in range(n):
+                k, s, g = keys[i], slots[i], gens[i]
+                if not 0 <= s < sp.num_pages:
+                    continue
+                p = pending.get(k)
+                if p is None or p[0] != s or p[1] != g:
+                    if confirm[i] and index.get(k) == s and gen[s] == g:
+                        ok[i] = 1  # already confirmed (retry)
+                    continue
+                del pending[k]
+                if confirm[i]:
+                    state[s] = CONFIRMED
+                    sp.crc[s] = crcs[i]
+                    index[k] = s
+                    ck.append(k), cs.append(s), cg.append(g), cc.append(crcs[i])
+                else:
+                    state[s] = FREE
+                    sp.slot_key[s] = None
+                    sp.free.append(s)
+                    rk.append(k), rs.append(s), rg.append(g)
+                ok[i] = 1
+            if self.journal is not None:
+                if ck:
+                    self.journal.record("confirm", ns, keys=ck, slots=cs, gens=cg, crcs=cc)
+                if rk:
+                    self.journal.record("release", ns, keys=rk, slots=rs, gens=rg)
+        return bytes(ok)
+
+    # ------------------------------------------------------------------ readers
+    def get(self, ns: str, keys: Sequence[bytes]) -> tuple[list[int], list[int], list[int]]:
+        """(slot, generation, crc) per key, slot -1 for a miss; LRU touch + read lease."""
+        n = len(keys)
+        slots = [-1] * n
+        gens = [0] * n
+        crcs = [0] * n
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                return slots, gens, crcs
+            until = self.clock() + self.read_lease_s
+            index, gen, crc, ru = sp.index, sp.gen, sp.crc, sp.read_until
+            get = index.get
+            touch = index.move_to_end
+            for i, k in enumerate(keys):
+                s = get(k)
+                if s is not None:
+                    touch(k)
+                    ru[s] = until
+                    slots[i] = s
+                    gens[i] = gen[s]
+                    crcs[i] = crc[s]
+        return slots, gens, crcs
+
+    def validate(self, ns: str, slots: Sequence[int], gens: Sequence[int]) -> bytes:
+        """Whether each (slot, generation) is still the confirmed page it was."""
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                return bytes(len(slots))
+            st, gen, n = sp.state, sp.gen, sp.num_pages
+            return bytes(1 if 0 <= s < n and st[s] == CONFIRMED and gen[s] == g else 0
+                         for s, g in zip(slots, gens))
+
+    def exists(self, ns: str, keys: Sequence[bytes]) -> bytes:
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                return bytes(len(keys))
+            index = sp.index
+            return bytes(k in index for k in keys)
+
+    # ------------------------------------------------------------------ removal
+    def delete(self, ns: str, keys: Sequence[bytes]) -> bytes:
+        out = bytearray(len(keys))
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                return bytes(out)
+            gone = []
+            for i, k in enumerate(keys):
+                s = sp.index.pop(k, None)
+                if s is not None:
+                    sp.state[s] = FREE
+                    sp.slot_key[s] = None
+                    sp.free.append(s)
+                    out[i] = 1
+                    gone.append(k)
+            if gone and self.journal is not None:
+                self.journal.record("delete", ns, keys=gone)
+        return bytes(out)
+
+    def clear(self, ns: str) -> int:
+        """Drop every confirmed key of ``ns`` (live reservations stay reserved)."""
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                return 0
+            n = len(sp.index)
+            for s in sp.index.values():
+                sp.state[s] = FREE
+                sp.slot_key[s] = None
+                sp.free.append(s)
+            sp.index.clear()
+            if self.journal is not None:
+                self.journal.record("clear", ns)
+            return n
+
+    def usage(self, ns: str) -> dict:
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                return {"keys": 0, "num_pages": 0, "page_bytes": 0}
+            return {"keys": len(sp.index), "num_pages": sp.num_pages, "page_bytes": sp.page_bytes,
+                    "reserved": len(sp.pending), "evictions": sp.evictions, "expired": sp.expired,
+                    "free": len(sp.free) + sp.num_pages - sp.fresh_next}
+
+    def namespaces(self) -> list[str]:
+        with self.lock:
+            return list(self.spaces)
+
+    # ------------------------------------------------------------------ recovery
+    def replay(self, kind: str, ns: str, fields: dict, now: float) -> None:
+        """Apply one journal record (no journaling; called before serving)."""
+        if kind == "init":
+            if ns not in self.spaces:
+                self.spaces[ns] = Namespace(ns, fields["num_pages"], fields["page_bytes"])
+            return
+        sp = self.spaces.get(ns)
+        if sp is None:
+            return
+        if kind == "reserve":
+            deadline = now + self.write_lease_s
+            for k, s, g in zip(fields["keys"], fields["slots"], fields["gens"]):
+                self._replay_take(sp, s)
+                old = sp.pending.pop(k, None)
+                if old is not None and old[0] != s and sp.state[old[0]] == RESERVED:
+                    sp.state[old[0]] = FREE
+                    sp.slot_key[old[0]] = None
+                sp.gen[s] = g
+                sp.state[s] = RESERVED
+                sp.slot_key[s] = k
+                sp.pending[k] = (s, g, deadline)
+        elif kind == "confirm":
+            for k, s, g, c in zip(fields["keys"], fields["slots"], fields["gens"], fields["crcs"]):
+                p = sp.pending.get(k)
+                if p is None or p[0] != s or p[1] != g:
+                    continue
+                del sp.pending[k]
+                sp.state[s] = CONFIRMED
+                sp.crc[s] = c
+                sp.index[k] = s
+                sp.index.move_to_end(k)
+        elif kind == "release":
+            for k, s, g in zip(fields["keys"], fields["slots"], fields["gens"]):
+                p = sp.pending.get(k)
+                if p is not None and p[0] == s and p[1] == g:
+                    del sp.pending[k]
+                    sp.state[s] = FREE
+                    sp.slot_key[s] = None
+        elif kind == "delete":
+            for k in fields["keys"]:
+                s = sp.index.pop(k, None)
+                if s is not None:
+                    sp.state[s] = FREE
+                    sp.slot_key[s] = None
+        elif kind == "clear":
+            for s in sp.index.values():
+                sp.state[s] = FREE
+                sp.slot_key[s] = None
+            sp.index.clear()
+        else:
+            raise ValueError(f"unknown journal record {kind!r}")
+
+    @staticmethod
+    def _replay_take(sp: Namespace, s: int) -> None:
+        """Slot ``s`` is handed to a new reservation: whatever it held is gone."""
+        if s >= sp.fresh_next:
+            sp.fresh_next = s + 1
+        if sp.state[s] == CONFIRMED:
+            old = sp.slot_key[s]
+            if old is not None and sp.index.get(old) == s:
+                del sp.index[old]
+                sp.evictions += 1
+        elif sp.state[s] == RESERVED:
+            old = sp.slot_key[s]
+            if old is not None and sp.pending.get(old, (None,))[0] == s:
+                del sp.pending[old]
+
+    def finish_recovery(self, now: float) -> None:
+        """After loading: rebuild free lists and lease every used slot for one read lease.
+
+        Readers that got a slot from the previous incarnation may still be reading it; no
+        slot that ever held data is reused before their lease would have run out.
+        """
+        until = now + self.read_lease_s
+        for sp in self.spaces.values():
+            sp.rebuild_free()
+            for s in range(sp.fresh_next):
+                sp.read_until[s] = until
+            for k, (s, g, _) in list(sp.pending.items()):
+                sp.pending[k] = (s, g, now + self.write_lease_s)
+
+    def iter_spaces(self) -> Iterable[Namespace]:
+        return list(self.spaces.values())

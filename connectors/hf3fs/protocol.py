@@ -1,0 +1,92 @@
+"""Wire format of the HF3FS metadata service (gRPC, raw-bytes messages).
+
+No protobuf: a batch of 128 keys is one flat message. A namespace is ``<u16 len><utf-8>``;
+keys are joined with ``b"\\n"``; numbers are little-endian packed arrays (``array``
+module), so encoding and decoding are C loops, not per-key Python. The method table is
+the contract between ``service.py`` and ``client.py``.
+
+=========== ======================================================== =============================
+method      request                                                  reply
+=========== ======================================================== =============================
+Initialize  ns, i64 num_pages, i64 page_bytes (0, 0: look up only)   i64 pages, i64 bytes, f64 read
+                                                                     lease s, f64 write lease s
+Reserve     ns, keys                                                 u8 status[n], i64 slot[n],
+                                                                     i64 gen[n]
+Commit      ns, u32 n, i64 slot[n], i64 gen[n], u32 crc[n],          u8 ok[n]
+            u8 confirm[n], keys
+Get         ns, keys                                                 i64 slot[n] (-1 miss),
+                                                                     i64 gen[n], u32 crc[n]
+Validate    ns, u32 n, i64 slot[n], i64 gen[n]                       u8 ok[n]
+Exists      ns, keys                                                 u8 present[n]
+Delete      ns, keys                                                 u8 deleted[n]
+Clear       ns                                                       i64 keys removed
+Usage       ns                                                       JSON object
+=========== ======================================================== =============================
+
+Authentication: gRPC metadata ``authorization: Bearer <token>`` on every call.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+
+SERVICE = "kvconnect.hf3fs.Meta"
+METHODS = ("Initialize", "Reserve", "Commit", "Get", "Validate", "Exists", "Delete", "Clear", "Usage")
+AUTH_HEADER = "authorization"
+
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+INIT_REQ = struct.Struct("<qq")
+INIT_REP = struct.Struct("<qqdd")
+I64 = struct.Struct("<q")
+
+
+def path(method: str) -> str:
+    return f"/{SERVICE}/{method}"
+
+
+def pack_ns(ns: str) -> bytes:
+    b = ns.encode()
+    return _U16.pack(len(b)) + b
+
+
+def unpack_ns(buf: bytes) -> tuple[str, int]:
+    (n,) = _U16.unpack_from(buf)
+    return buf[2:2 + n].decode(), 2 + n
+
+
+def join_keys(keys: list[bytes]) -> bytes:
+    return b"\n".join(keys)
+
+
+def split_keys(blob: bytes) -> list[bytes]:
+    return blob.split(b"\n") if blob else []
+
+
+def i64s(values) -> bytes:
+    return array("q", values).tobytes()
+
+
+def u32s(values) -> bytes:
+    return array("I", values).tobytes()
+
+
+def read_i64(buf, off: int, n: int) -> list[int]:
+    a = array("q")
+    a.frombytes(buf[off:off + 8 * n])
+    return a.tolist()
+
+
+def read_u32(buf, off: int, n: int) -> list[int]:
+    a = array("I")
+    a.frombytes(buf[off:off + 4 * n])
+    return a.tolist()
+
+
+def pack_u32(n: int) -> bytes:
+    return _U32.pack(n)
+
+
+def unpack_u32(buf: bytes, off: int) -> int:
+    return _U32.unpack_from(buf, off)[0]

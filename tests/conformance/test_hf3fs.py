@@ -1,0 +1,61 @@
+"""Conformance: the HF3FS store (POSIX file client) with the in-process index and with the
+gRPC metadata service (a real ``MetaServer`` on 127.0.0.1 with a durable journal and a token).
+
+The usrbio client needs a 3FS mount; none exists here, so it is not exercised (see
+tests/integration/test_hf3fs.py::test_usrbio_client_on_3fs_mount).
+"""
+
+import pytest
+
+from connectors.hf3fs.config import HF3FSConfig
+from connectors.hf3fs.store import HF3FSStore
+from tests.conformance.suite import PAGE, PageStoreConformance
+
+CAPACITY_PAGES = 64
+
+
+class TestHF3FSLocalIndex(PageStoreConformance):
+    store_name = "hf3fs"
+    capacity_bytes = CAPACITY_PAGES * PAGE
+
+    @pytest.fixture(autouse=True)
+    def _dir(self, tmp_path):
+        self.dir = tmp_path
+
+    def store_options(self):
+        return {"file_path_prefix": str(self.dir / "hicache"), "file_size": self.capacity_bytes,
+                "numjobs": 4, "entries": 4}
+
+    def make_store(self):
+        return HF3FSStore(HF3FSConfig(**self.store_options()))
+
+
+grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
+
+
+@pytest.fixture(scope="class")
+def meta_server(tmp_path_factory):
+    from connectors.hf3fs.service import MetaServer
+
+    d = tmp_path_factory.mktemp("meta")
+    srv = MetaServer("127.0.0.1", 0, str(d / "data"), token="s3cret", fsync="never").start()
+    yield srv
+    srv.stop(0)
+
+
+class TestHF3FSService(TestHF3FSLocalIndex):
+    @pytest.fixture(autouse=True)
+    def _server(self, meta_server, tmp_path):
+        self.server = meta_server
+        self.dir = tmp_path  # a fresh file (and namespace per test file) per test
+
+    def store_options(self):
+        opts = super().store_options()
+        # one namespace per test: the rank is unique per test directory
+        opts.update(metadata_server_url=f"http://{self.server.address}", auth_token="s3cret",
+                    client_timeout=5)
+        return opts
+
+    def make_store(self):
+        rank = abs(hash(str(self.dir))) % 1_000_000
+        return HF3FSStore(HF3FSConfig(**self.store_options()), rank=rank)
