@@ -34,6 +34,10 @@ _BUILTIN: dict[str, StoreSpec] = {
                   "in-process LRU store (reference, embedded default)"),
         StoreSpec("hf3fs", "connectors.hf3fs.store:HF3FSStore", "hf3fs",
                   "pages in files (3FS usrbio or POSIX) + page index (in-process or durable gRPC service)"),
+        StoreSpec("mooncake", "connectors.mooncake.store:MooncakeStore", "mooncake",
+                  "Mooncake Store (mooncake_master + client segments), zero-copy", ("mooncake",)),
+        StoreSpec("peer_rdma", "connectors.peer_rdma.store:PeerRdmaStore", "peer",
+                  "peer memory pool: gRPC membership, one-sided reads via Mooncake TE", ("grpc", "mooncake")),
     )
 }
 

@@ -1,0 +1,515 @@
+"""``mooncake``: KV pages in a Mooncake Store, zero-copy.
+
+One page is one Mooncake object: its segments are written with
+``batch_put_from_multi_buffers`` and read back with ``batch_get_into_multi_buffers``
+straight between the caller's registered memory and the store's segments. A page is
+visible only once all its bytes landed (Mooncake publishes an object at the end of its
+put) and is never torn by a removal or eviction while it is read (Mooncake grants every
+read a lease; eviction and our non-forced removes respect it, and a read that outlives
+its lease fails with LEASE_EXPIRED, which is a miss here).
+
+Memory paths
+  * *direct*: every segment of the page lies in memory registered with
+    ``register_memory`` (SGLang's host pool, LMCache's buffers) and ``io_mode`` is
+    ``"direct"``: one Mooncake call moves the bytes.
+  * *staged*: anything else (plain buffers, the conformance suite's ``HostBuffer``s, or
+    every page under ``io_mode="staged"``): pages are gathered into / scattered out of
+    extents of one registered staging buffer the store owns. Registering caller memory on
+    the fly was rejected: with RDMA each registration pins and maps memory (slow), and an
+    unregister racing an abandoned transfer is undefined.
+
+Deadlines and failures
+  Every Mooncake call runs on one of ``io_threads`` worker threads; the calling (engine)
+  thread waits at most ``op_timeout``. A call past its deadline is *abandoned*: the
+  caller gets misses / failed writes at once and the store turns unhealthy; while any
+  abandoned call is still running, and until a health check passes (every
+  ``reconnect_interval``), calls return misses without touching Mooncake. Mooncake's
+  client reconnects to a restarted master by itself; the health check notices.
+
+  What an abandoned call may still do when it finally runs to its end:
+  * staged: it reads/writes only its staging extent, released only after the call
+    returns, so nothing the caller owns is touched; a put publishes the bytes it had.
+  * direct put: it may read caller memory that the caller has reused; the keys it
+    reports written are therefore force-removed as soon as it returns (never served
+    to anyone as the caller's page, except inside that removal's window).
+  * direct get: it may write into caller memory after the caller got a miss. It cannot
+    be stopped; the caller's memory is its own. This happens only when a transfer hangs
+    past ``op_timeout`` (a dead master fails the metadata RPC first, a killed peer
+    resets the connection); deployments that cannot rule that out set
+    ``io_mode="staged"`` (one extra memcpy per page).
+
+Errors: every Mooncake code is classified in ``connectors.mooncake.errors``; on the data
+path they are misses, failed writes or "already stored", never exceptions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures as cf
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Mapping
+
+from connectors.base import (BackendUnavailable, MissingDependency, Page, PageStore, StoreUsage,
+                             page_nbytes)
+from connectors.buffers import gather_into, scatter
+from connectors.config import parse_config
+from connectors.mooncake import errors as mc_errors
+from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
+from connectors.mooncake.staging import StagingBuffer
+
+log = logging.getLogger("kvconnect.mooncake")
+
+# Mooncake's setup retries its master connection ~every 4.5 s (20 times by default).
+_SETUP_ATTEMPT_S = 4.5
+
+
+def _import_mooncake():
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as e:
+        raise MissingDependency("mooncake", "mooncake", e) from e
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+class _Abandoned(Exception):
+    """A call passed its deadline (internal)."""
+
+
+class MooncakeStore(PageStore):
+    """Pages as objects of a Mooncake Store cluster (see the module docstring)."""
+
+    name = "mooncake"
+    config_class = MooncakeConfig
+    zero_copy = True
+    needs_registered_memory = True
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None, **context: Any) -> "MooncakeStore":
+        """Options merged with ``MOONCAKE_*`` env and the SGLang config file, then validated."""
+        opts = merged_options(options)
+        if "tp_rank" in context and "tp_rank" not in opts:
+            opts["tp_rank"] = context["tp_rank"]
+        return cls(parse_config(MooncakeConfig, opts, where=WHERE))
+
+    def __init__(self, config: MooncakeConfig, **_context: Any):
+        super().__init__()
+        self.config = config
+        self._Client, ReplicateConfig = _import_mooncake()
+        self._replicate = ReplicateConfig()
+        self._replicate.replica_num = config.replica_num
+        self._pool = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvc-mooncake")
+        self._lock = threading.Lock()
+        self._regions: list[tuple[int, int]] = []  # registered caller memory, (start, end), sorted
+        self._abandoned: set[cf.Future] = set()
+        self._healthy = True
+        self._next_probe = 0.0
+        self._counts = {"timeouts": 0, "abandoned": 0, "unavailable": 0, "short_circuited": 0,
+                        "direct_pages": 0, "staged_pages": 0, "poisoned_removed": 0}
+        self._client = self._connect()
+        self._staging = StagingBuffer(config.staging_size)
+        try:
+            self._check_rc("register staging buffer",
+                           self._client.register_buffer(self._staging.address, self._staging.nbytes))
+        except Exception:
+            self._client.close()
+            self._pool.shutdown(wait=False)
+            raise
+
+    def _connect(self):
+        """A set-up client, or BackendUnavailable naming the master, within ``setup_timeout``."""
+        c = self.config
+        # Mooncake retries an unreachable master for ~90 s; keep its retries within our
+        # deadline unless the user chose a value.
+        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES",
+                              str(max(1, math.ceil(c.setup_timeout / _SETUP_ATTEMPT_S))))
+        client = self._Client()
+        kwargs = {"tenant_id": c.tenant_id} if c.tenant_id != "default" else {}
+        args = (c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
+                c.protocol, c.rdma_devices(), c.master_server_address)
+        result: dict[str, Any] = {}
+        done = threading.Event()
+        gave_up = threading.Event()
+
+        def run() -> None:
+            try:
+                result["rc"] = client.setup(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
+                result["exc"] = e
+            done.set()
+            if gave_up.is_set():  # nobody will use this client: release it
+                try:
+                    client.close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+        t = threading.Thread(target=run, name="kvc-mooncake-setup", daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        if not done.wait(c.setup_timeout):
+            gave_up.set()
+            if not done.is_set():
+                raise BackendUnavailable(
+                    "mooncake", f"no answer from master {c.master_server_address} within "
+                    f"setup_timeout={c.setup_timeout:g}s (metadata {c.metadata_server}, protocol {c.protocol})")
+        if "exc" in result:
+            e = result["exc"]
+            if isinstance(e, TypeError) and kwargs:
+                raise BackendUnavailable("mooncake", f"this Mooncake build rejects tenant_id: {e}") from e
+            raise BackendUnavailable("mooncake", f"setup against master {c.master_server_address} "
+                                                 f"raised {type(e).__name__}: {e}") from e
+        rc = result.get("rc", -1)
+        if rc != 0:
+            client.close()
+            raise BackendUnavailable(
+                "mooncake", f"cannot connect to master {c.master_server_address} "
+                f"(setup returned {rc} after {time.monotonic() - t0:.1f}s; metadata {c.metadata_server}, "
+                f"protocol {c.protocol}, local_hostname {c.local_hostname})")
+        return client
+
+    def _check_rc(self, what: str, rc: int) -> None:
+        if rc != 0:
+            mc_errors.raise_for(what, rc, master=self.config.master_server_address)
+
+    # -- memory registration --------------------------------------------------------
+    def _register_memory(self, address: int, nbytes: int) -> None:
+        end = address + nbytes
+        with self._lock:
+            if any(s <= address and end <= e for s, e in self._regions):
+                return  # already covered
+        self._check_rc("register_buffer", self._client.register_buffer(address, nbytes))
+        with self._lock:
+            bisect.insort(self._regions, (address, end))
+
+    def _registered(self, page: Page) -> bool:
+        regions = self._regions
+        for addr, n in page:
+            i = bisect.bisect_right(regions, (addr, float("inf"))) - 1
+            if i < 0 or addr + n > regions[i][1]:
+                return False
+        return True
+
+    def _split(self, pages: list[Page]) -> tuple[list[int], list[int]]:
+        """Indices of pages for the direct path and for the staged path."""
+        if self.config.io_mode == "staged" or not self._regions:
+            return [], list(range(len(pages)))
+        direct, staged = [], []
+        with self._lock:
+            for i, p in enumerate(pages):
+                (direct if self._registered(p) else staged).append(i)
+        return direct, staged
+
+    # -- calls under a deadline ---------------------------------------------------------
+    def _call(self, op: str, fn: Callable[..., Any], *args: Any,
+              on_abandoned_done: Callable[[cf.Future], None] | None = None) -> Any:
+        """``fn(*args)`` on a worker within ``op_timeout``; None if it failed or timed out.
+
+        ``on_abandoned_done(future)`` runs once an abandoned call has really returned
+        (e.g. to release its staging extent or remove what it wrote).
+        """
+        if not self._available():
+            if on_abandoned_done is not None:
+                on_abandoned_done(None)  # type: ignore[arg-type]
+            return None
+        fut = self._pool.submit(fn, *args)
+        try:
+            return fut.result(timeout=self.config.op_timeout)
+        except cf.TimeoutError:
+            with self._lock:
+                self._counts["timeouts"] += 1
+            if fut.cancel():  # never started: nothing can happen later
+                if on_abandoned_done is not None:
+                    on_abandoned_done(None)  # type: ignore[arg-type]
+                self._mark_unhealthy(f"{op}: queued past op_timeout={self.config.op_timeout:g}s")
+                return None
+            with self._lock:
+                self._abandoned.add(fut)
+                self._counts["abandoned"] += 1
+
+            def finished(f: cf.Future) -> None:
+                try:
+                    if on_abandoned_done is not None:
+                        on_abandoned_done(f)
+                finally:
+                    with self._lock:
+                        self._abandoned.discard(f)
+
+            fut.add_done_callback(finished)
+            self._mark_unhealthy(f"{op}: no answer within op_timeout={self.config.op_timeout:g}s")
+            return None
+        except Exception as e:  # noqa: BLE001 - a binding error is a miss on the data path
+            self.record_error()
+            log.warning("mooncake %s raised %s: %s", op, type(e).__name__, e)
+            if on_abandoned_done is not None:
+                on_abandoned_done(None)  # type: ignore[arg-type]
+            return None
+
+    def _mark_unhealthy(self, why: str) -> None:
+        with self._lock:
+            was = self._healthy
+            self._healthy = False
+            self._next_probe = time.monotonic() + self.config.reconnect_interval
+        if was:
+            log.warning("mooncake store unhealthy (master %s): %s; returning misses until it recovers",
+                        self.config.master_server_address, why)
+
+    def _available(self) -> bool:
+        """Healthy, or a due health probe succeeded. Never blocks beyond ``op_timeout``."""
+        if self._healthy:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            if self._abandoned or now < self._next_probe:
+                self._counts["short_circuited"] += 1
+                return False
+            self._next_probe = now + self.config.reconnect_interval  # one prober at a time
+        fut = self._pool.submit(self._client.health_check)
+        try:
+            ok = fut.result(timeout=self.config.op_timeout) == 0
+        except Exception:  # noqa: BLE001 - timeout or binding error: still unhealthy
+            ok = False
+        if ok:
+            with self._lock:
+                self._healthy = True
+            log.warning("mooncake store healthy again (master %s)", self.config.master_server_address)
+        else:
+            with self._lock:
+                self._counts["short_circuited"] += 1
+        return ok
+
+    def _note_codes(self, codes: list[int]) -> None:
+        """Count errors; an unreachable master or peer turns the store unhealthy."""
+        bad = [c for c in codes if c < 0 and mc_errors.outcome(c) not in
+               (mc_errors.Outcome.MISS, mc_errors.Outcome.EXISTS)]
+        if not bad:
+            return
+        self.record_error(len(bad))
+        unavailable = [c for c in bad if mc_errors.outcome(c) is mc_errors.Outcome.UNAVAILABLE]
+        if unavailable:
+            with self._lock:
+                self._counts["unavailable"] += len(unavailable)
+            self._mark_unhealthy(f"{mc_errors.code_name(unavailable[0])} ({unavailable[0]})")
+
+    # -- primitives ---------------------------------------------------------------------
+    def _exists(self, keys: list[str]) -> list[bool]:
+        codes = self._call("batch_is_exist", self._client.batch_is_exist, keys)
+        if codes is None or len(codes) != len(keys):
+            return [False] * len(keys)
+        if any(c < 0 for c in codes):
+            self.record_error(sum(1 for c in codes if c < 0))
+        return [c == 1 for c in codes]
+
+    def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        out = [False] * len(keys)
+        direct, staged = self._split(pages)
+        if direct:
+            self._get_direct(keys, pages, direct, out)
+        if staged:
+            self._get_staged(keys, pages, staged, out)
+        return out
+
+    def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        out = [False] * len(keys)
+        direct, staged = self._split(pages)
+        if direct:
+            self._put_direct(keys, pages, direct, out)
+        if staged:
+            self._put_staged(keys, pages, staged, out)
+        return out
+
+    def _get_direct(self, keys: list[str], pages: list[Page], idx: list[int], out: list[bool]) -> None:
+        ks = [keys[i] for i in idx]
+        ptrs = [[a for a, _ in pages[i]] for i in idx]
+        sizes = [[n for _, n in pages[i]] for i in idx]
+        res = self._call("batch_get_into_multi_buffers", self._client.batch_get_into_multi_buffers,
+                         ks, ptrs, sizes)
+        with self._lock:
+            self._counts["direct_pages"] += len(idx)
+        if res is None or len(res) != len(idx):
+            return
+        self._note_codes(res)
+        for j, i in enumerate(idx):
+            # bytes read must be the whole page: a shorter object is a size mismatch (a miss)
+            out[i] = res[j] == page_nbytes(pages[i])
+
+    def _put_direct(self, keys: list[str], pages: list[Page], idx: list[int], out: list[bool]) -> None:
+        ks = [keys[i] for i in idx]
+        ptrs = [[a for a, _ in pages[i]] for i in idx]
+        sizes = [[n for _, n in pages[i]] for i in idx]
+
+        def remove_poisoned(f: cf.Future | None) -> None:
+            # An abandoned put may have read caller memory after the caller reused it:
+            # what it published cannot be trusted.
+            if f is None or f.cancelled() or f.exception() is not None:
+                return
+            written = [k for k, rc in zip(ks, f.result() or []) if rc == 0]
+            if written:
+                try:
+                    self._client.batch_remove(written, True)
+                    with self._lock:
+                        self._counts["poisoned_removed"] += len(written)
+                except Exception as e:  # noqa: BLE001
+                    log.error("mooncake: cannot remove %d keys of an abandoned put: %s", len(written), e)
+
+        res = self._call("batch_put_from_multi_buffers", self._client.batch_put_from_multi_buffers,
+                         ks, ptrs, sizes, self._replicate, on_abandoned_done=remove_poisoned)
+        with self._lock:
+            self._counts["direct_pages"] += len(idx)
+        self._put_results(res, idx, out)
+
+    def _put_results(self, res: list[int] | None, idx: list[int], out: list[bool]) -> None:
+        if res is None or len(res) != len(idx):
+            return
+        self._note_codes(res)
+        for j, i in enumerate(idx):
+            # 0: written; OBJECT_ALREADY_EXISTS: stored before, bytes kept (idempotent put)
+            out[i] = res[j] == 0 or mc_errors.outcome(res[j]) is mc_errors.Outcome.EXISTS
+
+    def _staged_chunks(self, pages: list[Page], idx: list[int]) -> list[list[int]]:
+        """Batches whose pages fit in half the staging buffer (others can stage meanwhile)."""
+        limit = max(self._staging.nbytes // 2, 1)
+        chunks: list[list[int]] = [[]]
+        size = 0
+        for i in idx:
+            n = page_nbytes(pages[i])
+            if chunks[-1] and size + n > limit:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += n
+        return chunks
+
+    def _get_staged(self, keys: list[str], pages: list[Page], idx: list[int], out: list[bool]) -> None:
+        with self._lock:
+            self._counts["staged_pages"] += len(idx)
+        for chunk in self._staged_chunks(pages, idx):
+            sizes = [page_nbytes(pages[i]) for i in chunk]
+            total = sum(sizes)
+            off = self._staging.acquire(total, time.monotonic() + self.config.op_timeout)
+            if off is None:
+                continue  # staging exhausted for the whole deadline: misses
+            released = threading.Event()
+
+            def release(_f: cf.Future | None, off: int = off, released: threading.Event = released) -> None:
+                if not released.is_set():
+                    released.set()
+                    self._staging.release(off)
+
+            base = self._staging.address + off
+            ptrs, pos = [], base
+            for n in sizes:
+                ptrs.append(pos)
+                pos += n
+            res = self._call("batch_get_into", self._client.batch_get_into, [keys[i] for i in chunk],
+                             ptrs, sizes, on_abandoned_done=release)
+            if res is not None and len(res) == len(chunk):
+                self._note_codes(res)
+                for j, i in enumerate(chunk):
+                    if res[j] == sizes[j]:
+                        scatter(ptrs[j], pages[i])
+                        out[i] = True
+                release(None)
+            elif res is not None:
+                release(None)
+            # res None: released by _call (failed/cancelled) or when the abandoned call ends
+
+    def _put_staged(self, keys: list[str], pages: list[Page], idx: list[int], out: list[bool]) -> None:
+        with self._lock:
+            self._counts["staged_pages"] += len(idx)
+        for chunk in self._staged_chunks(pages, idx):
+            sizes = [page_nbytes(pages[i]) for i in chunk]
+            off = self._staging.acquire(sum(sizes), time.monotonic() + self.config.op_timeout)
+            if off is None:
+                continue
+            released = threading.Event()
+
+            def release(_f: cf.Future | None, off: int = off, released: threading.Event = released) -> None:
+                if not released.is_set():
+                    released.set()
+                    self._staging.release(off)
+
+            ptrs, pos = [], self._staging.address + off
+            for i, n in zip(chunk, sizes):
+                gather_into(pages[i], pos)
+                ptrs.append(pos)
+                pos += n
+            res = self._call("batch_put_from", self._client.batch_put_from, [keys[i] for i in chunk],
+                             ptrs, sizes, self._replicate, on_abandoned_done=release)
+            if res is not None:
+                release(None)
+            self._put_results(res, chunk, out)
+
+    def _delete(self, keys: list[str]) -> list[bool]:
+        """Non-forced removes: a key leased by a reader is waited for (``lease_wait``), never
+        pulled from under the read."""
+        out = [False] * len(keys)
+        pending = list(range(len(keys)))
+        deadline = time.monotonic() + self.config.lease_wait
+        delay = 0.05
+        while pending:
+            codes = self._call("batch_remove", self._client.batch_remove, [keys[i] for i in pending], False)
+            if codes is None or len(codes) != len(pending):
+                break
+            leased = []
+            for i, rc in zip(pending, codes):
+                if rc == 0:
+                    out[i] = True
+                elif mc_errors.outcome(rc) is mc_errors.Outcome.LEASED:
+                    leased.append(i)
+                elif mc_errors.outcome(rc) is not mc_errors.Outcome.MISS:
+                    self._note_codes([rc])
+            pending = leased
+            if pending and time.monotonic() + delay > deadline:
+                log.warning("mooncake: %d keys still leased after lease_wait=%gs; not removed",
+                            len(pending), self.config.lease_wait)
+                break
+            if pending:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
+        return out
+
+    def _clear(self) -> None:
+        """Remove every object (Mooncake's ``remove_all``, all tenants' keys in this cluster),
+        waiting out leases held by readers for up to ``lease_wait``."""
+        deadline = time.monotonic() + self.config.lease_wait
+        while True:
+            n = self._call("remove_all", self._client.remove_all, False)
+            if n is None or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
+    def _usage(self) -> StoreUsage:
+        with self._lock:
+            extra = dict(self._counts, healthy=self._healthy, abandoned_running=len(self._abandoned),
+                         registered_bytes=sum(e - s for s, e in self._regions),
+                         staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
+                         master=self.config.master_server_address)
+        return StoreUsage(extra=extra)
+
+    def health(self) -> bool:
+        """Whether the store currently serves calls (probes the master if a probe is due)."""
+        return not self._closed and self._available()
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            busy = bool(self._abandoned)
+            regions = list(self._regions)
+            self._regions.clear()
+        if busy:
+            # Closing the client under a running call is undefined in Mooncake: leak it.
+            log.warning("mooncake: %d abandoned calls still running at close; client left open",
+                        len(self._abandoned))
+            return
+        try:
+            for start, _ in regions:
+                self._client.unregister_buffer(start)
+            self._client.unregister_buffer(self._staging.address)
+            self._client.close()
+        except Exception as e:  # noqa: BLE001 - closing is best effort
+            log.warning("mooncake: close: %s", e)
+        self._staging.close()
