@@ -1,0 +1,695 @@
+"""KVConnectStorage inside real SGLang 0.5.23 HiCache pieces, on CPU.
+
+Real: sglang's ``StorageBackendFactory`` (dynamic loading from the extra-config JSON),
+``HiCacheStorageConfig``, ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` host pools
+built over real CPU device pools (``connectors.engines.sglang_testing``), SGLang's own
+``HiCacheFile`` as the v2 reference, and kvconnect's memory store.
+
+Not real, and why: the ``HiCacheController`` (its GPU<->host copies need CUDA); the tests
+call the backend the way the controller's ``_page_get_zero_copy`` / ``_generic_page_get`` /
+``_generic_page_set`` / hybrid ``batch_*_v2`` do (those few lines are copied below). Several
+SGLang ranks sharing one backend are several adapter instances in one process over a
+``SharedMemoryStore`` (a memory store whose instances with the same ``space`` share pages),
+standing in for a shared backend such as HF3FS or Mooncake.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (installed by scripts/install.sh)")
+pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    HiCacheFile,
+    HiCacheStorageConfig,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from connectors.base import ConfigError, Page, PageStore, Unsupported, UnknownStore  # noqa: E402
+from connectors.config import Size, StoreConfig  # noqa: E402
+from connectors.engines.sglang_hicache import KVConnectStorage  # noqa: E402
+from connectors.engines.sglang_testing import (  # noqa: E402
+    SUPPORTED_LAYOUTS_MHA,
+    SUPPORTED_LAYOUTS_MLA,
+    fill_pages,
+    make_cpu_host_pool,
+    page_bytes,
+)
+from connectors.memory import MemoryStore, MemoryStoreConfig  # noqa: E402
+
+ISSUE_JSON = {"backend_name": "kvconnect", "module_path": "connectors.engines.sglang_hicache",
+              "class_name": "KVConnectStorage", "interface_v1": 1}
+SHARED = f"{__name__}:SharedMemoryStore"
+RAISING = f"{__name__}:RaisingStore"
+REGISTERING = f"{__name__}:RegisteringStore"
+
+
+# ---------------------------------------------------------------------------------
+# Test stores (out-of-tree stores, named "module:Class" in the extra config)
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharedMemoryConfig(StoreConfig):
+    space: str = "default"
+    capacity: Size = 64 << 20
+
+
+_SPACES: dict[str, MemoryStore] = {}
+
+
+class SharedMemoryStore(PageStore):
+    """Memory store instances with the same ``space`` share pages (a shared backend)."""
+
+    name = "shared-memory"
+    config_class = SharedMemoryConfig
+
+    def __init__(self, config: SharedMemoryConfig):
+        super().__init__()
+        self.inner = _SPACES.setdefault(config.space, MemoryStore(MemoryStoreConfig(config.capacity)))
+
+    def _exists(self, keys):
+        return self.inner._exists(keys)
+
+    def _get_into(self, keys, pages):
+        return self.inner._get_into(keys, pages)
+
+    def _put_from(self, keys, pages):
+        return self.inner._put_from(keys, pages)
+
+    def _delete(self, keys):
+        return self.inner._delete(keys)
+
+    def _clear(self):
+        self.inner._clear()
+
+    def _usage(self):
+        return self.inner._usage()
+
+
+@dataclass(frozen=True)
+class RaisingConfig(StoreConfig):
+    message: str = "backend exploded"
+
+
+class RaisingStore(PageStore):
+    """Every data-path primitive raises: a backend that died mid-flight."""
+
+    name = "raising"
+    config_class = RaisingConfig
+
+    def __init__(self, config: RaisingConfig):
+        super().__init__()
+        self.message = config.message
+
+    def _boom(self, *a):
+        raise RuntimeError(self.message)
+
+    _exists = _get_into = _put_from = _delete = _clear = _boom
+
+
+@dataclass(frozen=True)
+class RegisteringConfig(StoreConfig):
+    space: str = "registering"
+
+
+class RegisteringStore(SharedMemoryStore):
+    """A store that needs registered memory; it refuses pages outside registered spans."""
+
+    name = "registering"
+    config_class = RegisteringConfig
+    needs_registered_memory = True
+    spans: list = []
+
+    def __init__(self, config: RegisteringConfig):
+        super().__init__(SharedMemoryConfig(space=config.space))
+        self.spans = []
+
+    def _register_memory(self, address, nbytes):
+        self.spans.append((address, nbytes))
+
+    def _covered(self, page: Page) -> bool:
+        return all(any(a <= addr and addr + n <= a + size for a, size in self.spans) for addr, n in page)
+
+    def _get_into(self, keys, pages):
+        return [ok and self._covered(p) for ok, p in zip(super()._get_into(keys, pages), pages)]
+
+    def _put_from(self, keys, pages):
+        if not all(self._covered(p) for p in pages):
+            return [False] * len(keys)
+        return super()._put_from(keys, pages)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_spaces():
+    _SPACES.clear()
+    yield
+    _SPACES.clear()
+
+
+# ---------------------------------------------------------------------------------
+# Helpers: configs, backends, SGLang's own call sequences
+# ---------------------------------------------------------------------------------
+
+
+def storage_config(extra: dict, *, tp_rank=0, tp_size=1, mla=False, model="tiny/model",
+                   metrics=False, layout="page_first") -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=layout == "page_first",
+        model_name=model, extra_config=dict(extra))
+
+
+def backend(host, store=SHARED, space="s", **kw) -> KVConnectStorage:
+    """Build exactly as SGLang's controller does: factory, then register the host pool."""
+    extra = {**ISSUE_JSON, "store": store, **({"space": space} if store in (SHARED,) else {})}
+    extra.update(kw.pop("extra", {}))
+    cfg = storage_config(extra, layout=host.layout, **kw)
+    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    b.register_mem_pool_host(host)
+    b.on_host_pools_registered()
+    return b
+
+
+def hashes(n: int, tag: str = "") -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{tag}:{i}".encode()).hexdigest() for i in range(n)]
+
+
+def alloc_pages(host, n: int, skip: int = 0):
+    """Page-aligned host slots for n pages, after ``skip`` pages (so reads land elsewhere)."""
+    if skip:
+        host.alloc(skip * host.page_size)
+    return host.alloc(n * host.page_size)
+
+
+def pages_of(host, idx) -> list[bytes]:
+    ps = host.page_size
+    return [page_bytes(host, idx[i * ps]) for i in range(len(idx) // ps)]
+
+
+def sglang_generic_page_get(b, host, keys, idx) -> int:
+    """``CacheController._generic_page_get`` (0.5.23), minus logging."""
+    dummy = [host.get_dummy_flat_data_page() for _ in keys]
+    data = b.batch_get(keys, dummy)
+    if data is None:
+        return 0
+    count = 0
+    for i in range(len(keys)):
+        if data[i] is None:
+            break
+        host.set_from_flat_data_page(idx[i * host.page_size], data[i])
+        count += 1
+    return count
+
+
+def sglang_generic_page_set(b, host, keys, idx) -> bool:
+    """``CacheController._generic_page_set`` (0.5.23)."""
+    data = [host.get_data_page(idx[i * host.page_size]) for i in range(len(keys))]
+    return b.batch_set(keys, data)
+
+
+def leading(results) -> int:
+    n = 0
+    for r in results:
+        if not r:
+            break
+        n += 1
+    return n
+
+
+POOL_CASES = [(False, lay) for lay in SUPPORTED_LAYOUTS_MHA] + [(True, lay) for lay in SUPPORTED_LAYOUTS_MLA]
+
+
+def pool_id(case):
+    return f"{'mla' if case[0] else 'mha'}-{case[1]}"
+
+
+# ---------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------
+
+
+def test_factory_builds_from_the_issue_json():
+    host = make_cpu_host_pool("page_first")
+    extra = {**ISSUE_JSON, "store": "memory", "capacity": "8mb",
+             # SGLang's own keys that reach the backend: ignored, never passed to the store.
+             "allocator": "default", "file_storage_path": "/nonexistent", "tenant": "team-a"}
+    cfg = storage_config(extra)
+    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    try:
+        assert type(b) is KVConnectStorage
+        assert b.store.name == "memory" and b.store.config.capacity == 8 << 20
+        b.register_mem_pool_host(host)
+        ks = b.kv.keyspace
+        assert (ks.model, ks.layout, ks.page_size, ks.dtype, ks.tenant) == (
+            "tiny/model", "page_first", 4, "bfloat16", "team-a")
+        assert ks.geometry.startswith("mha:L3:H2:D8:B")
+        idx = alloc_pages(host, 2)
+        fill_pages(host, idx, seed=3)
+        want = pages_of(host, idx)
+        keys = hashes(2)
+        assert b.batch_set_v1(keys, idx) == [True, True]
+        assert b.batch_exists(keys) == 2
+        # the bytes in the store are the flat pages, byte for byte
+        assert [b.store._pages[k] for k in ks.keys(keys)] == want
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=pool_id)
+def test_pages_round_trip_byte_exact_into_a_fresh_pool(case):
+    """Written from one real host pool, read into a fresh one, through every path."""
+    mla, layout = case
+    src = make_cpu_host_pool(layout, mla=mla)
+    writer = backend(src, mla=mla)
+    idx = alloc_pages(src, 5)
+    fill_pages(src, idx, seed=11)
+    want = pages_of(src, idx)
+    assert len(set(want)) == 5
+    keys = hashes(5, layout)
+    assert writer.batch_set_v1(keys[:3], idx[: 3 * src.page_size]) == [True] * 3
+    # the legacy path writes the other two; both paths store the same byte order
+    assert sglang_generic_page_set(writer, src, keys[3:], idx[3 * src.page_size:]) is True
+
+    # v1 into a fresh pool, at other slots
+    dst = make_cpu_host_pool(layout, mla=mla)
+    reader = backend(dst, mla=mla)
+    didx = alloc_pages(dst, 5, skip=3)
+    assert reader.batch_exists(keys) == 5
+    assert reader.batch_get_v1(keys, didx) == [True] * 5
+    assert pages_of(dst, didx) == want
+
+    # legacy path into another fresh pool
+    dst2 = make_cpu_host_pool(layout, mla=mla)
+    reader2 = backend(dst2, mla=mla)
+    didx2 = alloc_pages(dst2, 5, skip=1)
+    assert sglang_generic_page_get(reader2, dst2, keys, didx2) == 5
+    assert pages_of(dst2, didx2) == want
+    # single-key legacy calls
+    t = reader2.get(keys[0], dst2.get_dummy_flat_data_page())
+    assert t is not None and t.view(torch.uint8).numpy().tobytes() == want[0]
+    assert reader2.exists(keys[4]) and not reader2.exists(hashes(1, "absent")[0])
+    for b in (writer, reader, reader2):
+        b.close()
+
+
+def test_batch_exists_counts_leading_hits_and_misses_stop_reads():
+    host = make_cpu_host_pool("page_first_direct")
+    b = backend(host)
+    idx = alloc_pages(host, 10)
+    fill_pages(host, idx, seed=5)
+    keys = hashes(10)
+    ps = host.page_size
+    assert b.batch_set_v1(keys[:6], idx[: 6 * ps]) == [True] * 6
+    assert b.batch_set_v1(keys[7:8], idx[7 * ps: 8 * ps]) == [True]
+    assert b.batch_exists(keys) == 6
+    assert b.batch_exists(keys[6:]) == 0
+    assert b.batch_exists(keys[7:8]) == 1
+    assert b.batch_exists([]) == 0
+    fresh = make_cpu_host_pool("page_first_direct")
+    r = backend(fresh)
+    didx = alloc_pages(fresh, 10)
+    got = r.batch_get_v1(keys, didx)
+    assert got == [True] * 6 + [False, True, False, False]
+    assert leading(got) == 6
+    assert pages_of(fresh, didx[: 6 * ps]) == pages_of(host, idx[: 6 * ps])
+    b.close()
+    r.close()
+
+
+def test_two_tp_ranks_never_read_each_others_pages():
+    hosts = [make_cpu_host_pool("page_first") for _ in range(2)]
+    ranks = [backend(h, tp_rank=r, tp_size=2) for r, h in enumerate(hosts)]
+    keys = hashes(4, "tp")
+    idx = [alloc_pages(h, 4) for h in hosts]
+    fill_pages(hosts[0], idx[0], seed=100)
+    assert ranks[0].batch_set_v1(keys, idx[0]) == [True] * 4
+    # rank 1 sees none of rank 0's pages, on any path
+    assert ranks[1].batch_exists(keys) == 0
+    assert ranks[1].batch_get_v1(keys, idx[1]) == [False] * 4
+    assert ranks[1].batch_get(keys, [hosts[1].get_dummy_flat_data_page() for _ in keys]) == [None] * 4
+    assert not ranks[1].exists(keys[0])
+    # both ranks write the same hashes with different bytes; each reads back its own
+    fill_pages(hosts[1], idx[1], seed=200)
+    assert ranks[1].batch_set_v1(keys, idx[1]) == [True] * 4
+    mine = [pages_of(h, i) for h, i in zip(hosts, idx)]
+    assert mine[0] != mine[1]
+    for r, h in enumerate(hosts):
+        fresh = make_cpu_host_pool("page_first")
+        fb = backend(fresh, tp_rank=r, tp_size=2)
+        fidx = alloc_pages(fresh, 4)
+        assert fb.batch_get_v1(keys, fidx) == [True] * 4
+        assert pages_of(fresh, fidx) == mine[r]
+        fb.close()
+    assert ranks[0].kv.keyspace.prefix != ranks[1].kv.keyspace.prefix
+    for b in ranks:
+        b.close()
+
+
+@pytest.mark.parametrize("layout", SUPPORTED_LAYOUTS_MLA)
+def test_mla_rank1_reads_what_rank0_wrote_and_never_writes(layout):
+    hosts = [make_cpu_host_pool(layout, mla=True) for _ in range(2)]
+    ranks = [backend(h, tp_rank=r, tp_size=2, mla=True) for r, h in enumerate(hosts)]
+    assert [b.storage_config.is_storage_writer for b in ranks] == [True, False]
+    assert ranks[0].kv.keyspace.prefix == ranks[1].kv.keyspace.prefix
+    store = ranks[0].store
+    keys = hashes(3, "mla")
+    idx = [alloc_pages(h, 3) for h in hosts]
+    fill_pages(hosts[1], idx[1], seed=7)
+    # rank 1 reports success (the writer rank stores it) but writes nothing, on any path
+    assert ranks[1].batch_set_v1(keys, idx[1]) == [True] * 3
+    assert sglang_generic_page_set(ranks[1], hosts[1], keys, idx[1]) is True
+    assert store.stats().keys == 0 and store.stats().put_pages == 0
+    assert ranks[1].batch_exists(keys) == 0
+    # rank 0 writes; rank 1 reads it byte-exact
+    fill_pages(hosts[0], idx[0], seed=8)
+    assert ranks[0].batch_set_v1(keys, idx[0]) == [True] * 3
+    assert ranks[1].batch_exists(keys) == 3
+    assert ranks[1].batch_get_v1(keys, idx[1]) == [True] * 3
+    assert pages_of(hosts[1], idx[1]) == pages_of(hosts[0], idx[0])
+    assert store.stats().keys == 3
+    for b in ranks:
+        b.close()
+
+
+# -- v2 pools -------------------------------------------------------------------------
+
+
+def _v2_pair(tmp_path, space):
+    """Our backend and SGLang's HiCacheFile over KV + an SWA side pool (real MHA pools)."""
+    kv = make_cpu_host_pool("page_first", page_size=2)
+    swa = make_cpu_host_pool("page_first", page_size=2, layer_num=1)
+    ours = backend(kv, space=space)
+    ours.register_mem_host_pool_v2(kv, PoolName.KV)
+    ours.register_mem_host_pool_v2(swa, PoolName.SWA)
+    cfg = storage_config({"file_storage_path": str(tmp_path)})
+    ref = HiCacheFile(cfg, file_path=str(tmp_path))
+    ref.register_mem_pool_host(kv)
+    ref.register_mem_host_pool_v2(kv, PoolName.KV)
+    ref.register_mem_host_pool_v2(swa, PoolName.SWA)
+    return kv, swa, ours, ref
+
+
+def test_v2_trailing_pages_side_pool_matches_sglang_hicachefile(tmp_path):
+    """batch_exists_v2 / batch_set_v2 / batch_get_v2 against SGLang's own v2 reference.
+
+    Random presence patterns of KV pages and SWA-state pages are written to both
+    kvconnect and ``HiCacheFile``; the hit results (kv_hit_pages, per-pool hits and the
+    restorable stop points, holes included) must be identical.
+    """
+    rng = random.Random(1234)
+    kv, swa, ours, ref = _v2_pair(tmp_path, "v2")
+    n = 8
+    ps = kv.page_size
+    kidx = alloc_pages(kv, n)
+    sidx = alloc_pages(swa, n)
+    fill_pages(kv, kidx, seed=1)
+    fill_pages(swa, sidx, seed=2)
+    for trial in range(12):
+        keys = hashes(n, f"trial{trial}")
+        kv_present = [rng.random() < 0.85 for _ in range(n)]
+        swa_present = [rng.random() < 0.6 for _ in range(n)]
+        for b in (ours, ref):
+            for i in range(n):
+                if kv_present[i]:
+                    assert b.batch_set_v2([PoolTransfer(PoolName.KV, kidx[i * ps:(i + 1) * ps], keys=[keys[i]])]) \
+                        == {PoolName.KV: [True]}
+                if swa_present[i]:
+                    got = b.batch_set_v2([PoolTransfer(PoolName.SWA, sidx[i * ps:(i + 1) * ps], keys=[keys[i]],
+                                                       hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+                    assert got == {PoolName.SWA: [True]}
+        for window in (1, 2, 3):
+            transfers = [PoolTransfer(PoolName.SWA, keys=keys[-window:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+            a, r = ours.batch_exists_v2(keys, transfers), ref.batch_exists_v2(keys, transfers)
+            assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == (
+                r.kv_hit_pages, r.extra_pool_hit_pages, r.restorable_prefix_pages), (kv_present, swa_present, window)
+        # ALL_PAGES side pool too
+        transfers = [PoolTransfer(PoolName.SWA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+        a, r = ours.batch_exists_v2(keys, transfers), ref.batch_exists_v2(keys, transfers)
+        assert (a.kv_hit_pages, a.extra_pool_hit_pages, a.restorable_prefix_pages) == (
+            r.kv_hit_pages, r.extra_pool_hit_pages, r.restorable_prefix_pages)
+    # a case with a hole: SWA state at pages 2 and 5 only, window 1 -> stop points {3, 6}
+    keys = hashes(n, "hole")
+    for i in range(n):
+        ours.batch_set_v2([PoolTransfer(PoolName.KV, kidx[i * ps:(i + 1) * ps], keys=[keys[i]])])
+    for i in (2, 5):
+        ours.batch_set_v2([PoolTransfer(PoolName.SWA, sidx[i * ps:(i + 1) * ps], keys=[keys[i]])])
+    res = ours.batch_exists_v2(keys, [PoolTransfer(PoolName.SWA, keys=keys[-1:],
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert (res.kv_hit_pages, res.restorable_prefix_pages) == (6, [3, 6])
+    assert res.extra_pool_hit_pages == {PoolName.KV: 8, PoolName.SWA: 6}
+    ours.close()
+
+
+def test_v2_side_pool_pages_round_trip_into_fresh_pools(tmp_path):
+    kv, swa, ours, _ref = _v2_pair(tmp_path, "v2rt")
+    ps = kv.page_size
+    keys = hashes(4, "rt")
+    kidx, sidx = alloc_pages(kv, 4), alloc_pages(swa, 2)
+    fill_pages(kv, kidx, seed=9)
+    fill_pages(swa, sidx, seed=10)
+    # backup as the hybrid controller does: side pool (trailing keys) first, then KV
+    res = ours.batch_set_v2([PoolTransfer(PoolName.SWA, sidx, keys=keys[-2:],
+                                          hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert res == {PoolName.SWA: [True, True]}
+    assert ours.batch_set_v1(keys, kidx) == [True] * 4
+    hit = ours.batch_exists_v2(keys, [PoolTransfer(PoolName.SWA, keys=keys[-2:],
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert hit.kv_hit_pages == 4 and hit.restorable_prefix_pages == [4]
+    # fresh pools, fresh backend over the same shared store
+    kv2 = make_cpu_host_pool("page_first", page_size=2)
+    swa2 = make_cpu_host_pool("page_first", page_size=2, layer_num=1)
+    b2 = backend(kv2, space="v2rt")
+    b2.register_mem_host_pool_v2(kv2, PoolName.KV)
+    b2.register_mem_host_pool_v2(swa2, PoolName.SWA)
+    k2, s2 = alloc_pages(kv2, 4, skip=1), alloc_pages(swa2, 2, skip=2)
+    # a KV sidecar read (CacheController._page_transfer_kv_batch) plus the SWA read
+    got = b2.batch_get_v2([PoolTransfer(PoolName.SWA, s2, keys=keys[-2:]),
+                           PoolTransfer(PoolName.KV, k2, keys=keys)])
+    assert got == {PoolName.SWA: [True, True], PoolName.KV: [True] * 4}
+    assert pages_of(swa2, s2) == pages_of(swa, sidx)
+    assert pages_of(kv2, k2) == pages_of(kv, kidx)
+    # a wrong index count fails that pool only
+    bad = b2.batch_get_v2([PoolTransfer(PoolName.SWA, s2[:1], keys=keys[-2:]),
+                           PoolTransfer(PoolName.KV, k2, keys=keys)])
+    assert bad == {PoolName.SWA: [False, False], PoolName.KV: [True] * 4}
+    # an unregistered pool misses
+    assert b2.batch_get_v2([PoolTransfer(PoolName.MAMBA, s2, keys=keys[-2:])]) == {PoolName.MAMBA: [False, False]}
+    ours.close()
+    b2.close()
+
+
+def test_v2_pool_without_zero_copy_goes_through_flat_pages():
+    """A pool whose class changes the page methods is moved through SGLang's flat pages.
+
+    ``MambaPoolHost`` needs a Mamba device pool that is not constructible here without
+    model buffers; the closest real thing is a real MHA host pool subclass that, like
+    Mamba with side states, refuses zero-copy metadata.
+    """
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    class NoMetaPool(MHATokenToKVPoolHost):
+        def get_page_buffer_meta(self, indices):
+            raise NotImplementedError("no zero-copy for this pool")
+
+    def no_meta(layout):
+        pool = make_cpu_host_pool(layout, page_size=1, layer_num=2)
+        pool.__class__ = NoMetaPool
+        return pool
+
+    kv = make_cpu_host_pool("page_first")
+    mamba = no_meta("layer_first")
+    b = backend(kv, space="flat", mla=True)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    io = b._pools["mamba"]
+    assert not io.zero_copy and not io.keyspace.rank_replicated  # Mamba is TP-sharded under MLA
+    keys = hashes(3, "mamba")
+    idx = alloc_pages(mamba, 3)
+    fill_pages(mamba, idx, seed=4)
+    assert b.batch_set_v2([PoolTransfer(PoolName.MAMBA, idx, keys=keys)]) == {PoolName.MAMBA: [True] * 3}
+    fresh = no_meta("layer_first")
+    b2 = backend(make_cpu_host_pool("page_first"), space="flat", mla=True)
+    b2.register_mem_host_pool_v2(fresh, PoolName.MAMBA)
+    fidx = alloc_pages(fresh, 3, skip=2)
+    assert b2.batch_get_v2([PoolTransfer(PoolName.MAMBA, fidx, keys=keys)]) == {PoolName.MAMBA: [True] * 3}
+    assert pages_of(fresh, fidx) == pages_of(mamba, idx)
+    b.close()
+    b2.close()
+
+
+# -- configuration errors -------------------------------------------------------------
+
+
+def _create(extra, host=None):
+    host = host or make_cpu_host_pool("page_first")
+    return StorageBackendFactory.create_backend("dynamic", storage_config({**ISSUE_JSON, **extra}), host)
+
+
+def test_bad_config_fails_at_construction_naming_key_and_accepted_values():
+    with pytest.raises(UnknownStore) as e:
+        _create({"store": "nosuchstore"})
+    assert "'store'" in str(e.value) and "nosuchstore" in str(e.value) and "'memory'" in str(e.value)
+
+    with pytest.raises(ConfigError) as e:
+        _create({})
+    assert "'store'" in str(e.value) and "is required" in str(e.value) and "'memory'" in str(e.value)
+
+    with pytest.raises(ConfigError) as e:
+        _create({"store": "memory", "capacity": "lots"})
+    assert "'capacity'" in str(e.value) and "4gb" in str(e.value)
+
+    with pytest.raises(ConfigError) as e:
+        _create({"store": "memory", "capcity": "1gb"})
+    assert "'capcity'" in str(e.value) and "'capacity'" in str(e.value) and "'tenant'" in str(e.value)
+
+    with pytest.raises(ConfigError) as e:
+        _create({"store": "memory", "metrics_port": "http"})
+    assert "'metrics_port'" in str(e.value)
+
+    with pytest.raises(ConfigError) as e:
+        _create({"store": "memory", "store_options": "capacity=1"})
+    assert "'store_options'" in str(e.value)
+
+    # nested store options are the same as inline ones
+    b = _create({"store": "memory", "store_options": {"capacity": "2mb"}})
+    assert b.store.config.capacity == 2 << 20
+    b.close()
+
+
+def test_unsupported_layout_fails_at_registration_naming_supported_layouts():
+    host = make_cpu_host_pool("page_first")
+    b = _create({"store": "memory"}, host)
+    host.layout = "page_first_kv_split"  # the NPU-only layout SGLang can select
+    with pytest.raises(Unsupported) as e:
+        b.register_mem_pool_host(host)
+    msg = str(e.value)
+    assert "page_first_kv_split" in msg
+    for layout in SUPPORTED_LAYOUTS_MHA:
+        assert repr(layout) in msg
+    mla = make_cpu_host_pool("page_first", mla=True)
+    mla.layout = "page_head"
+    b2 = _create({"store": "memory"}, mla)
+    with pytest.raises(Unsupported, match="'page_head'.*supported: 'layer_first', 'page_first', 'page_first_direct'"):
+        b2.register_mem_pool_host(mla)
+    b.close()
+    b2.close()
+
+
+# -- failures never escape ------------------------------------------------------------
+
+
+def test_a_store_that_raises_yields_misses_not_exceptions():
+    host = make_cpu_host_pool("layer_first")
+    b = backend(host, store=RAISING)
+    swa = make_cpu_host_pool("page_first", layer_num=1)
+    b.register_mem_host_pool_v2(swa, PoolName.SWA)
+    keys = hashes(3)
+    idx = alloc_pages(host, 3)
+    sidx = alloc_pages(swa, 3)
+    assert b.batch_get_v1(keys, idx) == [False] * 3
+    assert b.batch_set_v1(keys, idx) == [False] * 3
+    assert b.batch_exists(keys) == 0
+    assert b.exists(keys[0]) is False
+    assert b.get(keys[0], host.get_dummy_flat_data_page()) is None
+    assert b.batch_get(keys, [host.get_dummy_flat_data_page() for _ in keys]) == [None] * 3
+    assert b.set(keys[0], host.get_data_page(idx[0])) is False
+    assert sglang_generic_page_set(b, host, keys, idx) is False
+    assert sglang_generic_page_get(b, host, keys, idx) == 0
+    res = b.batch_exists_v2(keys, [PoolTransfer(PoolName.SWA, keys=keys[-1:],
+                                                hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert (res.kv_hit_pages, res.extra_pool_hit_pages, res.restorable_prefix_pages) == (0, {}, [])
+    assert b.batch_get_v2([PoolTransfer(PoolName.SWA, sidx, keys=keys)]) == {PoolName.SWA: [False] * 3}
+    assert b.batch_set_v2([PoolTransfer(PoolName.SWA, sidx, keys=keys)]) == {PoolName.SWA: [False] * 3}
+    assert b.clear() is False
+    # bad arguments from a caller are misses too
+    assert b.batch_get_v1(keys, idx[:1]) == [False] * 3
+    assert b._errors.total >= 14
+    b.close()
+    b.close()  # idempotent
+    assert b.batch_get_v1(keys, idx) == [False] * 3  # closed store: misses
+
+
+def test_store_needing_registered_memory_gets_the_host_buffers():
+    host = make_cpu_host_pool("page_first")
+    b = backend(host, store=REGISTERING)
+    kvb = host.kv_buffer
+    assert b.store.spans == [(kvb.data_ptr(), kvb.numel() * kvb.element_size())]
+    keys = hashes(2, "reg")
+    idx = alloc_pages(host, 2)
+    fill_pages(host, idx, seed=1)
+    assert b.batch_set_v1(keys, idx) == [True, True]
+    fresh = make_cpu_host_pool("page_first")
+    b2 = backend(fresh, store=REGISTERING)
+    fidx = alloc_pages(fresh, 2, skip=1)
+    assert b2.batch_get_v1(keys, fidx) == [True, True]
+    assert pages_of(fresh, fidx) == pages_of(host, idx)
+    b.close()
+    b2.close()
+
+
+def test_get_stats_returns_sglang_storage_metrics():
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+    host = make_cpu_host_pool("page_first")
+    b = backend(host, metrics=True)
+    keys = hashes(3, "stats")
+    idx = alloc_pages(host, 3)
+    b.batch_set_v1(keys, idx)
+    b.batch_get_v1(keys, idx)
+    m = b.get_stats()
+    assert isinstance(m, StorageMetrics)
+    assert m.backup_pgs == [3] and m.prefetch_pgs == [3]
+    assert m.prefetch_bandwidth[0] > 0 and m.backup_bandwidth[0] > 0
+    assert b.get_stats().prefetch_pgs == []  # drained, as SGLang's backends do
+    assert b.clear() is True and b.batch_exists(keys) == 0
+    b.close()
+
+
+def test_concurrent_prefetch_and_backup_threads_keep_pages_intact():
+    """SGLang's prefetch-IO and backup threads call the backend at once."""
+    host = make_cpu_host_pool("page_head", host_tokens=4 * 64)
+    b = backend(host, space="threads")
+    ps = host.page_size
+    idx = alloc_pages(host, 32)
+    fill_pages(host, idx, seed=77)
+    want = pages_of(host, idx)
+    keys = hashes(32, "threads")
+    readers = [make_cpu_host_pool("page_head", host_tokens=4 * 40) for _ in range(3)]
+    rb = [backend(r, space="threads") for r in readers]
+    errors: list = []
+
+    def write():
+        for i in range(0, 32, 4):
+            if b.batch_set_v1(keys[i:i + 4], idx[i * ps:(i + 4) * ps]) != [True] * 4:
+                errors.append("write failed")
+
+    def read(j):
+        ridx = alloc_pages(readers[j], 32)
+        for _ in range(20):
+            got = rb[j].batch_get_v1(keys, ridx)
+            n = leading(got)
+            for i in range(32):
+                if got[i] and page_bytes(readers[j], ridx[i * ps]) != want[i]:
+                    errors.append(f"reader {j} page {i} wrong bytes")
+            if n == 32:
+                break
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read, args=(j,)) for j in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    for x in [b, *rb]:
+        x.close()
