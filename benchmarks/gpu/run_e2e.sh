@@ -1,0 +1,220 @@
+#!/bin/bash
+# GPU end-to-end TTFT of SGLang HiCache with kvconnect stores vs SGLang's own L3 backends.
+# Runs ON THE DEVICE (H200) from the repository root; see benchmarks/gpu/README.md for the device calls.
+#   bash benchmarks/gpu/run_e2e.sh PHASE...
+# PHASE: diag | install1 | install2 | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE
+#   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
+#   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
+#         kvc_hf3fs (kvconnect HF3FS store, POSIX client) | kvc_memory (kvconnect in-process store)
+#   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit)
+#   cross_STORE:   two servers (ports 30000/30001) sharing one store; prompts prefilled on A, read on B
+# Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384).
+set -u
+T0=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-570}
+REPO=$(pwd)
+G=$REPO/.gpu                         # the shared recipe (hicache_client.py), carried as .gpu
+B=$REPO/benchmarks/gpu
+OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
+LOGD=/tmp/sglogs; mkdir -p "$LOGD"
+RES=$OUTD/results.jsonl
+PLAN=${PLAN:-w8192,8192,16384}
+export PYTHONPATH=/tmp/site2:/tmp/site1:$REPO:$G
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
+export LMCACHE_TRACK_USAGE=false
+export TVM_FFI_CACHE_DIR=/tmp/jitcache/tvm-ffi TRITON_CACHE_DIR=/tmp/jitcache/triton FLASHINFER_WORKSPACE_BASE=/tmp/jitcache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo
+export SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/tmp/l3/file
+command -v nvcc >/dev/null 2>&1 || export PATH=$PATH:/usr/local/cuda/bin
+[ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 && export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+
+el() { echo $(( $(date +%s) - T0 )); }
+say() { echo "[$(el)s] $*"; }
+left() { echo $(( DEADLINE_S - $(el) )); }
+need() { if [ "$(left)" -lt "$1" ]; then say "SKIP $2: only $(left)s left (< $1)"; echo "{\"event\":\"skip\",\"phase\":\"$2\",\"t\":$(el)}" >> "$RES"; return 1; fi; }
+done_mark() { echo "$1" >> /tmp/sglogs/phases_done; }
+is_done() { grep -qxF "$1" /tmp/sglogs/phases_done 2>/dev/null; }
+
+model_dir() { echo "/tmp/model-$1"; }
+make_model() {  # arch
+  local m; m=$(model_dir "$1"); mkdir -p "$m"
+  if [ "$1" = qwen3 ]; then
+    cat > "$m/config.json" <<'JSON'
+{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120, "intermediate_size": 25600,
+ "num_hidden_layers": 64, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+ "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000, "rope_scaling": null, "vocab_size": 151936,
+ "bos_token_id": 151643, "eos_token_id": 151645, "tie_word_embeddings": false, "attention_bias": false,
+ "attention_dropout": 0.0, "initializer_range": 0.02, "max_window_layers": 64, "sliding_window": null,
+ "use_sliding_window": false, "torch_dtype": "bfloat16", "use_cache": true}
+JSON
+  else
+    cat > "$m/config.json" <<'JSON'
+{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+ "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+ "max_position_embeddings": 40960, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "vocab_size": 128256,
+ "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": false, "attention_bias": false,
+ "mlp_bias": false, "initializer_range": 0.02, "torch_dtype": "bfloat16", "use_cache": true}
+JSON
+  fi
+}
+# bytes of one page's K (or V) object: layers * 64 tokens * 8 kv heads * 128 dims * 2 bytes
+kv_half_page_bytes() { if [ "$1" = qwen3 ]; then echo $((64*64*8*128*2)); else echo $((32*64*8*128*2)); fi; }
+
+load_jitcache() {
+  if [ ! -d /tmp/jitcache ] && [ -f "$REPO/.gpujitcache/jitcache.tgz" ]; then
+    tar xzf "$REPO/.gpujitcache/jitcache.tgz" -C /tmp && say "restored /tmp/jitcache"
+  fi
+}
+
+# -- the stores ------------------------------------------------------------------------------------------
+KVC='"backend_name":"kvconnect","module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage","interface_v1":1'
+store_args() {  # store, port-suffix -> prints backend args (one per line)
+  local s=$1 k=${2:-0}
+  case $s in
+    file) printf '%s\n' --hicache-storage-backend file --hicache-storage-backend-extra-config '{"file_storage_path":"/tmp/l3/file"}' ;;
+    hf3fsref)
+      mkdir -p /tmp/l3/hf3fsref
+      echo '{"file_path_prefix":"/tmp/l3/hf3fsref/hicache","file_size":34359738368,"numjobs":16,"entries":8}' > /tmp/l3/hf3fsref.json
+      printf '%s\n' --hicache-storage-backend hf3fs --hicache-storage-backend-extra-config '{"use_mock_hf3fs_client":true}' ;;
+    kvc_hf3fs)
+      mkdir -p /tmp/l3/kvc
+      local meta=""; [ -f /tmp/sglogs/meta.pid ] && meta=',"metadata_server_url":"http://127.0.0.1:18000"'
+      printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
+        "{$KVC,\"store\":\"hf3fs\",\"file_path_prefix\":\"/tmp/l3/kvc/hicache\",\"file_size\":\"32gb\",\"numjobs\":16,\"entries\":16$meta,\"metrics_port\":$((9400+k))}" ;;
+    kvc_memory)
+      printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
+        "{$KVC,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((9400+k))}" ;;
+    *) say "unknown store $s"; return 1 ;;
+  esac
+}
+store_wait() {  # arch store port-suffix -> driver wait args
+  case $2 in
+    file) echo "--wait files:/tmp/l3/file" ;;
+    hf3fsref) echo "--wait blocks:/tmp/l3/hf3fsref/hicache* --page-bytes $(kv_half_page_bytes "$1") --objects-per-page 2" ;;
+    kvc_*) echo "--wait metrics:http://127.0.0.1:$((9400+${3:-0}))/metrics --metrics http://127.0.0.1:$((9400+${3:-0}))/metrics" ;;
+  esac
+}
+
+# -- servers ---------------------------------------------------------------------------------------------
+launch() {  # name arch port store [suffix]
+  local name=$1 arch=$2 port=$3 store=$4 k=${5:-0}
+  make_model "$arch"; load_jitcache
+  local memfrac=0.85 maxtok=65536
+  [ "$arch" = llama ] && { memfrac=0.4; maxtok=65536; }
+  local args=(); mapfile -t args < <(store_args "$store" "$k")
+  local env=()
+  [ "$store" = hf3fsref ] && env=(SGLANG_HICACHE_HF3FS_CONFIG_PATH=/tmp/l3/hf3fsref.json)
+  say "launch $name: $arch store=$store port=$port"
+  echo "{\"event\":\"launch\",\"name\":\"$name\",\"arch\":\"$arch\",\"store\":\"$store\",\"t\":$(el),\"wall\":$(date +%s)}" >> "$RES"
+  env "${env[@]}" python3 -c 'import os, sys
+try: os.setsid()
+except OSError: pass
+os.execvp(sys.argv[1], sys.argv[1:])' python3 -m sglang.launch_server --model-path "$(model_dir "$arch")" --load-format dummy \
+    --skip-tokenizer-init --host 127.0.0.1 --port "$port" --page-size 64 --enable-hierarchical-cache --hicache-ratio 2 \
+    --hicache-write-policy write_through --mem-fraction-static "$memfrac" --max-total-tokens "$maxtok" --disable-cuda-graph \
+    --attention-backend triton --sampling-backend pytorch --grammar-backend none --log-level info \
+    "${args[@]}" > "$LOGD/$name.log" 2>&1 < /dev/null &
+  echo $! > "$LOGD/$name.pid"; echo "$name" >> "$LOGD/running"
+}
+wait_up() {  # name port timeout
+  local t=$(date +%s)
+  if SGL_URL=http://127.0.0.1:$2 python3 "$G/hicache_client.py" wait --timeout "$3" --pid "$(cat "$LOGD/$1.pid")" --out "$RES"; then
+    say "server $1 ready after $(( $(date +%s) - t ))s"; return 0
+  fi
+  say "server $1 NOT ready; log tail:"; tail -n 40 "$LOGD/$1.log" | cut -c1-300; return 1
+}
+stop_all() {
+  [ -f "$LOGD/running" ] || return 0
+  for name in $(cat "$LOGD/running"); do
+    local pid; pid=$(cat "$LOGD/$name.pid")
+    kill -TERM -- "-$pid" 2>/dev/null
+    for _ in $(seq 1 30); do kill -0 -- "-$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL -- "-$pid" 2>/dev/null
+  done
+  rm -f "$LOGD/running"; sleep 2
+}
+meta_start() {
+  [ -f /tmp/sglogs/meta.pid ] && return 0
+  mkdir -p /tmp/l3/meta
+  python3 -c 'import os, sys
+os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m connectors.cli hf3fs-meta serve --host 127.0.0.1 --port 18000 \
+    --data-dir /tmp/l3/meta > "$LOGD/meta.log" 2>&1 < /dev/null &
+  echo $! > /tmp/sglogs/meta.pid; sleep 3; say "metadata service pid $(cat /tmp/sglogs/meta.pid)"
+}
+meta_stop() { [ -f /tmp/sglogs/meta.pid ] && kill -- "-$(cat /tmp/sglogs/meta.pid)" 2>/dev/null; rm -f /tmp/sglogs/meta.pid; }
+
+drive() {  # arch store tag port k extra...
+  local arch=$1 store=$2 tag=$3 port=$4 k=$5; shift 5
+  # shellcheck disable=SC2046
+  python3 "$B/e2e_driver.py" run --url "http://127.0.0.1:$port" --out "$RES" --tag "$tag" --plan "$PLAN" \
+    --deadline $(( T0 + DEADLINE_S - 20 )) $(store_wait "$arch" "$store" "$k") "$@"
+}
+
+# -- phases ----------------------------------------------------------------------------------------------
+phase_diag() { { nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv; python3 -V; free -g | head -2; df -h /tmp | tail -1; nproc; } 2>&1 | tee "$OUTD/diag.txt"; }
+pipi() {
+  local t=$(date +%s)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -5
+  say "installed $(ls "$1"/*.whl | wc -l) wheels from $1 into $2 in $(( $(date +%s) - t ))s"
+}
+phase_install1() { pipi .gpuwheels1 /tmp/site1; load_jitcache; }
+phase_install2() { pipi .gpuwheels2 /tmp/site2; load_jitcache; find /tmp/site1 /tmp/site2 -exec touch -h -d 2000-01-01 {} + 2>/dev/null; }
+phase_stop() { stop_all; meta_stop; }
+
+run_store() {  # arch store
+  local arch=$1 store=$2
+  need 150 "$arch:$store" || return 1
+  stop_all; meta_stop; rm -rf /tmp/l3/file /tmp/l3/hf3fsref /tmp/l3/kvc /tmp/l3/meta; mkdir -p /tmp/l3/file
+  [ "$store" = kvc_hf3fs ] && meta_start   # durable page index: survives the restart phase
+  launch "${arch}_$store" "$arch" 30000 "$store" || return 1
+  wait_up "${arch}_$store" 30000 "$(( $(left) - 60 ))" || return 1
+  rm -f "/tmp/l3/prompts_${arch}_$store.jsonl"
+  drive "$arch" "$store" "${arch}:${store}" 30000 0 --record "/tmp/l3/prompts_${arch}_$store.jsonl"
+}
+run_restart() {  # arch store: relaunch with the store's data kept, replay recorded prompts
+  local arch=$1 store=$2
+  need 110 "$arch:restart_$store" || return 1
+  stop_all
+  launch "${arch}_${store}_restart" "$arch" 30000 "$store" || return 1
+  wait_up "${arch}_${store}_restart" 30000 "$(( $(left) - 40 ))" || return 1
+  local m=""; case $store in kvc_*) m="--metrics http://127.0.0.1:9400/metrics";; esac
+  # shellcheck disable=SC2086
+  python3 "$B/e2e_driver.py" replay --url http://127.0.0.1:30000 --out "$RES" --tag "${arch}:restart_${store}" \
+    --ids-from "/tmp/l3/prompts_${arch}_$store.jsonl" --label L3_after_restart --deadline $(( T0 + DEADLINE_S - 15 )) $m
+}
+run_cross() {  # arch store: A prefills, B (another server process) hits through the shared store
+  local arch=$1 store=$2
+  need 200 "$arch:cross_$store" || return 1
+  stop_all; meta_stop; rm -rf /tmp/l3/kvc /tmp/l3/meta; meta_start
+  launch "${arch}_${store}_A" "$arch" 30000 "$store" 0 || return 1
+  launch "${arch}_${store}_B" "$arch" 30001 "$store" 1 || return 1
+  wait_up "${arch}_${store}_A" 30000 "$(( $(left) - 90 ))" || return 1
+  wait_up "${arch}_${store}_B" 30001 "$(( $(left) - 60 ))" || return 1
+  rm -f /tmp/l3/cross.jsonl
+  PLAN=$(echo "$PLAN" | sed 's/w[0-9]*,\?//') drive "$arch" "$store" "${arch}:cross_${store}_A" 30000 0 --record /tmp/l3/cross.jsonl
+  python3 "$B/e2e_driver.py" run --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_Bwarm" --plan w8192 \
+    --deadline $(( T0 + DEADLINE_S - 15 ))
+  python3 "$B/e2e_driver.py" replay --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_B" \
+    --ids-from /tmp/l3/cross.jsonl --label L3_cross_instance --deadline $(( T0 + DEADLINE_S - 10 )) \
+    --metrics http://127.0.0.1:9401/metrics
+  stop_all; meta_stop
+}
+
+say "phases: $* (deadline ${DEADLINE_S}s, plan $PLAN)"
+for ph in "$@"; do
+  if is_done "$ph"; then say "=== $ph already done"; continue; fi
+  say "=== phase $ph"
+  case $ph in
+    *:restart_*) arch=${ph%%:*}; s=${ph#*:restart_}; run_restart "$arch" "$s" ;;
+    *:cross_*) arch=${ph%%:*}; s=${ph#*:cross_}; run_cross "$arch" "$s" ;;
+    *:*) run_store "${ph%%:*}" "${ph#*:}" ;;
+    *) "phase_$ph" ;;
+  esac
+  rc=$?
+  if [ $rc = 0 ]; then done_mark "$ph"; say "=== phase $ph ok"; else say "=== phase $ph FAILED/skipped"; fi
+  case $ph in install*) [ $rc = 0 ] || break ;; esac
+done
+stop_all
+( cd "$LOGD" && tar czf "$OUTD/logs.tgz" ./*.log 2>/dev/null )
+[ -d /tmp/jitcache ] && [ ! -f "$REPO/.gpujitcache/jitcache.tgz" ] && tar czf "$OUTD/jitcache.tgz" -C /tmp jitcache 2>/dev/null
+say "end"

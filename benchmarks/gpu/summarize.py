@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Summarize run_e2e.sh results (one or more results.jsonl) into benchmarks/results/gpu_e2e.json.
+
+TTFT of a request = SGLang's server-side ``e2e_latency`` with max_new_tokens=1.
+Ratios (issue's names):
+  <store>_<model>_<len>_l3_over_cold  L3-hit TTFT / cold TTFT of the same store run (lower is better)
+  <store>_<model>_<len>_vs_file       file-backend L3-hit TTFT / this store's L3-hit TTFT (higher is better)
+An L3 hit counts only if SGLang reports the prompt's pages as loaded from storage
+(``cached_tokens_details.storage``); otherwise it is listed under ``not_from_storage``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from benchmarks.harness import BenchResult  # noqa: E402
+
+MODELS = {"qwen3": "qwen3-32b", "llama": "llama-8b"}
+PHASES = {"1_cold": "cold", "2_gpu_hit": "gpu_hit", "3_L3_hit": "l3_hit", "4_gpu_hit_again": "gpu_hit_again",
+          "L3_after_restart": "l3_after_restart", "L3_cross_instance": "l3_cross_instance"}
+
+
+def ttft(rec):
+    return (rec.get("meta") or {}).get("e2e_latency") or rec.get("e2e_client_s")
+
+
+def storage_tokens(rec):
+    d = (rec.get("meta") or {}).get("cached_tokens_details") or {}
+    return d.get("storage") or 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="results.jsonl files from run_e2e.sh")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_e2e.json"))
+    a = p.parse_args(argv)
+    recs = []
+    for f in a.results:
+        recs += [json.loads(line) for line in open(f) if line.strip()]
+    # figures[model][len][store][phase] = [ttft...]
+    fig = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
+    storage = defaultdict(list)
+    breakdown = defaultdict(list)
+    for r in recs:
+        tag = r.get("tag", "")
+        if ":" not in tag:
+            continue
+        arch, what = tag.split(":", 1)
+        model = MODELS.get(arch, arch)
+        store = what
+        for pre in ("restart_", "cross_"):
+            if store.startswith(pre):
+                store = store[len(pre):]
+        store = store.removesuffix("_A").removesuffix("_Bwarm").removesuffix("_B")
+        if r.get("event") == "l3_breakdown":
+            breakdown[(model, store, r["label"])].append(r)
+            continue
+        if r.get("event") != "gen" or "error" in r or r["label"].startswith("warmup"):
+            continue
+        n, _, phase = r["label"].partition("_")
+        if phase.startswith("r") and "_" in phase:
+            phase = phase.split("_", 1)[1]
+        phase = PHASES.get(phase, phase)
+        if phase.endswith("_gpu_hit"):
+            continue
+        t = ttft(r)
+        if t is None:
+            continue
+        if phase.startswith("l3"):
+            st = storage_tokens(r)
+            storage[(model, n, store, phase)].append(st)
+            if st < int(n) // 2:  # mostly recomputed: not an L3 hit
+                fig[model][n][store][phase + "_not_from_storage"].append(t)
+                continue
+        fig[model][n][store][phase].append(t)
+
+    res = BenchResult("gpu_e2e")
+    res.params = {"sources": a.results, "ttft": "server-side e2e_latency, max_new_tokens=1",
+                  "machine": "one NVIDIA H200 (device tool), SGLang 0.5.17 wheels, dummy weights"}
+    out = {m: {n: {s: {ph: {"values_s": v, "median_s": statistics.median(v)} for ph, v in d.items()}
+                   for s, d in by_store.items()} for n, by_store in by_n.items()} for m, by_n in fig.items()}
+    res.figures = {"ttft": out,
+                   "storage_tokens": {"|".join(k): v for k, v in storage.items()},
+                   "l3_breakdown": {"|".join(k): v for k, v in breakdown.items()}}
+    for model, by_n in fig.items():
+        for n, by_store in by_n.items():
+            file_l3 = by_store.get("file", {}).get("l3_hit")
+            for store, d in by_store.items():
+                cold, l3 = d.get("cold"), d.get("l3_hit")
+                if cold and l3:
+                    c, l = statistics.median(cold), statistics.median(l3)
+                    res.ratios.append({"metric": f"{store}_{model}_{n}_l3_over_cold", "ours": l, "reference": c,
+                                       "ratio": round(l / c, 4), "reference_system": "cold prefill (same server)",
+                                       "lower_is_better": True})
+                if l3 and file_l3 and store != "file":
+                    fl, ol = statistics.median(file_l3), statistics.median(l3)
+                    res.ratios.append({"metric": f"{store}_{model}_{n}_vs_file", "ours": ol, "reference": fl,
+                                       "ratio": round(fl / ol, 4), "reference_system": "SGLang file backend L3 hit",
+                                       "note": "TTFT: ratio = reference / ours, higher is better"})
+    res.print_ratios()
+    res.write(Path(a.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
