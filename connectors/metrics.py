@@ -70,6 +70,13 @@ class _StoreCollector:
                 fam = fams.get(name) or fams.setdefault(
                     name, GaugeMetricFamily(f"kvconnect_{name}", help_, labels=label_names))
                 fam.add_metric(lv, float(v))
+            families = getattr(store, "metric_families", None)
+            if families is not None:  # a store's own series (e.g. the peer pool's counters)
+                try:
+                    for fam in families(label_names, lv):
+                        fams[f"own_{fam.name}_{id(store)}"] = fam
+                except Exception:  # noqa: BLE001 - a scrape must not fail because a store did
+                    log.debug("metric_families() failed for %r", store, exc_info=True)
             for name, v in s.extra.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     key = f"extra_{s.store}_{name}"

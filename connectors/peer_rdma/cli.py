@@ -1,0 +1,87 @@
+"""``kvconnect peer``: run a memory-only pool node, or ask a node for its state.
+
+    kvconnect peer serve --discovery-addr 10.0.0.1:31998 --global-segment-size 16gb \\
+        --bind-host 10.0.0.2 --metrics-port 31997
+    kvconnect peer status 10.0.0.2:31998          # members and counters (JSON)
+
+Any ``PeerRdmaConfig`` key can be given as ``--set key=value`` (or ``--config JSON``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+_FLAGS = ("discovery_addr", "bind_host", "local_hostname", "control_port", "global_segment_size",
+          "protocol", "device_name", "device_names", "disk_path", "disk_size", "metrics_port",
+          "metrics_bind_host", "auth_token")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="peer_command", metavar="ACTION", required=True)
+    s = sub.add_parser("serve", help="run a memory-only node (no engine) until SIGTERM/SIGINT")
+    for key in _FLAGS:
+        s.add_argument("--" + key.replace("_", "-"), dest=key, default=None)
+    s.add_argument("--config", default=None, help="JSON object of options (the SGLang extra-config form)")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other option")
+    s.add_argument("--ready-file", default=None, help="write the node id here once joined (scripts, tests)")
+    t = sub.add_parser("status", help="print a node's members and counters as JSON")
+    t.add_argument("address", help="control address host:port")
+    t.add_argument("--token", default=None, help="shared token (default: $KVCONNECT_PEER_TOKEN)")
+    t.add_argument("--timeout", type=float, default=2.0)
+
+
+def options_from_args(args: argparse.Namespace) -> dict:
+    opts: dict = json.loads(args.config) if args.config else {}
+    for key in ("backend_name", "module_path", "class_name", "interface_v1", "store"):
+        opts.pop(key, None)  # SGLang extra-config keys that are not pool options
+    for key in _FLAGS:
+        v = getattr(args, key)
+        if v is not None:
+            opts[key] = v
+    for kv in args.set:
+        k, sep, v = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--set needs KEY=VALUE, got {kv!r}")
+        opts[k.strip()] = v
+    return opts
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.peer_command == "status":
+        import os
+
+        from connectors.peer_rdma.rpc import Clients
+
+        c = Clients(args.token if args.token is not None else os.environ.get("KVCONNECT_PEER_TOKEN", ""),
+                    args.timeout)
+        try:
+            print(json.dumps(c.call(args.address, "Stats", []), indent=2, sort_keys=True))
+        finally:
+            c.close()
+        return 0
+
+    from connectors.registry import create_store
+
+    store = create_store("peer_rdma", options_from_args(args))
+    node = store.node
+    print(f"peer node {node.node_id} up: te={node.transport.name} segment={node.config.global_segment_size} "
+          f"members={len(node.view.members)}"
+          + (f" metrics=http://{node.config.metrics_bind_host}:{store.metrics_port}/metrics"
+             if store.metrics_port else ""), flush=True)
+    if args.ready_file:
+        with open(args.ready_file + ".tmp", "w") as f:
+            f.write(node.node_id)
+        import os
+
+        os.replace(args.ready_file + ".tmp", args.ready_file)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    store.close()  # clean leave
+    print(f"peer node {node.node_id} left", file=sys.stderr, flush=True)
+    return 0

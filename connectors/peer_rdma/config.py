@@ -1,0 +1,87 @@
+"""Options of the ``peer_rdma`` store (SGLang extra-config names where the seed guide has them)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from connectors.config import Size, StoreConfig, field_doc
+
+
+@dataclass(frozen=True)
+class PeerRdmaConfig(StoreConfig):
+    discovery_addr: str = field(default="127.0.0.1:31998", metadata=field_doc(
+        "seed control addresses host:port, comma-separated; any live member works as a seed"))
+    protocol: Literal["rdma", "tcp"] = field(default="rdma", metadata=field_doc(
+        "Transfer Engine protocol; the engine uses RDMA where it finds a NIC, TCP otherwise"))
+    device_name: str = field(default="", metadata=field_doc("RDMA device, e.g. mlx5_0 (empty: auto)"))
+    device_names: str = field(default="", metadata=field_doc(
+        "RDMA devices (rails), comma-separated; overrides device_name"))
+    local_hostname: str = field(default="", metadata=field_doc(
+        "address peers use to reach this node (default: bind_host, or the route to the first seed)"))
+    bind_host: str = field(default="127.0.0.1", metadata=field_doc("address the control plane listens on"))
+    control_port: int = field(default=-1, metadata=field_doc(
+        "control (gRPC) port; -1: the discovery_addr port if it is free here, else any; 0: any"))
+    global_segment_size: Size = field(default=4 << 30, metadata=field_doc(
+        "memory this node lends to the pool ('16gb' style); 0: store no pages"))
+    placement: Literal["local", "owner"] = field(default="local", metadata=field_doc(
+        "where a written page lives: 'local' = the writer's own segment (writes are memcpy), "
+        "'owner' = the key's owner node (one-sided remote write)"))
+    directory_replicas: int = field(default=1, metadata=field_doc(
+        "extra nodes (besides the owner) holding each directory entry"))
+    disk_path: str = field(default="", metadata=field_doc("write-through disk tier directory (empty: none)"))
+    disk_size: Size = field(default=100 << 30, metadata=field_doc("disk tier capacity"))
+    heartbeat_interval: float = field(default=1.0, metadata=field_doc("seconds between heartbeats"))
+    member_ttl: float = field(default=4.0, metadata=field_doc("a member silent this long is dropped (s)"))
+    rpc_timeout: float = field(default=0.5, metadata=field_doc("deadline of one control-plane call (s)"))
+    timeout: float = field(default=6.0, metadata=field_doc(
+        "bound on one read/write call (s); >= 2*rpc_timeout + 5 (Transfer Engine's minimum)"))
+    auth_token: str = field(default="", metadata=field_doc(
+        "shared secret on every RPC (default: $KVCONNECT_PEER_TOKEN)"))
+    metrics_port: int = field(default=-1, metadata=field_doc("Prometheus port (-1: no endpoint, 0: any)"))
+    metrics_bind_host: str = field(default="127.0.0.1", metadata=field_doc("Prometheus bind address"))
+    bounce_buffer_size: Size = field(default=64 << 20, metadata=field_doc(
+        "registered staging memory for pages in unregistered caller memory"))
+    location_cache_ttl: float = field(default=2.0, metadata=field_doc(
+        "seconds a location found by exists() is reused by the next read (0: off)"))
+    join_timeout: float = field(default=5.0, metadata=field_doc("seconds to wait for a seed at start"))
+
+    def __post_init__(self) -> None:
+        from connectors.base import ConfigError
+
+        if not self.seeds:
+            raise ConfigError("discovery_addr", "needs at least one host:port")
+        for s in self.seeds:
+            host, _, port = s.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError("discovery_addr", f"{s!r} is not host:port")
+        if self.global_segment_size < 0:
+            raise ConfigError("global_segment_size", "must be >= 0")
+        if self.directory_replicas < 0:
+            raise ConfigError("directory_replicas", "must be >= 0")
+        if self.heartbeat_interval <= 0 or self.member_ttl <= self.heartbeat_interval:
+            raise ConfigError("member_ttl", "must be > heartbeat_interval > 0")
+        if self.rpc_timeout <= 0:
+            raise ConfigError("rpc_timeout", "must be > 0")
+        if self.timeout < 2 * self.rpc_timeout + 5:
+            raise ConfigError("timeout", f"must be >= 2*rpc_timeout + 5 = {2 * self.rpc_timeout + 5:g} "
+                              "(the Transfer Engine cannot time a transfer out sooner than 5 s)")
+        if self.disk_path and self.disk_size <= 0:
+            raise ConfigError("disk_size", "must be > 0 when disk_path is set")
+
+    @property
+    def seeds(self) -> list[str]:
+        return [s.strip() for s in self.discovery_addr.split(",") if s.strip()]
+
+    @property
+    def token(self) -> str:
+        return self.auth_token or os.environ.get("KVCONNECT_PEER_TOKEN", "")
+
+    @property
+    def devices(self) -> str:
+        return self.device_names or self.device_name
+
+    @property
+    def transfer_timeout(self) -> int:
+        return max(5, int(self.timeout - 2 * self.rpc_timeout))

@@ -1,0 +1,219 @@
+"""Membership: who is in the pool, learned by heartbeats, with no master.
+
+Every node runs the same gRPC ``Heartbeat`` handler, so any node can be a seed. A node
+joins by heartbeating any seed; replies carry the sender's live set, and members learned
+that way become *candidates*. A member is *live* only after direct contact (a heartbeat
+from it, or a reply to ours), so gossip can never keep a dead node alive, and it stops
+being live when nothing was heard from it for ``member_ttl`` seconds. Every node
+heartbeats every live member, candidate and seed each ``heartbeat_interval``: with a
+full mesh, all nodes that can reach each other converge on the same live set within
+one TTL, and a healed partition or a restarted node is found again through the seeds or
+the recently dropped members. ``Leave`` removes a node at once (clean shutdown).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from connectors.peer_rdma.rpc import Clients, RpcError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Member:
+    """What a node publishes about itself (sent in every heartbeat)."""
+
+    node_id: str  # control address host:port: the identity used for placement
+    incarnation: int  # start time (ns): a restarted node is a new incarnation
+    te_name: str  # Transfer Engine segment name (host:rpc_port)
+    seg_base: int  # address of its lent segment in its own process
+    seg_size: int  # bytes it lends (0: stores no pages)
+
+    def to_wire(self) -> list:
+        return [self.node_id, self.incarnation, self.te_name, self.seg_base, self.seg_size]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "Member":
+        return cls(str(w[0]), int(w[1]), str(w[2]), int(w[3]), int(w[4]))
+
+
+@dataclass
+class _Peer:
+    member: Member
+    last_seen: float
+
+
+@dataclass
+class View:
+    """An immutable snapshot of the live set (self included), sorted by node id."""
+
+    version: int
+    members: dict[str, Member] = field(default_factory=dict)
+    changed_at: float = 0.0
+
+    @property
+    def ids(self) -> list[str]:
+        return sorted(self.members)
+
+
+class Membership:
+    def __init__(self, me: Member, seeds: list[str], clients: Clients, *, interval: float, ttl: float,
+                 on_change: Callable[[View, View], None] | None = None):
+        self.me = me
+        self.seeds = [s for s in seeds if s and s != me.node_id]
+        self.clients = clients
+        self.interval = interval
+        self.ttl = ttl
+        self.on_change = on_change
+        self._lock = threading.Lock()
+        self._live: dict[str, _Peer] = {}
+        self._candidates: dict[str, float] = {}  # address -> forget-after time
+        self._left: dict[str, int] = {}  # node_id -> incarnation that said Leave
+        self._view = View(1, {me.node_id: me}, time.monotonic())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._change_lock = threading.Lock()
+
+    # -- public ---------------------------------------------------------------------
+    @property
+    def view(self) -> View:
+        return self._view
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="peer-heartbeat", daemon=True)
+        self._thread.start()
+
+    def join(self, wait: float) -> bool:
+        """One heartbeat round now; with seeds, wait up to ``wait`` s until one answered."""
+        deadline = time.monotonic() + wait
+        while True:
+            self._round()
+            with self._lock:  # members learned from the seed's reply: contact them too
+                pending = [c for c in self._candidates if c not in self.seeds]
+            joined = len(self._view.members) > 1
+            if not self.seeds or (joined and not pending) or time.monotonic() >= deadline:
+                return joined or not self.seeds
+            if not joined:
+                time.sleep(min(0.2, self.interval))
+
+    def stop(self, leave: bool = True) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(self.interval + self.clients.timeout + 1)
+        if leave:
+            targets = {p.member.node_id: [self.me.node_id, self.me.incarnation] for p in self._live.values()}
+            self.clients.fan_out(targets, "Leave", timeout=min(1.0, self.clients.timeout))
+
+    # -- handlers (called by the gRPC server) ------------------------------------------
+    def handle_heartbeat(self, req: list) -> list:
+        sender = Member.from_wire(req[0])
+        self._heard(sender)
+        self._learn(req[1])
+        return [self.me.to_wire(), self._live_wire()]
+
+    def handle_leave(self, req: list) -> list:
+        node_id, incarnation = str(req[0]), int(req[1])
+        with self._lock:
+            self._left[node_id] = incarnation
+            peer = self._live.get(node_id)
+            if peer and peer.member.incarnation == incarnation:
+                del self._live[node_id]
+        self._publish_view()
+        return []
+
+    # -- internals ---------------------------------------------------------------------
+    def _live_wire(self) -> list:
+        with self._lock:
+            return [p.member.to_wire() for p in self._live.values()]
+
+    def _heard(self, m: Member) -> None:
+        if m.node_id == self.me.node_id:
+            return
+        with self._lock:
+            if self._left.get(m.node_id, -1) >= m.incarnation:
+                return  # a late heartbeat of a node that left
+            cur = self._live.get(m.node_id)
+            if cur and cur.member.incarnation > m.incarnation:
+                return  # a stale incarnation
+            self._live[m.node_id] = _Peer(m, time.monotonic())
+            self._candidates.pop(m.node_id, None)
+        self._publish_view()
+
+    def _learn(self, members: list) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for w in members:
+                node_id, inc = str(w[0]), int(w[1])
+                if node_id == self.me.node_id or node_id in self._live:
+                    continue
+                if self._left.get(node_id, -1) >= inc:
+                    continue
+                self._candidates.setdefault(node_id, now + 3 * self.ttl)
+
+    def _round(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            targets = set(self._live) | set(self._candidates) | set(self.seeds)
+            for a, until in list(self._candidates.items()):
+                if until < now and a not in self.seeds:
+                    del self._candidates[a]
+        req = [self.me.to_wire(), self._live_wire()]
+        timeout = max(0.2, min(self.clients.timeout, self.interval * 2))
+        replies = self.clients.fan_out({t: req for t in targets}, "Heartbeat", timeout=timeout)
+        for target, rep in replies.items():
+            if isinstance(rep, RpcError):
+                if rep.code == "UNAUTHENTICATED":
+                    log.warning("peer %s refused our token", target)
+                continue
+            member = Member.from_wire(rep[0])
+            if member.node_id != target:  # a seed's address differs from its node id
+                with self._lock:
+                    self._candidates.pop(target, None)
+            self._heard(member)
+            self._learn(rep[1])
+        self._expire()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        dropped = []
+        with self._lock:
+            for node_id, p in list(self._live.items()):
+                if now - p.last_seen > self.ttl:
+                    del self._live[node_id]
+                    dropped.append(node_id)
+                    # keep trying it for a while: a healed partition or a restart rejoins
+                    self._candidates[node_id] = now + 10 * self.ttl + 60
+        if dropped:
+            log.warning("peer pool: dropped silent member(s) %s", ", ".join(dropped))
+            self._publish_view()
+
+    def _publish_view(self) -> None:
+        with self._change_lock:
+            with self._lock:
+                members = {self.me.node_id: self.me}
+                members.update({k: p.member for k, p in self._live.items()})
+            old = self._view
+            same = old.members.keys() == members.keys() and all(
+                old.members[k].incarnation == m.incarnation for k, m in members.items())
+            if same:
+                return
+            new = View(old.version + 1, members, time.monotonic())
+            self._view = new
+            log.info("peer pool view %d: %d member(s): %s", new.version, len(members), ", ".join(new.ids))
+        if self.on_change:
+            try:
+                self.on_change(old, new)
+            except Exception:  # noqa: BLE001 - a membership callback never stops heartbeats
+                log.exception("peer pool view change handler failed")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._round()
+            except Exception:  # noqa: BLE001
+                log.exception("peer heartbeat round failed")

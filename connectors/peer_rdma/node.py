@@ -1,0 +1,921 @@
+"""A peer-pool node: membership, its lent segment, its share of the directory, the data plane.
+
+Write (``placement="local"``, default): the page is copied into this node's own segment,
+then its directory entry ``[holder, incarnation, offset, length, seq, checksum, resident]``
+is published (put-if-absent) to the key's owner and ``directory_replicas`` successors.
+Write (``placement="owner"``): the key's owner reserves a block (``Alloc``), the writer
+writes the page into it one-sidedly, and the owner verifies the checksum of the landed
+bytes before it publishes the slot (``Commit``).
+Read: own pages are a local copy (seqlock-checked); others are located on their owners
+(one batched ``DirGet`` per owner) and read one-sidedly, one batch per holder, straight
+into the caller's memory when it is registered, through a bounce buffer otherwise. A page
+counts as read only when the xxh3-64 of the bytes received equals the published
+checksum: an evicted, reused, rewritten or torn slot is a miss, never wrong bytes.
+Membership changes re-home directory entries: holders re-publish to their keys' new
+owners, owners drop entries of holders that left.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from connectors.base import Page, page_nbytes
+from connectors.buffers import gather_into, scatter
+from connectors.peer_rdma.config import PeerRdmaConfig
+from connectors.peer_rdma.membership import Member, Membership, View
+from connectors.peer_rdma.placement import owners
+from connectors.peer_rdma.rpc import Clients, RpcError, serve
+from connectors.peer_rdma.segment import Segment, Slot, checksum_at, checksum_page
+
+log = logging.getLogger(__name__)
+
+# directory entry fields (a list on the wire)
+HOLDER, INC, OFF, LEN, SEQ, CSUM, RESIDENT = range(7)
+
+COUNTERS = ("write_requests", "writes_stored", "write_failures", "bytes_written", "read_requests",
+            "read_hits", "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses",
+            "read_failures", "read_timeouts", "read_stale", "bytes_read", "exists_requests",
+            "exists_hits", "evictions", "promotes", "directory_republishes", "publish_failures",
+            "rpc_failures", "bounce_reads")
+
+
+class Latency:
+    """Recent latencies of one operation, for quantiles at scrape time."""
+
+    def __init__(self, keep: int = 2048):
+        self.samples: deque[float] = deque(maxlen=keep)
+        self.count = 0
+        self.total = 0.0
+
+    def add(self, seconds: float) -> None:  # callers hold the node's counter lock
+        self.samples.append(seconds)
+        self.count += 1
+        self.total += seconds
+
+    def quantiles(self, qs=(0.5, 0.9, 0.99)) -> dict[float, float]:
+        data = sorted(self.samples)
+        if not data:
+            return {q: 0.0 for q in qs}
+        return {q: data[min(len(data) - 1, int(q * len(data)))] for q in qs}
+
+
+def _route_to(host: str) -> str:
+    """The local address the kernel would use to reach ``host`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+class PeerNode:
+    def __init__(self, config: PeerRdmaConfig):
+        self.config = c = config
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.latency = {op: Latency() for op in ("get", "put", "exists")}
+        self._clock = threading.Lock()  # counters
+        self._closed = False
+
+        seed_host = c.seeds[0].rpartition(":")[0]
+        bind = c.bind_host
+        self.hostname = c.local_hostname or (bind if bind not in ("0.0.0.0", "::", "") else _route_to(seed_host))
+
+        # directory shard: key -> entry, and holder -> keys (to drop a departed holder at once)
+        self._dir: dict[str, list] = {}
+        self._dir_by_holder: dict[str, set[str]] = {}
+        self._dlock = threading.Lock()
+        self._reservations: dict[int, tuple[str, int, int, float]] = {}  # token -> key, off, len, deadline
+        self._rlock = threading.Lock()
+        self._next_token = 0
+        self._loc_cache: OrderedDict[str, tuple[list, float]] = OrderedDict()
+        self._lclock = threading.Lock()
+        self._outbox: deque[tuple[str, str, list]] = deque()  # (op, key, payload): evictions to announce
+        self._outbox_event = threading.Event()
+        self._rehome_event = threading.Event()
+        self._last_view: View | None = None
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-io")
+
+        from connectors.peer_rdma.transport import Transport
+
+        self.segment = Segment(c.global_segment_size, on_evict=self._on_evict)
+        self.transport = Transport(self.hostname, c.protocol, c.devices, c.transfer_timeout, c.bounce_buffer_size)
+        if c.global_segment_size:
+            self.transport.register(self.segment.base, c.global_segment_size)
+        self.disk = None
+        self._unpublished: set[str] = set()  # held keys no directory owner accepted yet
+        self.clients = Clients(c.token, c.rpc_timeout)
+        handlers = {
+            "Heartbeat": lambda r: self.membership.handle_heartbeat(r),
+            "Leave": lambda r: self.membership.handle_leave(r),
+            "DirPut": self._h_dir_put, "DirGet": self._h_dir_get, "DirDrop": self._h_dir_drop,
+            "DirDelete": self._h_dir_delete, "Alloc": self._h_alloc, "Commit": self._h_commit,
+            "Free": self._h_free, "Promote": self._h_promote, "Clear": self._h_clear, "Stats": self._h_stats,
+        }
+        port = c.control_port
+        self.server = None
+        if port == -1:
+            seed_port = int(c.seeds[0].rpartition(":")[2])
+            try:
+                self.server, self.port = serve(handlers, bind, seed_port, c.token)
+            except (OSError, RuntimeError):
+                port = 0
+        if self.server is None:
+            self.server, self.port = serve(handlers, bind, max(port, 0), c.token)
+        self.node_id = f"{self.hostname}:{self.port}"
+        self.incarnation = time.time_ns()
+        if c.disk_path:
+            import os
+
+            from connectors.peer_rdma.disk import DiskTier
+
+            self.disk = DiskTier(os.path.join(c.disk_path, self.node_id.replace(":", "_")), c.disk_size,
+                                 on_evict=self._on_disk_evict)
+        self.me = Member(self.node_id, self.incarnation, self.transport.name, self.segment.base,
+                         c.global_segment_size)
+        self.membership = Membership(self.me, c.seeds, self.clients, interval=c.heartbeat_interval,
+                                     ttl=c.member_ttl, on_change=self._on_view_change)
+        self._threads = [threading.Thread(target=self._outbox_loop, name="peer-outbox", daemon=True),
+                         threading.Thread(target=self._rehome_loop, name="peer-rehome", daemon=True)]
+        for t in self._threads:
+            t.start()
+        joined = self.membership.join(c.join_timeout)
+        self.membership.start()
+        log.info("peer node up: node=%s te=%s segment=%d bytes members=%d%s", self.node_id, self.transport.name,
+                 c.global_segment_size, len(self.membership.view.members),
+                 "" if joined else " (no seed answered yet; retrying in the background)")
+
+    # ------------------------------------------------------------------ helpers
+    def count(self, **kw: int) -> None:
+        with self._clock:
+            for k, v in kw.items():
+                self.counters[k] += v
+
+    @property
+    def view(self) -> View:
+        return self.membership.view
+
+    def _entry(self, slot: Slot, resident: bool = True) -> list:
+        return [self.node_id, self.incarnation, slot.offset, slot.length, slot.seq, slot.checksum, resident]
+
+    def _dir_owners(self, key: str, view: View | None = None) -> list[str]:
+        view = view or self.view
+        return owners(key, view.ids, 1 + self.config.directory_replicas)
+
+    def _data_owner(self, key: str, view: View) -> str | None:
+        lenders = [m for m, rec in view.members.items() if rec.seg_size > 0]
+        found = owners(key, lenders, 1)
+        return found[0] if found else None
+
+    def _live_holder(self, entry: list, view: View) -> Member | None:
+        m = view.members.get(entry[HOLDER])
+        return m if m is not None and m.incarnation == entry[INC] else None
+
+    # ------------------------------------------------------------------ directory shard
+    def _dir_set(self, key: str, entry: list, if_absent: bool, view: View) -> bool:
+        with self._dlock:
+            cur = self._dir.get(key)
+            if cur is not None and if_absent and cur[HOLDER] != entry[HOLDER] and \
+                    self._live_holder(cur, view) is not None:
+                return False
+            if cur is not None and cur[HOLDER] == entry[HOLDER] and cur[INC] > entry[INC]:
+                return False
+            if cur is not None and cur[HOLDER] != entry[HOLDER]:
+                self._dir_by_holder.get(cur[HOLDER], set()).discard(key)
+            self._dir[key] = entry
+            self._dir_by_holder.setdefault(entry[HOLDER], set()).add(key)
+            return True
+
+    def _dir_pop(self, key: str, holder: str | None = None, seq: int | None = None) -> list | None:
+        with self._dlock:
+            cur = self._dir.get(key)
+            if cur is None or (holder is not None and cur[HOLDER] != holder) or \
+                    (seq is not None and cur[SEQ] != seq):
+                return None
+            del self._dir[key]
+            self._dir_by_holder.get(cur[HOLDER], set()).discard(key)
+            return cur
+
+    def _h_dir_put(self, req: list) -> list:
+        items, if_absent = req
+        view = self.view
+        return [self._dir_set(k, e, if_absent, view) for k, e in items]
+
+    def _h_dir_get(self, keys: list) -> list:
+        view = self.view
+        out = []
+        with self._dlock:
+            for k in keys:
+                e = self._dir.get(k)
+                out.append(e if e is not None and self._live_holder(e, view) is not None else None)
+        return out
+
+    def _h_dir_drop(self, items: list) -> list:
+        return [self._dir_pop(k, h, s) is not None for k, h, s in items]
+
+    def _h_dir_delete(self, keys: list) -> list:
+        return [self._dir_pop(k) for k in keys]
+
+    # ------------------------------------------------------------------ holder handlers
+    def _h_alloc(self, items: list) -> list:
+        """Reserve blocks for one-sided writes: [token, offset] per key, True if held, None if full."""
+        out = []
+        now = time.monotonic()
+        with self._rlock:  # expire reservations whose writer vanished
+            for tok, (_, off, n, dl) in list(self._reservations.items()):
+                if dl < now:
+                    del self._reservations[tok]
+                    self.segment.release(off, n)
+        held = []
+        for key, n in items:
+            slot = self.segment.lookup(key, touch=False)
+            if slot is not None:
+                held.append((key, slot))
+                out.append(True)
+                continue
+            off = self.segment.reserve(n)
+            if off is None:
+                out.append(None)
+                continue
+            with self._rlock:
+                self._next_token += 1
+                tok = self._next_token
+                self._reservations[tok] = (key, off, n, now + 2 * self.config.timeout)
+            out.append([tok, off])
+        if held:  # already here: make sure the directory still says so
+            self._publish(held)
+        return out
+
+    def _h_commit(self, items: list) -> list:
+        """Publish written blocks whose bytes hash to the writer's checksum; abort the rest."""
+        out, new = [], []
+        for tok, checksum in items:
+            with self._rlock:
+                res = self._reservations.pop(tok, None)
+            if res is None:
+                out.append(False)
+                continue
+            key, off, n, _ = res
+            if checksum is None or checksum_at(self.segment.base + off, n) != checksum:
+                self.segment.release(off, n)
+                out.append(False)
+                continue
+            slot = self.segment.commit(key, off, n, checksum)
+            if slot is not None:
+                new.append((key, slot))
+                self._write_through(key, slot)
+            out.append(True)
+        if new:
+            published = self._publish(new)
+            for (key, slot), ok in zip(new, published):
+                if ok is False:  # another holder won the key: ours is a duplicate
+                    self.segment.remove(key, slot.seq)
+        return out
+
+    def _h_free(self, items: list) -> list:
+        out = []
+        for key, seq in items:
+            slot = self.segment.remove(key, seq)
+            if self.disk is not None:
+                self.disk.remove(key)
+            out.append(slot is not None)
+        return out
+
+    def _h_promote(self, keys: list) -> list:
+        out, new = [], []
+        for key in keys:
+            slot = self.segment.lookup(key, touch=False)
+            if slot is None and self.disk is not None:
+                slot = self._promote_from_disk(key)
+                if slot is not None:
+                    new.append((key, slot))
+            out.append(self._entry(slot) if slot is not None else None)
+        if new:
+            self._publish(new)
+        return out
+
+    def _promote_from_disk(self, key: str) -> Slot | None:
+        meta = self.disk.contains(key) if self.disk is not None else None
+        if meta is None:
+            return None
+        n, checksum = meta
+        off = self.segment.reserve(n)
+        if off is None:
+            return None
+        got = self.disk.read_into(key, self.segment.base + off, n)
+        if got is None or checksum_at(self.segment.base + off, n) != checksum:
+            self.segment.release(off, n)
+            return None
+        slot = self.segment.commit(key, off, n, checksum) or self.segment.lookup(key)
+        self.count(promotes=1)
+        return slot
+
+    def _h_clear(self, _req: Any) -> list:
+        self._clear_local()
+        return []
+
+    def _h_stats(self, _req: Any) -> dict:
+        return self.metrics()
+
+    def _clear_local(self) -> None:
+        self.segment.clear()
+        with self._dlock:
+            self._dir.clear()
+            self._dir_by_holder.clear()
+        with self._lclock:
+            self._loc_cache.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    # ------------------------------------------------------------------ publishing
+    def _publish(self, items: list[tuple[str, Slot]]) -> list:
+        """Put-if-absent entries on their owners. Per item: True (published), False (another
+        live holder already has the key: the primary owner's word wins), None (no owner answered)."""
+        view = self.view
+        per_target: dict[str, list[int]] = {}
+        primary = []
+        for i, (key, _) in enumerate(items):
+            ol = self._dir_owners(key, view)
+            primary.append(ol[0])
+            for t in ol:
+                per_target.setdefault(t, []).append(i)
+        wire = [[key, self._entry(slot)] for key, slot in items]
+        remote = {t: [[wire[i] for i in idx], True] for t, idx in per_target.items() if t != self.node_id}
+        answers: dict[str, Any] = self.clients.fan_out(remote, "DirPut") if remote else {}
+        if self.node_id in per_target:
+            answers[self.node_id] = self._h_dir_put([[wire[i] for i in per_target[self.node_id]], True])
+        result: list[bool | None] = [None] * len(items)
+        decided = [False] * len(items)
+        for t, idx in per_target.items():
+            ans = answers.get(t)
+            if isinstance(ans, RpcError) or ans is None:
+                self.count(rpc_failures=1)
+                continue
+            for i, ok in zip(idx, ans):
+                if t == primary[i]:
+                    result[i], decided[i] = bool(ok), True
+                elif not decided[i]:
+                    result[i] = bool(ok) or bool(result[i])
+        failed = [items[i][0] for i, r in enumerate(result) if r is None]
+        if failed:
+            self.count(publish_failures=len(failed))
+            with self._dlock:
+                self._unpublished.update(failed)
+            self._rehome_event.set()  # retried by the next re-home round
+        return result
+
+    def _write_through(self, key: str, slot: Slot) -> None:
+        if self.disk is not None:
+            import ctypes
+
+            data = ctypes.string_at(self.segment.base + slot.offset, slot.length)
+            if self.segment.holds(key, slot.seq):
+                self.disk.submit(key, data, slot.checksum)
+
+    def _on_evict(self, key: str, slot: Slot) -> None:
+        # under the segment lock: only queue work
+        if self.disk is not None and self.disk.contains(key) is not None:
+            self._outbox.append(("demote", key, self._entry(slot, resident=False)))
+        else:
+            self._outbox.append(("drop", key, [key, self.node_id, slot.seq]))
+        self._outbox_event.set()
+
+    def _on_disk_evict(self, key: str) -> None:
+        if self.segment.lookup(key, touch=False) is None:
+            self._outbox.append(("drop", key, [key, self.node_id, None]))
+            self._outbox_event.set()
+
+    def _outbox_loop(self) -> None:
+        while not self._closed:
+            self._outbox_event.wait(0.5)
+            self._outbox_event.clear()
+            if not self._outbox:
+                continue
+            time.sleep(0.01)  # let a burst of evictions batch up
+            items = []
+            while self._outbox and len(items) < 4096:
+                items.append(self._outbox.popleft())
+            try:
+                self._announce(items)
+            except Exception:  # noqa: BLE001
+                log.exception("announcing evictions failed")
+
+    def _announce(self, items: list) -> None:
+        view = self.view
+        drops: dict[str, list] = {}
+        puts: dict[str, list] = {}
+        for op, key, payload in items:
+            for t in self._dir_owners(key, view):
+                (drops if op == "drop" else puts).setdefault(t, []).append(
+                    payload if op == "drop" else [key, payload])
+        for t, batch in drops.items():
+            if t == self.node_id:
+                self._h_dir_drop(batch)
+        for t, batch in puts.items():
+            if t == self.node_id:
+                self._h_dir_put([batch, False])
+        remote_d = {t: b for t, b in drops.items() if t != self.node_id}
+        remote_p = {t: [b, False] for t, b in puts.items() if t != self.node_id}
+        if remote_d:
+            self.clients.fan_out(remote_d, "DirDrop")
+        if remote_p:
+            self.clients.fan_out(remote_p, "DirPut")
+
+    # ------------------------------------------------------------------ membership changes
+    def _on_view_change(self, old: View, new: View) -> None:
+        gone = [m for m in old.members if m not in new.members or
+                new.members[m].incarnation != old.members[m].incarnation]
+        if gone:
+            with self._dlock:
+                for holder in gone:
+                    for k in self._dir_by_holder.pop(holder, set()):
+                        e = self._dir.get(k)
+                        if e is not None and e[HOLDER] == holder and self._live_holder(e, new) is None:
+                            del self._dir[k]
+            for holder in gone:
+                self.clients.forget(holder)
+        self._rehome_event.set()
+
+    def _rehome_loop(self) -> None:
+        published_view: View | None = None
+        while not self._closed:
+            if not self._rehome_event.wait(1.0):
+                continue
+            self._rehome_event.clear()
+            time.sleep(0.05)
+            view = self.view
+            try:
+                self._rehome(published_view, view)
+                published_view = view
+            except Exception:  # noqa: BLE001
+                log.exception("re-homing directory entries failed")
+
+    def _rehome(self, old: View | None, new: View) -> None:
+        """Publish every held page to the owners that joined its owner set since ``old``."""
+        held = self.segment.items()
+        n = 1 + self.config.directory_replicas
+        new_ids = new.ids
+        old_ids = [m for m in (old.ids if old else []) if m in new.members and
+                   old.members[m].incarnation == new.members[m].incarnation]
+        by_target: dict[str, list] = {}
+        for key, slot in held:
+            now_owners = owners(key, new_ids, n)
+            before = set(owners(key, old_ids, n)) if old_ids else set()
+            for t in now_owners:
+                if t not in before or old is None or t == self.node_id:
+                    by_target.setdefault(t, []).append([key, self._entry(slot)])
+        with self._dlock:
+            retry, self._unpublished = self._unpublished, set()
+        for key in retry:
+            slot = self.segment.lookup(key, touch=False)
+            if slot is not None:
+                for t in owners(key, new_ids, n):
+                    by_target.setdefault(t, []).append([key, self._entry(slot)])
+        local = by_target.pop(self.node_id, None)
+        if local:
+            self._h_dir_put([local, True])
+        if by_target:
+            for t, batch in by_target.items():
+                for i in range(0, len(batch), 4096):
+                    try:
+                        self.clients.call(t, "DirPut", [batch[i:i + 4096], True])
+                    except RpcError:
+                        self.count(rpc_failures=1)
+                        break
+            self.count(directory_republishes=sum(len(b) for b in by_target.values()))
+        # entries this node no longer owns: drop after a grace period (readers with an older view)
+        time.sleep(min(2 * self.config.heartbeat_interval, 2.0))
+        view = self.view
+        if view.version != new.version:
+            return
+        ids = view.ids
+        with self._dlock:
+            stale = [k for k in self._dir if self.node_id not in owners(k, ids, n)]
+            for k in stale:
+                e = self._dir.pop(k)
+                self._dir_by_holder.get(e[HOLDER], set()).discard(k)
+
+    # ------------------------------------------------------------------ location lookups
+    def _locate(self, keys: list[str], deadline: float, use_cache: bool = True) -> list[list | None]:
+        """Directory entries of ``keys`` (None: not found), asking owners then replicas."""
+        view = self.view
+        out: list[list | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if use_cache and self.config.location_cache_ttl > 0:
+            now = time.monotonic()
+            rest = []
+            with self._lclock:
+                for i in todo:
+                    hit = self._loc_cache.pop(keys[i], None)
+                    if hit is not None and hit[1] > now and self._live_holder(hit[0], view) is not None:
+                        out[i] = hit[0]
+                    else:
+                        rest.append(i)
+            todo = rest
+        n = 1 + self.config.directory_replicas
+        owner_lists = {i: self._dir_owners(keys[i], view) for i in todo}
+        recent = time.monotonic() - view.changed_at < 3 * self.config.heartbeat_interval + self.config.member_ttl
+        for rank in range(n):
+            if not todo:
+                break
+            per: dict[str, list[int]] = {}
+            for i in todo:
+                ol = owner_lists[i]
+                if rank < len(ol):
+                    per.setdefault(ol[rank], []).append(i)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            timeout = min(self.config.rpc_timeout, remaining)
+            remote = {t: [keys[i] for i in idx] for t, idx in per.items() if t != self.node_id}
+            answers: dict[str, Any] = self.clients.fan_out(remote, "DirGet", timeout) if remote else {}
+            if self.node_id in per:
+                answers[self.node_id] = self._h_dir_get([keys[i] for i in per[self.node_id]])
+            nxt = []
+            for t, idx in per.items():
+                ans = answers.get(t)
+                if isinstance(ans, RpcError) or ans is None:
+                    self.count(rpc_failures=1)
+                    nxt.extend(idx)  # owner unreachable: ask the next replica
+                    continue
+                for i, e in zip(idx, ans):
+                    if e is not None and self._live_holder(e, view) is not None:
+                        out[i] = e
+                    elif recent:
+                        nxt.append(i)  # entries may still be moving after a view change
+            todo = nxt
+        return out
+
+    def _cache_locations(self, keys: list[str], entries: list) -> None:
+        ttl = self.config.location_cache_ttl
+        if ttl <= 0:
+            return
+        until = time.monotonic() + ttl
+        with self._lclock:
+            for k, e in zip(keys, entries):
+                if e is not None and e[HOLDER] != self.node_id:
+                    self._loc_cache[k] = (e, until)
+            while len(self._loc_cache) > 65536:
+                self._loc_cache.popitem(last=False)
+
+    # ------------------------------------------------------------------ public operations
+    def exists(self, keys: list[str]) -> list[bool]:
+        t0 = time.perf_counter()
+        out = [self.segment.lookup(k, touch=False) is not None for k in keys]
+        if self.disk is not None:
+            out = [o or self.disk.contains(k) is not None for o, k in zip(out, keys)]
+        todo = [i for i, o in enumerate(out) if not o]
+        if todo:
+            deadline = time.monotonic() + self.config.timeout
+            sub = [keys[i] for i in todo]
+            found = self._locate(sub, deadline, use_cache=False)
+            self._cache_locations(sub, found)
+            for i, e in zip(todo, found):
+                out[i] = e is not None
+        self.count(exists_requests=len(keys), exists_hits=sum(out))
+        with self._clock:
+            self.latency["exists"].add(time.perf_counter() - t0)
+        return out
+
+    def get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.config.timeout
+        out = [False] * len(keys)
+        sizes = [page_nbytes(p) for p in pages]
+        remote: list[int] = []
+        local_hits = disk_hits = 0
+        for i, k in enumerate(keys):
+            slot = self.segment.lookup(k)
+            if slot is None and self.disk is not None and self.disk.contains(k) is not None:
+                slot = self._promote_from_disk(k)
+                if slot is not None:
+                    self._publish([(k, slot)])
+                    disk_hits += 1
+            if slot is None:
+                remote.append(i)
+            elif slot.length == sizes[i]:
+                out[i] = self.segment.read_into(k, pages[i])
+                local_hits += out[i]
+        if remote:
+            self._get_remote(keys, pages, sizes, remote, out, deadline)
+        hits = sum(out)
+        nbytes = sum(s for s, o in zip(sizes, out) if o)
+        self.count(read_requests=len(keys), read_hits=hits, read_local_hits=local_hits,
+                   read_disk_hits=disk_hits, read_remote_hits=hits - local_hits,
+                   read_misses=len(keys) - hits, bytes_read=nbytes)
+        with self._clock:
+            self.latency["get"].add(time.perf_counter() - t0)
+        return out
+
+    def _get_remote(self, keys, pages, sizes, idx: list[int], out: list[bool], deadline: float,
+                    retry: bool = True) -> None:
+        entries = self._locate([keys[i] for i in idx], deadline)
+        view = self.view
+        by_holder: dict[str, list[tuple[int, list]]] = {}
+        promote: dict[str, list[int]] = {}
+        for i, e in zip(idx, entries):
+            if e is None or e[LEN] != sizes[i] or e[HOLDER] == self.node_id:
+                continue
+            if not e[RESIDENT]:
+                promote.setdefault(e[HOLDER], []).append(i)
+                continue
+            by_holder.setdefault(e[HOLDER], []).append((i, e))
+        if promote:
+            remaining = deadline - time.monotonic()
+            if remaining > 0:
+                answers = self.clients.fan_out({h: [keys[i] for i in ii] for h, ii in promote.items()},
+                                               "Promote", min(self.config.rpc_timeout * 4, remaining))
+                for h, ii in promote.items():
+                    ans = answers.get(h)
+                    if isinstance(ans, RpcError) or ans is None:
+                        continue
+                    for i, e in zip(ii, ans):
+                        if e is not None and e[LEN] == sizes[i]:
+                            by_holder.setdefault(h, []).append((i, e))
+        jobs = []
+        for holder, items in by_holder.items():
+            member = view.members.get(holder)
+            if member is None:
+                continue
+            if len(by_holder) == 1:
+                self._read_from(member, items, pages, out)
+            else:
+                jobs.append(self._pool.submit(self._read_from, member, items, pages, out))
+        for j in jobs:
+            j.result()
+        if retry and self.config.location_cache_ttl > 0:
+            # a location cached by exists() may have gone stale: look those up afresh once
+            again = [i for i, e in zip(idx, entries) if e is not None and not out[i]]
+            if again and deadline - time.monotonic() > self.config.rpc_timeout + self.config.transfer_timeout:
+                with self._lclock:
+                    for i in again:
+                        self._loc_cache.pop(keys[i], None)
+                self._get_remote(keys, pages, sizes, again, out, deadline, retry=False)
+
+    def _read_from(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
+        """One holder's pages: one-sided reads, then checksum validation per page."""
+        base = member.seg_base
+        reg = self.transport.is_registered
+        direct = [(i, e) for i, e in items if all(reg(a, n) for a, n in pages[i])]
+        bounced = [(i, e) for i, e in items if not all(reg(a, n) for a, n in pages[i])]
+        if direct:
+            local, remote, lengths = [], [], []
+            for i, e in direct:
+                off = base + e[OFF]
+                for a, n in pages[i]:
+                    local.append(a)
+                    remote.append(off)
+                    lengths.append(n)
+                    off += n
+            if self._transfer(member, local, remote, lengths):
+                stale = 0
+                for i, e in direct:
+                    ok = checksum_page(pages[i]) == e[CSUM]
+                    out[i] = ok
+                    stale += not ok
+                self.count(read_stale=stale)
+        if bounced:
+            self.count(bounce_reads=len(bounced))
+            bounce, cap = self.transport.bounce()
+            try:
+                start = 0
+                while start < len(bounced):
+                    chunk, used = [], 0
+                    while start < len(bounced) and used + bounced[start][1][LEN] <= cap:
+                        chunk.append((bounced[start], used))
+                        used += bounced[start][1][LEN]
+                        start += 1
+                    if not chunk:  # a page larger than the bounce buffer
+                        start += 1
+                        continue
+                    ok = self._transfer(member, [bounce + o for _, o in chunk],
+                                        [base + e[OFF] for (_, e), _ in chunk], [e[LEN] for (_, e), _ in chunk])
+                    if not ok:
+                        continue
+                    for (i, e), o in chunk:
+                        if checksum_at(bounce + o, e[LEN]) == e[CSUM]:
+                            scatter(bounce + o, pages[i])
+                            out[i] = True
+                        else:
+                            self.count(read_stale=1)
+            finally:
+                self.transport.unbounce()
+
+    def _transfer(self, member: Member, local, remote, lengths, write: bool = False) -> bool:
+        t0 = time.monotonic()
+        try:
+            rc = (self.transport.write if write else self.transport.read)(member.te_name, local, remote, lengths)
+        except Exception as e:  # noqa: BLE001 - a data-plane error is a miss
+            log.debug("transfer with %s failed: %s", member.node_id, e)
+            rc = -1
+        if rc != 0:
+            if time.monotonic() - t0 >= self.config.transfer_timeout * 0.9:
+                self.count(read_timeouts=1)
+            else:
+                self.count(read_failures=1)
+            return False
+        return True
+
+    def put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        t0 = time.perf_counter()
+        if self.config.placement == "owner":
+            out = self._put_owner(keys, pages)
+        else:
+            out = self._put_local(list(range(len(keys))), keys, pages)
+        sizes = [page_nbytes(p) for p in pages]
+        self.count(write_requests=len(keys), write_failures=len(keys) - sum(out),
+                   bytes_written=sum(s for s, o in zip(sizes, out) if o))
+        with self._clock:
+            self.latency["put"].add(time.perf_counter() - t0)
+        return out
+
+    def _put_local(self, idx: list[int], keys: list[str], pages: list[Page]) -> list[bool]:
+        out = [False] * len(idx)
+        new = []
+        for j, i in enumerate(idx):
+            slot, fresh = self.segment.write(keys[i], pages[i])
+            if slot is None:
+                continue
+            out[j] = True
+            if fresh:
+                new.append((j, keys[i], slot))
+                self._write_through(keys[i], slot)
+        if new:
+            self.count(writes_stored=len(new))
+            published = self._publish([(k, s) for _, k, s in new])
+            for (j, k, s), ok in zip(new, published):
+                if ok is False:  # another node already holds this key: keep theirs (idempotent put)
+                    self.segment.remove(k, s.seq)
+                    if self.disk is not None:
+                        self.disk.remove(k)
+        return out
+
+    def _put_owner(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        view = self.view
+        out = [False] * len(keys)
+        mine, per_owner = [], {}
+        for i, k in enumerate(keys):
+            o = self._data_owner(k, view)
+            if o == self.node_id:
+                mine.append(i)
+            elif o is not None:
+                per_owner.setdefault(o, []).append(i)
+        if mine:
+            for i, ok in zip(mine, self._put_local(mine, keys, pages)):
+                out[i] = ok
+        if per_owner:
+            deadline = time.monotonic() + self.config.timeout
+            jobs = [self._pool.submit(self._write_to, view.members[o], idx, keys, pages, out, deadline)
+                    for o, idx in per_owner.items()]
+            for j in jobs:
+                j.result()
+        return out
+
+    def _write_to(self, member: Member, idx: list[int], keys, pages, out: list[bool], deadline: float) -> None:
+        sizes = [page_nbytes(pages[i]) for i in idx]
+        try:
+            grants = self.clients.call(member.node_id, "Alloc", [[keys[i], n] for i, n in zip(idx, sizes)],
+                                       min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+        except RpcError:
+            self.count(rpc_failures=1)
+            return
+        todo = []
+        for i, n, g in zip(idx, sizes, grants):
+            if g is True:
+                out[i] = True
+            elif g:
+                todo.append((i, n, g[0], g[1]))
+        if not todo:
+            return
+        reg = self.transport.is_registered
+        commits = []
+        direct = [t for t in todo if all(reg(a, n) for a, n in pages[t[0]])]
+        bounced = [t for t in todo if t not in direct]
+        if direct:
+            local, remote, lengths = [], [], []
+            for i, n, tok, off in direct:
+                r = member.seg_base + off
+                for a, sz in pages[i]:
+                    local.append(a)
+                    remote.append(r)
+                    lengths.append(sz)
+                    r += sz
+            ok = self._transfer(member, local, remote, lengths, write=True)
+            commits += [[tok, checksum_page(pages[i]) if ok else None] for i, n, tok, off in direct]
+        if bounced:
+            bounce, cap = self.transport.bounce()
+            try:
+                start = 0
+                while start < len(bounced):
+                    chunk, used = [], 0
+                    while start < len(bounced) and used + bounced[start][1] <= cap:
+                        chunk.append((bounced[start], used))
+                        used += bounced[start][1]
+                        start += 1
+                    if not chunk:
+                        commits.append([bounced[start][2], None])
+                        start += 1
+                        continue
+                    for (i, n, tok, off), o in chunk:
+                        gather_into(pages[i], bounce + o)
+                    ok = self._transfer(member, [bounce + o for _, o in chunk],
+                                        [member.seg_base + t[3] for t, _ in chunk], [t[1] for t, _ in chunk],
+                                        write=True)
+                    commits += [[t[2], checksum_at(bounce + o, t[1]) if ok else None] for t, o in chunk]
+            finally:
+                self.transport.unbounce()
+        try:
+            results = self.clients.call(member.node_id, "Commit", commits,
+                                        min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+        except RpcError:
+            self.count(rpc_failures=1)
+            return
+        by_tok = {c[0]: r for c, r in zip(commits, results)}
+        for i, n, tok, off in todo:
+            out[i] = bool(by_tok.get(tok))
+
+    def delete(self, keys: list[str]) -> list[bool]:
+        view = self.view
+        deadline = time.monotonic() + self.config.timeout
+        out = [False] * len(keys)
+        for i, k in enumerate(keys):
+            if self.segment.remove(k) is not None:
+                out[i] = True
+            if self.disk is not None:
+                self.disk.remove(k)
+        with self._lclock:
+            for k in keys:
+                self._loc_cache.pop(k, None)
+        per: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            for t in self._dir_owners(k, view):
+                per.setdefault(t, []).append(i)
+        answers: dict[str, Any] = self.clients.fan_out(
+            {t: [keys[i] for i in idx] for t, idx in per.items() if t != self.node_id}, "DirDelete",
+            min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+        if self.node_id in per:
+            answers[self.node_id] = self._h_dir_delete([keys[i] for i in per[self.node_id]])
+        frees: dict[str, dict[str, list]] = {}
+        for t, idx in per.items():
+            ans = answers.get(t)
+            if isinstance(ans, RpcError) or ans is None:
+                continue
+            for i, e in zip(idx, ans):
+                if e is not None:
+                    out[i] = True
+                    if e[HOLDER] != self.node_id:
+                        frees.setdefault(e[HOLDER], {})[keys[i]] = [keys[i], e[SEQ]]
+        if frees:
+            self.clients.fan_out({h: list(v.values()) for h, v in frees.items() if h in view.members}, "Free",
+                                 min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+        return out
+
+    def clear(self) -> None:
+        self._clear_local()
+        others = [m for m in self.view.members if m != self.node_id]
+        self.clients.fan_out({m: [] for m in others}, "Clear")
+
+    def register_memory(self, address: int, nbytes: int) -> None:
+        self.transport.register(address, nbytes)
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict[str, Any]:
+        with self._clock:
+            m: dict[str, Any] = dict(self.counters)
+        m["evictions"] = self.segment.evictions
+        m.update(members=len(self.view.members), pool_keys=self.segment.keys,
+                 pool_bytes_used=self.segment.bytes_used, pool_capacity_bytes=self.config.global_segment_size,
+                 directory_entries=len(self._dir), view_version=self.view.version)
+        if self.disk is not None:
+            m.update(disk_keys=self.disk.keys, disk_bytes_used=self.disk.used, disk_writes=self.disk.writes,
+                     disk_evictions=self.disk.evictions)
+        lat = {}
+        for op, l in self.latency.items():
+            qs = l.quantiles()
+            lat[op] = {"count": l.count, "sum": l.total, **{str(q): v for q, v in qs.items()}}
+        m["latency"] = lat
+        return m
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, leave: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.membership.stop(leave=leave)
+        self.server.stop(grace=0.5).wait(2)
+        self._outbox_event.set()
+        self._rehome_event.set()
+        for t in self._threads:
+            t.join(5)
+        self._pool.shutdown(wait=True)
+        self.clients.close()
+        if self.disk is not None:
+            self.disk.close()
+        self.transport.close()
+        self.segment.close()

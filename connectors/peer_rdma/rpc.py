@@ -1,0 +1,152 @@
+"""The peer pool's control plane: unary gRPC calls carrying msgpack bodies.
+
+No generated stubs and no protoc: each method is registered through a generic handler
+whose (de)serialisers are msgpack, so adding a method is one entry in a dict. Every call
+carries the shared token in the ``x-kvconnect-token`` metadata; a server with a token
+refuses calls without the same token (UNAUTHENTICATED) before any handler runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from concurrent import futures
+from typing import Any, Callable, Mapping
+
+import grpc
+import msgpack
+
+log = logging.getLogger(__name__)
+
+SERVICE = "kvconnect.peer.Peer"
+TOKEN_HEADER = "x-kvconnect-token"
+
+_CHANNEL_OPTIONS = [
+    # A peer that comes back (rejoin after kill -9 or a healed partition) must be reachable
+    # again within a heartbeat or two, not after gRPC's default backoff of up to 120 s.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.enable_http_proxy", 0),
+]
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
+class RpcError(Exception):
+    """A control-plane call failed (unreachable, timed out, refused)."""
+
+    def __init__(self, method: str, target: str, code: str, detail: str = ""):
+        self.method, self.target, self.code = method, target, code
+        super().__init__(f"{method} to {target}: {code} {detail}".strip())
+
+
+def serve(handlers: Mapping[str, Callable[[Any], Any]], host: str, port: int, token: str,
+          workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start a gRPC server exposing ``handlers`` (name -> fn(request) -> response)."""
+    expected = token.encode()
+
+    def wrap(name: str, fn: Callable[[Any], Any]):
+        def handler(request: Any, context: grpc.ServicerContext) -> Any:
+            if expected:
+                got = ""
+                for k, v in context.invocation_metadata():
+                    if k == TOKEN_HEADER:
+                        got = v
+                        break
+                if not hmac.compare_digest(got.encode(), expected):
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing token")
+            try:
+                return fn(request)
+            except Exception as e:  # noqa: BLE001 - an error becomes a status, never a dead server
+                log.exception("peer rpc %s failed", name)
+                context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+        return grpc.unary_unary_rpc_method_handler(handler, request_deserializer=unpack,
+                                                   response_serializer=pack)
+
+    generic = grpc.method_handlers_generic_handler(SERVICE, {n: wrap(n, f) for n, f in handlers.items()})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-rpc"),
+                         handlers=[generic], options=_CHANNEL_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot bind the peer control port {host}:{port}")
+    server.start()
+    return server, bound
+
+
+class Clients:
+    """Pooled channels to peers; ``call``/``fan_out`` with deadlines and the token."""
+
+    def __init__(self, token: str, timeout: float):
+        self.token = token
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, dict[str, Any]]] = {}
+        self._metadata = ((TOKEN_HEADER, token),) if token else ()
+
+    def _method(self, target: str, method: str):
+        with self._lock:
+            entry = self._channels.get(target)
+            if entry is None:
+                entry = (grpc.insecure_channel(target, options=_CHANNEL_OPTIONS), {})
+                self._channels[target] = entry
+            channel, stubs = entry
+            stub = stubs.get(method)
+            if stub is None:
+                stub = stubs[method] = channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=pack,
+                                                          response_deserializer=unpack)
+            return stub
+
+    def call(self, target: str, method: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return self._method(target, method)(request, timeout=timeout or self.timeout,
+                                                metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise RpcError(method, target, e.code().name if e.code() else "UNKNOWN", e.details() or "") from None
+
+    def start(self, target: str, method: str, request: Any, timeout: float | None = None):
+        """An in-flight call; ``result(fut)`` waits for it."""
+        return (method, target, self._method(target, method).future(
+            request, timeout=timeout or self.timeout, metadata=self._metadata))
+
+    @staticmethod
+    def result(call) -> Any:
+        method, target, fut = call
+        try:
+            return fut.result()
+        except grpc.RpcError as e:
+            raise RpcError(method, target, e.code().name if e.code() else "UNKNOWN", e.details() or "") from None
+
+    def fan_out(self, requests: Mapping[str, Any], method: str, timeout: float | None = None
+                ) -> dict[str, Any | RpcError]:
+        """The same method to several targets at once: target -> response or RpcError."""
+        calls = {t: self.start(t, method, r, timeout) for t, r in requests.items()}
+        out: dict[str, Any] = {}
+        for t, c in calls.items():
+            try:
+                out[t] = self.result(c)
+            except RpcError as e:
+                out[t] = e
+        return out
+
+    def forget(self, target: str) -> None:
+        with self._lock:
+            entry = self._channels.pop(target, None)
+        if entry:
+            entry[0].close()
+
+    def close(self) -> None:
+        with self._lock:
+            chans, self._channels = list(self._channels.values()), {}
+        for ch, _ in chans:
+            ch.close()

@@ -1,0 +1,246 @@
+"""The memory a node lends to the pool: one mmap'd segment, an allocator, LRU slots.
+
+Every stored page is a *slot*: a block of the segment plus its generation ``seq`` (unique
+per allocation, never reused) and the xxh3-64 ``checksum`` of its bytes. The slot table is
+the seqlock: a writer copies into a block that no index entry points at and publishes the
+slot (new ``seq``) only after the copy and checksum; eviction or deletion removes the slot
+before its block can be handed to another writer. A local reader copies, then checks that
+the key still maps to the same ``seq``; a remote reader checks the checksum of the bytes it
+received against the one published with ``seq``. Either way a reused block is a miss.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import xxhash
+
+from connectors.base import Page
+from connectors.buffers import gather_into, page_view, scatter
+
+ALIGN = 256
+
+
+def checksum_page(page: Page) -> int:
+    """xxh3-64 over a page's segments in order (= over the same bytes back to back)."""
+    h = xxhash.xxh3_64()
+    for mv in page_view(page):
+        h.update(mv)
+    return h.intdigest()
+
+
+def checksum_at(address: int, nbytes: int) -> int:
+    return xxhash.xxh3_64_intdigest(memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
+
+
+@dataclass(frozen=True)
+class Slot:
+    offset: int
+    length: int
+    seq: int
+    checksum: int
+
+
+class Allocator:
+    """First-fit over exact-size free lists, with coalescing and a bump pointer.
+
+    KV pages of one pool all have one size, so the exact-size list serves nearly every
+    allocation in O(1); mixed sizes fall back to splitting a larger free block.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.top = 0  # never-allocated tail starts here
+        self.free_by_start: dict[int, int] = {}
+        self.free_by_end: dict[int, int] = {}
+        self.free_by_size: dict[int, set[int]] = {}
+        self.used = 0
+
+    @staticmethod
+    def rounded(n: int) -> int:
+        return (n + ALIGN - 1) // ALIGN * ALIGN
+
+    def alloc(self, n: int) -> int | None:
+        n = self.rounded(n)
+        starts = self.free_by_size.get(n)
+        if starts:
+            start = starts.pop()
+            self._unlink(start, n, from_size=False)
+            self.used += n
+            return start
+        if self.top + n <= self.size:
+            start = self.top
+            self.top += n
+            self.used += n
+            return start
+        for size in sorted(self.free_by_size):
+            if size > n and self.free_by_size[size]:
+                start = next(iter(self.free_by_size[size]))
+                self._unlink(start, size)
+                self._link(start + n, size - n)
+                self.used += n
+                return start
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        n = self.rounded(n)
+        self.used -= n
+        end = start + n
+        nxt = self.free_by_start.get(end)
+        if nxt is not None:
+            self._unlink(end, nxt)
+            end += nxt
+        prev = self.free_by_end.get(start)
+        if prev is not None:
+            self._unlink(prev, start - prev)
+            start = prev
+        if end == self.top:
+            self.top = start
+        else:
+            self._link(start, end - start)
+
+    def reset(self) -> None:
+        self.__init__(self.size)
+
+    def _link(self, start: int, n: int) -> None:
+        self.free_by_start[start] = n
+        self.free_by_end[start + n] = start
+        self.free_by_size.setdefault(n, set()).add(start)
+
+    def _unlink(self, start: int, n: int, from_size: bool = True) -> None:
+        del self.free_by_start[start]
+        del self.free_by_end[start + n]
+        if from_size:
+            s = self.free_by_size[n]
+            s.discard(start)
+            if not s:
+                del self.free_by_size[n]
+        elif not self.free_by_size.get(n):
+            self.free_by_size.pop(n, None)
+
+
+class Segment:
+    """A node's lent memory: slots by key in LRU order.
+
+    ``on_evict(key, slot)`` is called (under the lock; keep it cheap) for every slot that
+    capacity pressure pushed out, so the node can unpublish or demote it to disk.
+    """
+
+    def __init__(self, size: int, on_evict: Callable[[str, Slot], None] | None = None):
+        self.size = size
+        self._mem = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
+        self._alloc = Allocator(size)
+        self._slots: OrderedDict[str, Slot] = OrderedDict()
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.evictions = 0
+        self.on_evict = on_evict
+
+    # -- reads --------------------------------------------------------------------
+    def lookup(self, key: str, touch: bool = True) -> Slot | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and touch:
+                self._slots.move_to_end(key)
+            return slot
+
+    def holds(self, key: str, seq: int) -> bool:
+        return (s := self._slots.get(key)) is not None and s.seq == seq
+
+    def read_into(self, key: str, page: Page) -> bool:
+        """Local read with the seqlock check: True only for this key's untorn bytes."""
+        slot = self.lookup(key)
+        if slot is None or slot.length != sum(n for _, n in page):
+            return False
+        scatter(self.base + slot.offset, page)
+        return self.holds(key, slot.seq)
+
+    # -- writes -------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> int | None:
+        """A block for a page being written (invisible until ``commit``); evicts LRU slots."""
+        if self._alloc.rounded(nbytes) > self.size:
+            return None
+        with self._lock:
+            while True:
+                off = self._alloc.alloc(nbytes)
+                if off is not None:
+                    return off
+                if not self._slots:
+                    return None
+                key, slot = self._slots.popitem(last=False)
+                self._alloc.free(slot.offset, slot.length)
+                self.evictions += 1
+                if self.on_evict:
+                    self.on_evict(key, slot)
+
+    def release(self, offset: int, nbytes: int) -> None:
+        with self._lock:
+            self._alloc.free(offset, nbytes)
+
+    def commit(self, key: str, offset: int, nbytes: int, checksum: int) -> Slot | None:
+        """Publish a reserved block under ``key``; None (block released) if the key is held."""
+        with self._lock:
+            if key in self._slots:
+                self._alloc.free(offset, nbytes)
+                return None
+            self._seq += 1
+            slot = Slot(offset, nbytes, self._seq, checksum)
+            self._slots[key] = slot
+            return slot
+
+    def write(self, key: str, page: Page) -> tuple[Slot | None, bool]:
+        """Copy a caller page in: (slot, new). An existing key returns (its slot, False)."""
+        cur = self.lookup(key)
+        if cur is not None:
+            return cur, False
+        n = sum(sz for _, sz in page)
+        off = self.reserve(n)
+        if off is None:
+            return None, False
+        gather_into(page, self.base + off)
+        slot = self.commit(key, off, n, checksum_at(self.base + off, n))
+        if slot is None:
+            return self.lookup(key), False
+        return slot, True
+
+    def remove(self, key: str, seq: int | None = None) -> Slot | None:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None or (seq is not None and slot.seq != seq):
+                return None
+            del self._slots[key]
+            self._alloc.free(slot.offset, slot.length)
+            return slot
+
+    def clear(self) -> list[str]:
+        with self._lock:
+            keys = list(self._slots)
+            self._slots.clear()
+            self._alloc.reset()
+            return keys
+
+    def items(self) -> list[tuple[str, Slot]]:
+        with self._lock:
+            return list(self._slots.items())
+
+    @property
+    def keys(self) -> int:
+        return len(self._slots)
+
+    @property
+    def bytes_used(self) -> int:
+        return self._alloc.used
+
+    def close(self) -> None:
+        with self._lock:
+            self._slots.clear()
+        try:
+            self._mem.close()
+        except BufferError:  # a ctypes view still alive: the mapping goes with the object
+            pass

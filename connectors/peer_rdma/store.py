@@ -1,0 +1,117 @@
+"""``peer_rdma``: the peer memory pool as a ``PageStore`` (one embedded node per store)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from connectors.base import Page, PageStore, StoreUsage
+from connectors.peer_rdma.config import PeerRdmaConfig
+
+log = logging.getLogger(__name__)
+
+# Prometheus: counters (``kvconnect_peer_<name>_total``) and gauges (``kvconnect_peer_<name>``)
+PROM_COUNTERS = ("write_requests", "bytes_written", "write_failures", "read_requests", "read_hits",
+                 "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses", "read_failures",
+                 "read_timeouts", "read_stale", "bytes_read", "exists_requests", "exists_hits", "evictions",
+                 "promotes", "directory_republishes", "publish_failures", "rpc_failures", "bounce_reads",
+                 "disk_writes", "disk_evictions")
+PROM_GAUGES = ("members", "pool_keys", "pool_bytes_used", "pool_capacity_bytes", "directory_entries",
+               "disk_keys", "disk_bytes_used")
+
+
+class PeerRdmaStore(PageStore):
+    """Pages in a peer-to-peer pool of lent host memory; one-sided reads through Mooncake TE.
+
+    Every store embeds a pool node (see ``connectors.peer_rdma.node``). Options: see
+    ``PeerRdmaConfig`` (``kvconnect stores peer_rdma``).
+    """
+
+    name = "peer_rdma"
+    config_class = PeerRdmaConfig
+    zero_copy = True
+    needs_registered_memory = False  # unregistered pages go through a bounce buffer
+
+    def __init__(self, config: PeerRdmaConfig | None = None, **context: Any):
+        super().__init__()
+        from connectors.peer_rdma.node import PeerNode
+
+        self.config = config or PeerRdmaConfig()
+        self.node = PeerNode(self.config)
+        self.metrics_port: int | None = None
+        if self.config.metrics_port >= 0:
+            from connectors.metrics import export_store, serve_metrics
+
+            export_store(self, node=self.node.node_id)
+            self.metrics_port = serve_metrics(self.config.metrics_port, host=self.config.metrics_bind_host)
+
+    # -- primitives ------------------------------------------------------------------
+    def _exists(self, keys: list[str]) -> list[bool]:
+        return self._guard("exists", keys, lambda: self.node.exists(keys))
+
+    def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        return self._guard("get_into", keys, lambda: self.node.get_into(keys, pages))
+
+    def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        return self._guard("put_from", keys, lambda: self.node.put_from(keys, pages))
+
+    def _delete(self, keys: list[str]) -> list[bool]:
+        return self._guard("delete", keys, lambda: self.node.delete(keys))
+
+    def _clear(self) -> None:
+        self.node.clear()
+
+    def _register_memory(self, address: int, nbytes: int) -> None:
+        self.node.register_memory(address, nbytes)
+
+    def _guard(self, op: str, keys: list[str], fn) -> list[bool]:
+        """A backend error is a miss / failed write, never an exception into engine threads."""
+        try:
+            return fn()
+        except Exception:  # noqa: BLE001
+            log.exception("peer_rdma %s failed; reporting %d misses", op, len(keys))
+            self.record_error()
+            return [False] * len(keys)
+
+    def _usage(self) -> StoreUsage:
+        m = self.node.metrics()
+        extra = {k: v for k, v in m.items() if k != "latency"}
+        extra["node_id"] = self.node.node_id
+        extra["latency"] = m["latency"]
+        return StoreUsage(keys=m["pool_keys"], bytes_used=m["pool_bytes_used"],
+                          capacity_bytes=m["pool_capacity_bytes"], evictions=m["evictions"], extra=extra)
+
+    def metric_families(self, label_names: list[str], label_values: list[str]):
+        """Peer-pool series for ``connectors.metrics`` (counters, gauges, latency quantiles)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+        m = self.node.metrics()
+        for name in PROM_COUNTERS:
+            if name in m:
+                f = CounterMetricFamily(f"kvconnect_peer_{name}", f"peer pool {name}", labels=label_names)
+                f.add_metric(label_values, float(m[name]))
+                yield f
+        for name in PROM_GAUGES:
+            if name in m:
+                f = GaugeMetricFamily(f"kvconnect_peer_{name}", f"peer pool {name}", labels=label_names)
+                f.add_metric(label_values, float(m[name]))
+                yield f
+        # a summary with quantiles over the most recent calls (like PeerCache's op_latency_seconds)
+        lat = Metric("kvconnect_peer_op_latency_seconds", "peer pool operation latency", "summary")
+        base = dict(zip(label_names, label_values))
+        for op, v in m["latency"].items():
+            for qn in ("0.5", "0.9", "0.99"):
+                lat.add_sample("kvconnect_peer_op_latency_seconds", {**base, "op": op, "quantile": qn}, v[qn])
+            lat.add_sample("kvconnect_peer_op_latency_seconds_count", {**base, "op": op}, v["count"])
+            lat.add_sample("kvconnect_peer_op_latency_seconds_sum", {**base, "op": op}, v["sum"])
+        yield lat
+
+    def _close(self) -> None:
+        from connectors.metrics import unexport_store
+
+        unexport_store(self)
+        self.node.close()
+
+    @property
+    def node_id(self) -> str:
+        return self.node.node_id

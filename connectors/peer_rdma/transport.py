@@ -1,0 +1,90 @@
+"""Data plane: Mooncake Transfer Engine, one-sided batched reads and writes.
+
+The engine runs in P2PHANDSHAKE mode (no metadata service): a node's segment name is
+``"<local_hostname>:<te rpc port>"``, carried in its membership record. RDMA is used
+where the engine finds an RDMA NIC, TCP otherwise (the engine decides; ``protocol`` and
+``device_name`` are passed through).
+
+Caller memory that was not registered (``register``) is served through a registered
+bounce pool: the engine reads into the bounce buffer and the page is copied out after the
+read has been validated.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+
+class Transport:
+    def __init__(self, hostname: str, protocol: str, device: str, transfer_timeout_s: float,
+                 bounce_bytes: int):
+        # The engine reads its transfer timeout once, from the environment (seconds, >= 5).
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(round(transfer_timeout_s)))))
+        from mooncake.engine import TransferEngine
+
+        self.engine = TransferEngine()
+        rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device)
+        if rc != 0:
+            raise RuntimeError(f"Transfer Engine initialize({hostname!r}, {protocol!r}, {device!r}) = {rc}")
+        self.name = f"{hostname}:{self.engine.get_rpc_port()}"
+        self._lock = threading.Lock()
+        self._regions: list[tuple[int, int]] = []  # sorted (start, end)
+        self._bounce_bytes = bounce_bytes
+        self._bounce = None
+        self._bounce_base = 0
+        self._bounce_free = threading.Semaphore(1)
+
+    # -- registration ---------------------------------------------------------------
+    def register(self, address: int, nbytes: int) -> None:
+        with self._lock:
+            if self.is_registered(address, nbytes):
+                return
+            rc = self.engine.register_memory(address, nbytes)
+            if rc != 0:
+                raise RuntimeError(f"Transfer Engine register_memory({address:#x}, {nbytes}) = {rc}")
+            bisect.insort(self._regions, (address, address + nbytes))
+
+    def is_registered(self, address: int, nbytes: int) -> bool:
+        regions = self._regions
+        i = bisect.bisect_right(regions, (address, float("inf"))) - 1
+        return i >= 0 and regions[i][0] <= address and address + nbytes <= regions[i][1]
+
+    def bounce(self) -> tuple[int, int]:
+        """Borrow the registered bounce buffer (address, size); give it back with ``unbounce``."""
+        self._bounce_free.acquire()
+        if self._bounce is None:
+            self._bounce = mmap.mmap(-1, self._bounce_bytes)
+            self._bounce_base = ctypes.addressof(ctypes.c_char.from_buffer(self._bounce))
+            self.register(self._bounce_base, self._bounce_bytes)
+        return self._bounce_base, self._bounce_bytes
+
+    def unbounce(self) -> None:
+        self._bounce_free.release()
+
+    # -- transfers ------------------------------------------------------------------
+    def read(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+        """One batch of one-sided reads from ``target``; 0 when every transfer completed."""
+        if len(local) == 1:
+            return self.engine.transfer_sync_read(target, local[0], remote[0], lengths[0])
+        return self.engine.batch_transfer_sync_read(target, local, remote, lengths)
+
+    def write(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+        if len(local) == 1:
+            return self.engine.transfer_sync_write(target, local[0], remote[0], lengths[0])
+        return self.engine.batch_transfer_sync_write(target, local, remote, lengths)
+
+    def close(self) -> None:
+        with self._lock:
+            for start, _ in self._regions:
+                try:
+                    self.engine.unregister_memory(start)
+                except Exception:  # noqa: BLE001 - shutting down
+                    pass
+            self._regions.clear()

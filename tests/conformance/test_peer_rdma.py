@@ -1,0 +1,143 @@
+"""Conformance: the peer pool, a 3-node pool (two ``kvconnect peer serve`` subprocesses plus
+the store under test), for both placements.
+
+Mooncake's Transfer Engine listens on every interface whatever it is told, so the whole
+suite runs inside a loopback-only network namespace made for it: the outer test creates
+the namespace, re-runs this module inside it (with KVCONNECT_PEER_NS set) and checks that
+every inner test passed. Its output lists the inner tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conformance.suite import PAGE, PageStoreConformance, page_bytes
+from tests.integration.peer_rdma_support import PY, ROOT, exec_in, loopback_ns, netns_available, stop
+
+INNER = os.environ.get("KVCONNECT_PEER_NS")
+SEG_PAGES = 64  # pages each node lends
+
+
+def _deps() -> str | None:
+    try:
+        import grpc  # noqa: F401
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:
+        return f"peer_rdma needs grpcio and mooncake-transfer-engine ({e})"
+    return netns_available()
+
+
+if not INNER:
+    def test_conformance_in_loopback_namespace():
+        why = _deps()
+        if why:
+            pytest.skip(why)
+        with loopback_ns() as ns:
+            proc = exec_in(ns, [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rA",
+                                str(Path(__file__).relative_to(ROOT))],
+                           env={"KVCONNECT_PEER_NS": ns}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+            try:
+                output, _ = proc.communicate(timeout=280)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                output, _ = proc.communicate()
+            print(output)
+        assert proc.returncode == 0, output[-4000:]
+        assert " passed" in output and "PASSED" in output
+else:
+    @pytest.fixture(scope="module")
+    def pool():
+        """Two memory-only nodes; the first is the seed."""
+        procs, tmp = [], tempfile.mkdtemp(prefix="kvp-conf-")
+        seed = "127.0.0.1:31998"
+        try:
+            for i in range(2):
+                ready = os.path.join(tmp, f"ready{i}")
+                procs.append(exec_in(INNER, [
+                    PY, "-m", "connectors.cli", "--log-level", "WARNING", "peer", "serve",
+                    "--discovery-addr", seed, "--control-port", "31998" if i == 0 else "0",
+                    "--global-segment-size", str(SEG_PAGES * PAGE), "--protocol", "tcp",
+                    "--set", "heartbeat_interval=0.5", "--set", "member_ttl=2", "--ready-file", ready],
+                    stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, f"node{i}.log"), "w")))
+                deadline = time.monotonic() + 60
+                while not os.path.exists(ready):
+                    assert procs[-1].poll() is None, open(os.path.join(tmp, f"node{i}.log")).read()
+                    assert time.monotonic() < deadline, "pool node did not start"
+                    time.sleep(0.1)
+            yield seed
+        finally:
+            for p in procs:
+                stop(p)
+
+    class _PeerBase(PageStoreConformance):
+        store_name = "peer_rdma"
+        placement = "local"
+
+        @pytest.fixture(autouse=True)
+        def _pool(self, pool):
+            self.seed = pool
+
+        def store_options(self):
+            return {"discovery_addr": self.seed, "control_port": 0, "protocol": "tcp",
+                    "global_segment_size": SEG_PAGES * PAGE, "placement": self.placement,
+                    "heartbeat_interval": 0.5, "member_ttl": 2.0}
+
+        def make_store(self):
+            from connectors.registry import create_store
+
+            store = create_store("peer_rdma", self.store_options())
+            assert len(store.node.view.members) == 3, store.node.view.ids
+            return store
+
+    class TestPeerRdmaLocalPlacement(_PeerBase):
+        """Writes land in the writer's segment; entries on the owners (2 of the 3 nodes)."""
+
+        placement = "local"
+        capacity_bytes = SEG_PAGES * PAGE
+
+    class TestPeerRdmaOwnerPlacement(_PeerBase):
+        """Writes are one-sided TE writes into the key owner's segment; 2/3 of the reads are
+        one-sided TE reads from the other two nodes."""
+
+        placement = "owner"
+        capacity_bytes = 3 * SEG_PAGES * PAGE
+
+        def test_pages_spread_over_the_pool_and_read_remotely(self, store):
+            keys = self.keys(48)
+            assert self.write(store, keys) == [True] * 48
+            ok, b = self.read(store, keys)
+            assert ok == [True] * 48
+            for i, k in enumerate(keys):
+                assert b.read(i) == page_bytes(k)
+            m = store.node.metrics()
+            assert m["read_remote_hits"] > 0 and m["read_local_hits"] > 0, m
+            assert m["pool_keys"] < 48  # the others hold the rest
+
+        def test_unregistered_caller_memory_goes_through_the_bounce_buffer(self, store):
+            keys = self.keys(16)
+            assert self.write(store, keys) == [True] * 16
+            ok, b = self.read(store, keys)  # HostBuffer memory is never registered here
+            assert ok == [True] * 16
+            assert store.node.metrics()["bounce_reads"] > 0
+
+        def test_registered_caller_memory_is_read_and_written_directly(self, store):
+            keys = self.keys(16)
+            src, dst = self.buf(16), self.buf(16)
+            store.register_memory(src.address, len(src.raw))
+            store.register_memory(dst.address, len(dst.raw))
+            for i, k in enumerate(keys):
+                src.fill(i, page_bytes(k))
+            before = store.node.metrics()["bounce_reads"]
+            assert store.put_from(keys, [src.page(i) for i in range(16)]) == [True] * 16
+            assert store.get_into(keys, [dst.page(i) for i in range(16)]) == [True] * 16
+            assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
+            m = store.node.metrics()
+            assert m["bounce_reads"] == before and m["read_remote_hits"] > 0
