@@ -49,6 +49,7 @@ import concurrent.futures as cf
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -65,6 +66,8 @@ log = logging.getLogger("kvconnect.mooncake")
 
 # Mooncake's setup retries its master connection ~every 4.5 s (20 times by default).
 _SETUP_ATTEMPT_S = 4.5
+_RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
+_USER_RETRIES = _RETRIES_ENV in os.environ  # a user's own choice is never overridden
 
 
 def _import_mooncake():
@@ -75,8 +78,20 @@ def _import_mooncake():
     return MooncakeDistributedStore, ReplicateConfig
 
 
-class _Abandoned(Exception):
-    """A call passed its deadline (internal)."""
+def _wait_for_tcp(address: str, deadline: float) -> str | None:
+    """None once ``host:port`` accepts a TCP connection before ``deadline``, else why not."""
+    host, _, port = address.rpartition(":")
+    why = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return why
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(left, 2.0)):
+                return None
+        except OSError as e:
+            why = f"{type(e).__name__}: {e.strerror or e}"
+        time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
 
 
 class MooncakeStore(PageStore):
@@ -124,9 +139,18 @@ class MooncakeStore(PageStore):
         """A set-up client, or BackendUnavailable naming the master, within ``setup_timeout``."""
         c = self.config
         # Mooncake retries an unreachable master for ~90 s; keep its retries within our
-        # deadline unless the user chose a value.
-        os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES",
-                              str(max(1, math.ceil(c.setup_timeout / _SETUP_ATTEMPT_S))))
+        # deadline (it reads the variable during setup) unless the user chose a value.
+        if not _USER_RETRIES:
+            os.environ[_RETRIES_ENV] = str(max(1, math.ceil(c.setup_timeout / _SETUP_ATTEMPT_S)))
+        # Mooncake's setup holds the GIL while it retries, so a thread cannot bound it:
+        # first wait (bounded) until the master accepts TCP connections at all.
+        t0 = time.monotonic()
+        left = _wait_for_tcp(c.master_server_address, t0 + c.setup_timeout)
+        if left is not None:
+            raise BackendUnavailable(
+                "mooncake", f"cannot reach master {c.master_server_address} within "
+                f"setup_timeout={c.setup_timeout:g}s ({left}; metadata {c.metadata_server}, "
+                f"protocol {c.protocol})")
         client = self._Client()
         kwargs = {"tenant_id": c.tenant_id} if c.tenant_id != "default" else {}
         args = (c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
@@ -148,7 +172,6 @@ class MooncakeStore(PageStore):
                     pass
 
         t = threading.Thread(target=run, name="kvc-mooncake-setup", daemon=True)
-        t0 = time.monotonic()
         t.start()
         if not done.wait(c.setup_timeout):
             gave_up.set()

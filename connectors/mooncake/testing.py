@@ -203,28 +203,39 @@ class MasterProcess:
 
 
 class MooncakeCluster:
-    """netns + master (+ optional segment holders), entered by the calling thread; all
-    removed by ``close()``. ``enter=False`` leaves the calling thread where it is."""
+    """A master (+ optional segment holders) in a loopback-only namespace; ``close()``
+    removes everything.
+
+    ``netns=None`` creates a namespace ``kvc-mc-<random>`` and starts the master in it
+    (through ``ip netns exec``); pass ``inside_current=True`` instead when the calling
+    process already runs in a loopback-only namespace made for it (the inner side of a
+    test that re-ran itself under ``ip netns exec``).
+
+    Mooncake keeps process-wide I/O threads that open their sockets in the namespace they
+    were created in, so one process uses Mooncake in one namespace for its whole life:
+    clients live in processes started inside the namespace, never in a process that
+    moves between namespaces.
+    """
 
     def __init__(self, *, lease_ttl_ms: int = 500, log_dir: str | os.PathLike | None = None,
-                 enter: bool = True):
-        self.netns = LoopbackNetns()
-        self._entered = False
+                 inside_current: bool = False):
+        self.netns = None if inside_current else LoopbackNetns()
         self.holders: list[subprocess.Popen] = []
         try:
             log = Path(log_dir) / "mooncake_master.log" if log_dir else None
             self.master = MasterProcess(self.netns, lease_ttl_ms=lease_ttl_ms, log_path=log).start()
-            if enter:
-                self.netns.enter()
-                self._entered = True
         except BaseException:
             self.close()
             raise
 
+    def exec_prefix(self) -> list[str]:
+        """Command prefix that runs a program inside the cluster's namespace."""
+        return self.netns.exec_prefix() if self.netns else []
+
     def start_holder(self, segment: str = "256mb", timeout: float = 30) -> subprocess.Popen:
         """A process that contributes ``segment`` bytes of memory to the store."""
-        cmd = self.netns.exec_prefix() + [sys.executable, "-m", "connectors.mooncake.testing", "holder",
-                                          "--master", self.master.address, "--segment", segment]
+        cmd = self.exec_prefix() + [sys.executable, "-m", "connectors.mooncake.testing", "holder",
+                                    "--master", self.master.address, "--segment", segment]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                                          + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -249,12 +260,10 @@ class MooncakeCluster:
             except Exception:  # noqa: BLE001
                 p.kill()
         self.holders.clear()
-        if self._entered:
-            self.netns.leave()
-            self._entered = False
         if getattr(self, "master", None):
             self.master.kill()
-        self.netns.delete()
+        if self.netns:
+            self.netns.delete()
 
 
 def _holder_main(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
 """Conformance: the Mooncake store against a real mooncake_master (loopback-only netns).
 
+The outer run re-runs this module inside a namespace made for it (tests/mooncake_env.py).
 The suite's pages are plain ``HostBuffer``s, never registered: they go through the
 store's registered staging buffer. ``tests/integration/test_mooncake.py`` covers the
 direct (registered, zero-copy) path, failures and two processes.
@@ -7,21 +8,25 @@ direct (registered, zero-copy) path, failures and two processes.
 
 import pytest
 
-from connectors.registry import create_store
-from tests.conformance.suite import PageStoreConformance
-from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
+from tests.mooncake_env import INNER, outer_test
 
+if not INNER:
+    test_conformance_in_loopback_namespace = outer_test(__file__)
+else:
+    from connectors.registry import create_store
+    from tests.conformance.suite import PageStoreConformance
+    from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
 
-class TestMooncakeStore(PageStoreConformance):
-    store_name = "mooncake"
-    capacity_bytes = None  # Mooncake evicts by watermark over its segments, not to a byte budget
+    class TestMooncakeStore(PageStoreConformance):
+        store_name = "mooncake"
+        capacity_bytes = None  # Mooncake evicts by watermark over its segments, not to a byte budget
 
-    @pytest.fixture(autouse=True)
-    def _cluster(self, mooncake_cluster):  # noqa: F811
-        self.cluster = mooncake_cluster
+        @pytest.fixture(autouse=True)
+        def _cluster(self, mooncake_cluster):  # noqa: F811
+            self.cluster = mooncake_cluster
 
-    def store_options(self):
-        return store_options(self.cluster)
+        def store_options(self):
+            return store_options(self.cluster)
 
-    def make_store(self):
-        return create_store("mooncake", self.store_options())
+        def make_store(self):
+            return create_store("mooncake", self.store_options())
