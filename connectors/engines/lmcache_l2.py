@@ -1,0 +1,640 @@
+"""Any kvconnect ``PageStore`` as an L2 adapter of LMCache's multi-process server.
+
+Load it with ``lmcache server ... --l2-adapter`` (LMCache 0.5.6)::
+
+    {"type": "plugin", "module_path": "connectors.engines.lmcache_l2",
+     "class_name": "KVConnectL2Adapter",
+     "adapter_params": {"store": "hf3fs", "file_path_prefix": "/3fs/kv", ...}}
+
+``adapter_params`` are the store's own options plus the adapter's keys (see
+``KVConnectL2AdapterConfig``); LMCache finds the config class by the ``<class>Config``
+convention.
+
+How LMCache's contract maps onto the store:
+
+* store / lookup-and-lock / load run on the adapter's own worker threads (one pool per
+  task family, so a slow store backlog never delays lookups or loads); each family has its
+  own event fd, notified whenever results are ready; each result is handed out once.
+* A chunk's page is its L1 ``MemoryObj`` buffer, ``[(address, nbytes)]``: stores read
+  straight from it and loads write straight into it (no intermediate copy here).
+* ``ObjectKey`` (model, kv_rank, object group, chunk hash, cache salt) becomes a store key
+  in a ``KeySpace`` of the model, object group and tenant+salt, with the packed kv_rank and
+  the chunk hash in the page hash: two models, ranks, groups or tenants never share a key.
+* Lookup "locks" are reference counts that keep LMCache's own L2 eviction (``delete``) off
+  the keys between lookup and load. The store's own eviction is not stopped by them: a
+  page evicted in between is a failed load for that key, which LMCache recomputes.
+* Every store call is guarded: an exception is a failed store, a miss or a failed load,
+  never an exception into LMCache's controller threads. A lookup that takes longer than
+  ``lookup_timeout_s`` reports all misses (nothing stays locked). Stores and loads are not
+  cut short by the adapter -- their buffers belong to LMCache and must not be touched after
+  the result is reported -- so they rely on the store's own bounded timeouts.
+
+API drift (0.4.x ... 0.5.x) is absorbed here: ``Bitmap`` location, ``L2StoreResult`` vs
+``bool`` store results, event notifier vs ``os.eventfd``, constructor and lookup argument
+shapes, older ``ObjectKey`` fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Mapping, Sequence
+
+from connectors.base import ConfigError, Page, PageStore
+from connectors.engines.common import (
+    EngineOptions,
+    ErrorCounter,
+    RateLimitedLog,
+    build_store,
+    safe_call,
+    split_engine_options,
+)
+from namespace.keyspace import KeySpace
+
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+
+try:  # 0.4.3+
+    from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+except ImportError:  # pragma: no cover - older layouts
+    L2AdapterConfigBase = object  # type: ignore[assignment,misc]
+
+try:  # 0.5.x
+    from lmcache.lmcache_native import Bitmap
+except ImportError:  # pragma: no cover - 0.4.x
+    from lmcache.native_storage_ops import Bitmap  # type: ignore[no-redef]
+
+try:  # after 0.4.5
+    from lmcache.v1.distributed.internal_api import L2StoreResult
+except ImportError:  # pragma: no cover - older: dict[int, bool]
+    L2StoreResult = None  # type: ignore[assignment,misc]
+
+try:
+    from lmcache.v1.platform import create_event_notifier
+except ImportError:  # pragma: no cover - older: raw eventfds
+    create_event_notifier = None  # type: ignore[assignment]
+
+log = logging.getLogger("kvconnect.lmcache")
+
+WHERE = "lmcache l2 adapter"
+KEY_LAYOUT = "lmcache-mp"
+"""Key-space layout of LMCache chunks: never the same keys as SGLang HiCache pages."""
+
+OPS = ("store", "lookup", "load")
+
+# Adapter keys in adapter_params, next to common's (store, store_options, tenant,
+# model_fingerprint, metrics_port); everything else is a store option.
+ENGINE_KEYS = ("num_workers", "per_op_workers", "lookup_timeout_s")
+# LMCache-level keys that may reach adapter_params through older or raw-dict factories.
+LMCACHE_KEYS = ("type", "eviction", "serde", "persist_enabled", "shared", "affinity_tag")
+
+DEFAULT_WORKERS = {"store": 2, "lookup": 1, "load": 2}
+DEFAULT_LOOKUP_TIMEOUT_S = 10.0
+
+
+def _store_result(ok: bool, nbytes: int) -> Any:
+    """``L2StoreResult`` where LMCache has it, else the older ``bool``."""
+    if L2StoreResult is not None:
+        return L2StoreResult(bool(ok), max(0, int(nbytes)))
+    return bool(ok)
+
+
+class _EventFd:
+    """Fallback notifier for LMCache versions without ``create_event_notifier``."""
+
+    def __init__(self) -> None:
+        self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def notify(self) -> None:
+        try:
+            os.eventfd_write(self._fd, 1)
+        except BlockingIOError:  # counter saturated: already signalled
+            pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _new_notifier() -> Any:
+    return create_event_notifier() if create_event_notifier is not None else _EventFd()
+
+
+# ---------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(key, f"expected a positive integer, got {value!r}", None, WHERE)
+    return value
+
+
+class KVConnectL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,valid-type]
+    """``adapter_params`` of ``KVConnectL2Adapter``.
+
+    Adapter keys:
+      * ``store`` (required): registry name (``memory``, ``hf3fs``, ``mooncake``,
+        ``peer_rdma``) or ``"pkg.mod:Class"`` for an out-of-tree ``PageStore``;
+      * ``store_options``: the store's options as a nested object (or give them inline);
+      * ``tenant``: isolates this server's pages from other tenants in a shared store;
+      * ``model_fingerprint``: weights revision, to tell fine-tunes served under one name apart;
+      * ``num_workers`` (int, default store 2 / lookup 1 / load 2): threads per task family;
+      * ``per_op_workers`` (``{"store": n, "lookup": n, "load": n}``): per-family override;
+      * ``lookup_timeout_s`` (default 10): a lookup slower than this reports all misses;
+      * ``metrics_port``: serve the store's Prometheus ``/metrics`` (127.0.0.1) on this port.
+
+    Store options are checked by the store's typed config when the adapter builds it.
+    """
+
+    def __init__(self, params: Mapping[str, Any] | None = None):
+        params = {k: v for k, v in dict(params or {}).items() if k not in LMCACHE_KEYS}
+        # Checks the adapter keys now (a typed error at parse time, naming the key); the
+        # store's own options are checked when the store is built.
+        eo = split_engine_options(params, where=WHERE, engine_keys=ENGINE_KEYS)
+        self.params = params
+        self.engine: EngineOptions = eo
+        workers = dict(DEFAULT_WORKERS)
+        if "num_workers" in eo.extra:
+            n = _positive_int(eo.extra["num_workers"], "num_workers")
+            workers = {op: n for op in OPS}
+        per_op = eo.extra.get("per_op_workers")
+        if per_op is not None:
+            if not isinstance(per_op, Mapping):
+                raise ConfigError("per_op_workers", f"expected an object, got {per_op!r}", OPS, WHERE)
+            for op, n in per_op.items():
+                if op not in OPS:
+                    raise ConfigError("per_op_workers", f"unknown operation {op!r}", OPS, WHERE)
+                workers[op] = _positive_int(n, f"per_op_workers.{op}")
+        self.workers = workers
+        timeout = eo.extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ConfigError("lookup_timeout_s", f"expected a positive number of seconds, got {timeout!r}",
+                              None, WHERE)
+        self.lookup_timeout_s = float(timeout)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "KVConnectL2AdapterConfig":
+        return cls(d)
+
+    @classmethod
+    def help(cls) -> str:
+        return (cls.__doc__ or "") + (
+            '\nExample: {"type":"plugin","module_path":"connectors.engines.lmcache_l2",'
+            '"class_name":"KVConnectL2Adapter","adapter_params":{"store":"memory","capacity":"4gb"}}'
+        )
+
+
+# ---------------------------------------------------------------------------------
+# ObjectKey -> store key
+# ---------------------------------------------------------------------------------
+
+
+def _rank_tag(key: Any) -> str:
+    """The packed kv_rank, exactly (its local/global split never aliases another rank)."""
+    kv_rank = getattr(key, "kv_rank", None)
+    if kv_rank is not None:
+        return f"r{int(kv_rank) & 0xFFFFFFFFFFFFFFFF:x}"
+    # LMCache < 0.4: ObjectKey(model_name, world_size, worker_id, chunk_hash: int)
+    return f"w{int(getattr(key, 'world_size', 0))}.{int(getattr(key, 'worker_id', 0))}"
+
+
+def _hash_hex(chunk_hash: Any) -> str:
+    if isinstance(chunk_hash, (bytes, bytearray, memoryview)):
+        return bytes(chunk_hash).hex()
+    if isinstance(chunk_hash, int):
+        return f"i{chunk_hash & ((1 << 256) - 1):x}"
+    if isinstance(chunk_hash, str):
+        return chunk_hash
+    raise TypeError(f"unsupported chunk_hash type {type(chunk_hash).__name__}")
+
+
+class ObjectKeyMapper:
+    """``ObjectKey`` -> store key; key spaces cached per (model, object group, salt).
+
+    The key space carries the model, the pool (``kv`` for object group 0, ``kv.g<N>`` for
+    the others), the tenant and cache salt (``"<tenant>/<salt>"``: a salt never holds '/',
+    so the pair is unambiguous) and the model fingerprint. The page hash is
+    ``r<kv_rank hex>-<chunk hash hex>``.
+    """
+
+    def __init__(self, tenant: str = "", model_fingerprint: str = "", max_spaces: int = 4096):
+        self.tenant = tenant
+        self.model_fingerprint = model_fingerprint
+        self._max = max_spaces
+        self._lock = threading.Lock()
+        self._spaces: OrderedDict[tuple[str, int, str], KeySpace] = OrderedDict()
+
+    def space(self, model: str, group: int, salt: str) -> KeySpace:
+        ident = (model, group, salt)
+        with self._lock:
+            ks = self._spaces.get(ident)
+            if ks is not None:
+                self._spaces.move_to_end(ident)
+                return ks
+        tenant = f"{self.tenant}/{salt}" if (self.tenant or salt) else ""
+        ks = KeySpace(model=model or "<unnamed>", layout=KEY_LAYOUT, dtype="lmcache",
+                      weights=self.model_fingerprint, pool="kv" if group == 0 else f"kv.g{group}",
+                      tenant=tenant)
+        with self._lock:
+            self._spaces[ident] = ks
+            while len(self._spaces) > self._max:
+                self._spaces.popitem(last=False)
+        return ks
+
+    def key(self, key: Any) -> str:
+        model = str(getattr(key, "model_name", "") or "")
+        group = int(getattr(key, "object_group_id", 0) or 0)
+        salt = str(getattr(key, "cache_salt", "") or "")
+        return self.space(model, group, salt).key(f"{_rank_tag(key)}-{_hash_hex(key.chunk_hash)}")
+
+    def keys(self, keys: Sequence[Any]) -> list[str]:
+        return [self.key(k) for k in keys]
+
+
+# ---------------------------------------------------------------------------------
+# MemoryObj -> page
+# ---------------------------------------------------------------------------------
+
+
+def object_page(obj: Any) -> Page:
+    """``[(address, nbytes)]`` of an L1 memory object's logical bytes (CPU memory only)."""
+    raw = getattr(obj, "raw_data", None)
+    if raw is not None and getattr(getattr(raw, "device", None), "type", "cpu") != "cpu":
+        raise ValueError(f"L1 object on {raw.device}: kvconnect pages must be host memory")
+    ptr = getattr(obj, "data_ptr", None)
+    if callable(ptr):
+        ptr = ptr()
+    if not ptr:
+        tensor = getattr(obj, "tensor", None)
+        ptr = tensor.data_ptr() if tensor is not None else 0
+    size = obj.get_size() if hasattr(obj, "get_size") else len(obj.byte_array)
+    if not ptr or size <= 0:
+        raise ValueError("L1 object without a buffer")
+    return [(int(ptr), int(size))]
+
+
+# ---------------------------------------------------------------------------------
+# The adapter
+# ---------------------------------------------------------------------------------
+
+
+class _Family:
+    """One task family: its worker pool, its event fd, its finished results."""
+
+    def __init__(self, op: str, workers: int):
+        self.op = op
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"kvc-l2-{op}")
+        self.notifier = _new_notifier()
+        self.done: dict[int, Any] = {}
+        self.in_flight = 0
+
+
+class KVConnectL2Adapter(L2AdapterInterface):
+    """LMCache ``L2AdapterInterface`` over a kvconnect ``PageStore``."""
+
+    config_class_name = "KVConnectL2AdapterConfig"
+
+    def __init__(self, config: KVConnectL2AdapterConfig | Mapping[str, Any] | None = None,
+                 l1_memory_desc: Any = None, *args: Any, store: PageStore | None = None, **kwargs: Any):
+        # The store evicts by itself (capacity, LRU, watermarks): no global LMCache eviction.
+        super().__init__(max_capacity_bytes=0)
+        if not isinstance(config, KVConnectL2AdapterConfig):  # raw-dict factories
+            if isinstance(config, str):
+                config = json.loads(config)
+            config = KVConnectL2AdapterConfig(config or ({} if store is None else {"store": store.name}))
+        self.config = config
+        eo = config.engine
+        self._errors = ErrorCounter()
+        self._rlog = RateLimitedLog(log)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._next_id = 0
+        self._locks: dict[str, int] = {}  # store key -> lookup lock count
+        # store key -> size of what this adapter stored (LMCache's byte accounting; bounded)
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self._max_sizes = 1 << 20
+        self._lookup_deadlines: dict[int, tuple[float, int]] = {}
+        self.lookup_timeouts = 0
+
+        self.store = store if store is not None else build_store(config.params, where=WHERE,
+                                                                 engine_keys=ENGINE_KEYS)[0]
+        self.mapper = ObjectKeyMapper(eo.tenant, eo.model_fingerprint)
+        try:
+            self._register_l1(l1_memory_desc)
+            self._families = {op: _Family(op, config.workers[op]) for op in OPS}
+            if eo.metrics_port is not None:
+                from connectors.engines.common import serve_store_metrics
+
+                serve_store_metrics(self.store, eo.metrics_port, engine="lmcache")
+        except BaseException:
+            self.store.close()
+            raise
+        self._watchdog_stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_lookups, name="kvc-l2-lookup-watchdog", daemon=True)
+        self._watchdog.start()
+        log.info("kvconnect L2 adapter over store %r (workers %s, lookup timeout %.1fs)",
+                 self.store.name, config.workers, config.lookup_timeout_s)
+
+    def _register_l1(self, desc: Any) -> None:
+        """Stores that need registered memory (Mooncake, RDMA) register LMCache's L1 arena
+        once, so loads and stores move bytes without a bounce copy."""
+        if desc is None or not self.store.needs_registered_memory:
+            return
+        ptr, size = int(getattr(desc, "ptr", 0)), int(getattr(desc, "size", 0))
+        if ptr and size > 0:
+            safe_call(self.store.register_memory, ptr, size, default=None, what="lmcache.register_l1",
+                      errors=self._errors, rlog=self._rlog)
+
+    # -- event fds ------------------------------------------------------------------
+    def get_store_event_fd(self) -> int:
+        return self._families["store"].notifier.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._families["lookup"].notifier.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._families["load"].notifier.fileno()
+
+    # -- bookkeeping ----------------------------------------------------------------
+    def _new_task(self, op: str) -> int:
+        with self._lock:
+            tid = self._next_id
+            self._next_id += 1
+            self._families[op].in_flight += 1
+            return tid
+
+    def _finish(self, op: str, tid: int, result: Any) -> None:
+        fam = self._families[op]
+        with self._lock:
+            fam.done[tid] = result
+            fam.in_flight -= 1
+        try:
+            fam.notifier.notify()
+        except Exception:  # noqa: BLE001 - closed at shutdown
+            pass
+
+    def _submit(self, op: str, tid: int, fn: Callable[[], None], fail: Callable[[], None]) -> None:
+        """Run ``fn`` on the family's workers; if it cannot run at all, ``fail`` reports it."""
+        try:
+            if self._closed:
+                raise RuntimeError("adapter closed")
+            self._families[op].pool.submit(self._run_guarded, op, fn, fail)
+        except Exception as e:  # noqa: BLE001 - a rejected submit is a failed task
+            self._errors.add(f"lmcache.{op}")
+            self._rlog.error(f"submit:{op}", "kvconnect L2 %s task %d not run: %s", op, tid, e)
+            fail()
+
+    def _run_guarded(self, op: str, fn: Callable[[], None], fail: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - every task reports exactly one result
+            self._errors.add(f"lmcache.{op}")
+            self._rlog.error(f"task:{op}:{type(e).__name__}", "kvconnect L2 %s task failed: %s: %s",
+                             op, type(e).__name__, e, exc_info=True)
+            fail()
+
+    def _prepare(self, keys: Sequence[Any], objects: Sequence[Any] | None) -> tuple[list[Any], list[str], list[Page] | None]:
+        keys = list(keys)
+        store_keys = self.mapper.keys(keys)
+        pages = None
+        if objects is not None:
+            objects = list(objects)
+            if len(objects) != len(keys):
+                raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
+            pages = [object_page(o) for o in objects]
+        return keys, store_keys, pages
+
+    def _guarded(self, what: str, fn: Callable[..., list[bool]], *args: Any, n: int) -> list[bool]:
+        out = safe_call(fn, *args, default=lambda: [False] * n, what=f"lmcache.{what}",
+                        errors=self._errors, rlog=self._rlog)
+        return list(out) if len(out) == n else [False] * n
+
+    # -- store --------------------------------------------------------------------
+    def submit_store_task(self, keys: list[Any], objects: list[Any], *args: Any, **kwargs: Any) -> int:
+        """Store the bytes of ``objects`` (read in place). The task succeeds only if every
+        key is stored: LMCache treats a successful task as 'all keys are in L2'."""
+        tid = self._new_task("store")
+        fail = lambda: self._finish("store", tid, _store_result(False, 0))  # noqa: E731
+        try:
+            okeys, skeys, pages = self._prepare(keys, objects)
+        except Exception as e:  # noqa: BLE001
+            self._errors.add("lmcache.store")
+            self._rlog.error(f"store-args:{type(e).__name__}", "kvconnect L2 store: bad arguments: %s", e)
+            fail()
+            return tid
+        if not skeys:
+            self._finish("store", tid, _store_result(True, 0))
+            return tid
+        self._submit("store", tid, lambda: self._run_store(tid, okeys, skeys, pages), fail)
+        return tid
+
+    def _run_store(self, tid: int, okeys: list[Any], skeys: list[str], pages: list[Page]) -> None:
+        ok = self._guarded("store", self.store.put_from, skeys, pages, n=len(skeys))
+        sizes = [p[0][1] for p in pages]
+        nbytes = sum(s for s, good in zip(sizes, ok) if good)
+        new_keys, new_sizes = [], []
+        with self._lock:
+            for k, sk, size, good in zip(okeys, skeys, sizes, ok):
+                if good and sk not in self._sizes:
+                    new_keys.append(k)
+                    new_sizes.append(size)
+                if good:
+                    self._sizes[sk] = size
+                    self._sizes.move_to_end(sk)
+            while len(self._sizes) > self._max_sizes:
+                self._sizes.popitem(last=False)
+        self._notify("stored", new_keys, new_sizes)
+        self._finish("store", tid, _store_result(all(ok), nbytes))
+
+    def pop_completed_store_tasks(self) -> dict[int, Any]:
+        fam = self._families["store"]
+        with self._lock:
+            done, fam.done = fam.done, {}
+        return done
+
+    # -- lookup and lock ------------------------------------------------------------
+    def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None,
+                                    *args: Any, **kwargs: Any) -> int:
+        """Which keys the store holds; the hits stay locked against ``delete`` until
+        ``submit_unlock``. ``group_layout_descs`` is advisory and unused."""
+        tid = self._new_task("lookup")
+        n = len(keys)
+        try:
+            _, skeys, _ = self._prepare(keys, None)
+        except Exception as e:  # noqa: BLE001
+            self._errors.add("lmcache.lookup")
+            self._rlog.error(f"lookup-args:{type(e).__name__}", "kvconnect L2 lookup: bad arguments: %s", e)
+            self._finish("lookup", tid, Bitmap(n))
+            return tid
+        fail = lambda: self._finish_lookup(tid, n, [], [])  # noqa: E731
+        with self._lock:
+            self._lookup_deadlines[tid] = (time.monotonic() + self.config.lookup_timeout_s, n)
+        self._submit("lookup", tid, lambda: self._run_lookup(tid, skeys), fail)
+        return tid
+
+    def _run_lookup(self, tid: int, skeys: list[str]) -> None:
+        present = self._guarded("exists", self.store.exists, skeys, n=len(skeys)) if skeys else []
+        self._finish_lookup(tid, len(skeys), skeys, present)
+
+    def _finish_lookup(self, tid: int, n: int, skeys: list[str], present: list[bool]) -> None:
+        bm = Bitmap(n)
+        with self._lock:
+            if self._lookup_deadlines.pop(tid, None) is None:
+                return  # the watchdog already answered (all misses): take no locks
+            for i, (sk, hit) in enumerate(zip(skeys, present)):
+                if hit:
+                    bm.set(i)
+                    self._locks[sk] = self._locks.get(sk, 0) + 1
+        self._finish("lookup", tid, bm)
+
+    def _watch_lookups(self) -> None:
+        """Answer lookups that overran ``lookup_timeout_s`` with all misses."""
+        while not self._watchdog_stop.wait(0.05):
+            now = time.monotonic()
+            expired = []
+            with self._lock:
+                for tid, (deadline, n) in list(self._lookup_deadlines.items()):
+                    if now >= deadline:
+                        del self._lookup_deadlines[tid]
+                        expired.append((tid, n))
+            for tid, n in expired:
+                self.lookup_timeouts += 1
+                self._errors.add("lmcache.lookup_timeout")
+                self._rlog.warning("lookup-timeout", "kvconnect L2 lookup task %d took over %.1fs: "
+                                   "reported as all misses", tid, self.config.lookup_timeout_s)
+                self._finish("lookup", tid, Bitmap(n))
+
+    def query_lookup_and_lock_result(self, task_id: int) -> Any:
+        fam = self._families["lookup"]
+        with self._lock:
+            return fam.done.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[Any], *args: Any, **kwargs: Any) -> None:
+        """Release lookup locks. Never raises, never blocks on the store."""
+        try:
+            skeys = self.mapper.keys(keys)
+        except Exception as e:  # noqa: BLE001 - unlock must not fail
+            self._rlog.error("unlock-args", "kvconnect L2 unlock: bad keys ignored: %s", e)
+            return
+        with self._lock:
+            for sk in skeys:
+                c = self._locks.get(sk, 0)
+                if c <= 1:
+                    self._locks.pop(sk, None)
+                else:
+                    self._locks[sk] = c - 1
+
+    # -- load ---------------------------------------------------------------------
+    def submit_load_task(self, keys: list[Any], objects: list[Any], *args: Any, **kwargs: Any) -> int:
+        """Fill ``objects`` (LMCache's L1 buffers) with the stored bytes; per-key bitmap."""
+        tid = self._new_task("load")
+        n = len(keys)
+        fail = lambda: self._finish("load", tid, Bitmap(n))  # noqa: E731
+        try:
+            okeys, skeys, pages = self._prepare(keys, objects)
+        except Exception as e:  # noqa: BLE001
+            self._errors.add("lmcache.load")
+            self._rlog.error(f"load-args:{type(e).__name__}", "kvconnect L2 load: bad arguments: %s", e)
+            fail()
+            return tid
+        if not skeys:
+            fail()
+            return tid
+        self._submit("load", tid, lambda: self._run_load(tid, okeys, skeys, pages), fail)
+        return tid
+
+    def _run_load(self, tid: int, okeys: list[Any], skeys: list[str], pages: list[Page]) -> None:
+        ok = self._guarded("load", self.store.get_into, skeys, pages, n=len(skeys))
+        bm = Bitmap(len(skeys))
+        hits = []
+        for i, good in enumerate(ok):
+            if good:
+                bm.set(i)
+                hits.append(okeys[i])
+        self._notify("accessed", hits)
+        self._finish("load", tid, bm)
+
+    def query_load_result(self, task_id: int) -> Any:
+        fam = self._families["load"]
+        with self._lock:
+            return fam.done.pop(task_id, None)
+
+    # -- eviction, status, close -------------------------------------------------------
+    def delete(self, keys: list[Any], *args: Any, **kwargs: Any) -> None:
+        """LMCache's L2 eviction: delete the keys no lookup holds locked."""
+        try:
+            pairs = list(zip(keys, self.mapper.keys(keys)))
+        except Exception as e:  # noqa: BLE001
+            self._rlog.error("delete-args", "kvconnect L2 delete: bad keys ignored: %s", e)
+            return
+        with self._lock:
+            pairs = [(k, sk) for k, sk in pairs if sk not in self._locks]
+        if not pairs or self._closed:
+            return
+        gone = self._guarded("delete", self.store.delete, [sk for _, sk in pairs], n=len(pairs))
+        deleted, sizes = [], []
+        with self._lock:
+            for (k, sk), g in zip(pairs, gone):
+                size = self._sizes.pop(sk, None)
+                if g and size is not None:
+                    deleted.append(k)
+                    sizes.append(size)
+        self._notify("deleted", deleted, sizes)
+
+    def _notify(self, what: str, keys: list[Any], sizes: list[int] | None = None) -> None:
+        """LMCache listeners and byte accounting; their failures never fail a task."""
+        if not keys:
+            return
+        fn = getattr(self, f"_notify_keys_{what}", None)
+        if fn is None:
+            return
+        args = (keys,) if sizes is None else (keys, sizes)
+        safe_call(fn, *args, default=None, what=f"lmcache.notify_{what}", errors=self._errors, rlog=self._rlog)
+
+    def report_status(self) -> dict:
+        stats = safe_call(self.store.stats, default=None, what="lmcache.stats", errors=self._errors, rlog=self._rlog)
+        with self._lock:
+            in_flight = {op: f.in_flight for op, f in self._families.items()}
+            locked = len(self._locks)
+        status: dict[str, Any] = {
+            "is_healthy": not self._closed and not self.store.closed,
+            "type": type(self).__name__,
+            "store": self.store.name,
+            "in_flight": in_flight,
+            "locked_keys": locked,
+            "lookup_timeouts": self.lookup_timeouts,
+            "errors": self._errors.as_dict(),
+        }
+        if stats is not None:
+            d = stats.as_dict()
+            status["store_stats"] = {k: d[k] for k in (
+                "put_written", "put_failed", "put_bytes", "get_hits", "get_pages", "get_bytes",
+                "exists_keys", "exists_hits", "deletes", "errors", "keys", "bytes_used", "capacity_bytes")}
+        return status
+
+    def close(self) -> None:
+        """Stop the workers (running tasks finish: their buffers stay valid until then),
+        then close the store and the event fds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._watchdog_stop.set()
+        self._watchdog.join(timeout=5)
+        for fam in self._families.values():
+            fam.pool.shutdown(wait=True, cancel_futures=True)
+        safe_call(self.store.close, default=None, what="lmcache.close", errors=self._errors, rlog=self._rlog)
+        for fam in self._families.values():
+            try:
+                fam.notifier.close()
+            except Exception:  # noqa: BLE001
+                pass
