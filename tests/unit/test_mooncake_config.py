@@ -1,0 +1,132 @@
+"""Mooncake store: configuration (our keys, SGLang's MOONCAKE_* variables and config file),
+the error-code map, and the staging buffer. No master needed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
+from connectors.config import parse_config
+from connectors.mooncake import errors as E
+from connectors.mooncake.config import MooncakeConfig, merged_options
+from connectors.mooncake.staging import StagingBuffer
+from connectors.registry import create_store
+
+
+def cfg(options=None, env=None) -> MooncakeConfig:
+    return parse_config(MooncakeConfig, merged_options(options, environ=env or {}), where="store 'mooncake'")
+
+
+def test_sglang_environment_variables_are_read():
+    c = cfg(env={"MOONCAKE_MASTER": "10.0.0.1:50051", "MOONCAKE_PROTOCOL": "tcp",
+                 "MOONCAKE_TE_META_DATA_SERVER": "http://127.0.0.1:8080/metadata",
+                 "MOONCAKE_LOCAL_HOSTNAME": "node7", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "4gb",
+                 "MOONCAKE_LOCAL_BUFFER_SIZE": "0", "MOONCAKE_DEVICE": "mlx5_0,mlx5_1"})
+    assert c.master_server_address == "10.0.0.1:50051"
+    assert c.protocol == "tcp" and c.local_hostname == "node7"
+    assert c.metadata_server == "http://127.0.0.1:8080/metadata"
+    assert c.global_segment_size == 4 << 30 and c.local_buffer_size == 0
+    assert c.rdma_devices() == "mlx5_0,mlx5_1"
+
+
+def test_defaults_match_sglang():
+    c = cfg({"master_server_address": "127.0.0.1:50051"})
+    assert (c.metadata_server, c.local_hostname, c.protocol, c.global_segment_size) == \
+        ("P2PHANDSHAKE", "localhost", "rdma", 4 << 30)
+
+
+def test_precedence_env_then_file_then_options(tmp_path):
+    f = tmp_path / "mooncake.json"
+    f.write_text(json.dumps({"master_server_address": "file:1", "protocol": "rdma", "global_segment_size": "1gb",
+                             "master_metrics_port": 9003, "check_server": False}))  # SGLang-only keys: accepted
+    env = {"MOONCAKE_MASTER": "env:1", "MOONCAKE_PROTOCOL": "tcp", "MOONCAKE_LOCAL_HOSTNAME": "envhost",
+           "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH": str(f)}
+    c = cfg(env=env)
+    assert c.master_server_address == "file:1"  # file beats env
+    assert c.protocol == "rdma" and c.global_segment_size == 1 << 30
+    assert c.local_hostname == "envhost"  # env fills what the file lacks
+    c = cfg({"master_server_address": "opt:2", "config_path": str(f)}, env={"MOONCAKE_MASTER": "env:1"})
+    assert c.master_server_address == "opt:2"  # explicit options beat both
+
+
+def test_bad_config_names_key_and_accepted_values(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        cfg({})
+    assert "master_server_address" in str(e.value) and "MOONCAKE_MASTER" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "h:1", "protocol": "udp"})
+    assert "protocol" in str(e.value) and "'tcp'" in str(e.value) and "'rdma'" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "h:1", "global_segment_size": "4 potatoes"})
+    assert "global_segment_size" in str(e.value) and "4gb" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "nohostport"})
+    assert "host:port" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "h:1", "standalone_storage": True})
+    assert "standalone_storage" in str(e.value)
+    with pytest.raises(UnknownConfigKey) as e:
+        cfg({"master_server_address": "h:1", "segment_size": "1gb"})
+    assert "segment_size" in str(e.value) and "global_segment_size" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "h:1", "op_timeout": 0})
+    assert "op_timeout" in str(e.value)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "h:1", "config_path": str(bad)})
+    assert "config_path" in str(e.value)
+
+
+def test_config_errors_come_from_the_registry_before_connecting():
+    with pytest.raises(UnknownConfigKey):
+        create_store("mooncake", {"master_server_address": "127.0.0.1:1", "bogus": 1})
+    with pytest.raises(ConfigError):
+        create_store("mooncake", {"master_server_address": "127.0.0.1:1", "io_mode": "sometimes"})
+
+
+def test_device_map_by_tp_rank():
+    devices = json.dumps({"0": "mlx5_0", "1": "mlx5_1"})
+    assert cfg({"master_server_address": "h:1", "device_name": devices, "tp_rank": 1}).rdma_devices() == "mlx5_1"
+    assert cfg({"master_server_address": "h:1", "device_name": devices, "tp_rank": 5}).rdma_devices() == ""
+    with pytest.raises(ConfigError):
+        cfg({"master_server_address": "h:1", "device_name": "{oops"})
+
+
+def test_every_error_code_is_classified():
+    assert E.outcome(-706) is E.Outcome.LEASED
+    assert E.outcome(-704) is E.Outcome.MISS
+    assert E.outcome(-705) is E.Outcome.EXISTS
+    assert E.outcome(-707) is E.Outcome.TRANSIENT
+    assert E.outcome(-900) is E.Outcome.UNAVAILABLE
+    assert E.outcome(-12345) is E.Outcome.INTERNAL and "UNKNOWN" in E.code_name(-12345)
+    assert all(isinstance(o, E.Outcome) for _, o in E.CODES.values())
+    with pytest.raises(BackendUnavailable) as e:
+        E.raise_for("register_buffer", -900, master="10.0.0.1:50051")
+    assert "10.0.0.1:50051" in str(e.value) and "RPC_FAIL" in str(e.value)
+    with pytest.raises(E.MooncakeError) as e:
+        E.raise_for("remove", -706)
+    assert e.value.code_name == "OBJECT_HAS_LEASE"
+
+
+def test_staging_buffer_extents_merge_and_waits_are_bounded():
+    sb = StagingBuffer(1 << 20)
+    a = sb.acquire(300 << 10, time.monotonic() + 1)
+    b = sb.acquire(300 << 10, time.monotonic() + 1)
+    c = sb.acquire(300 << 10, time.monotonic() + 1)
+    assert None not in (a, b, c) and len({a, b, c}) == 3
+    t0 = time.monotonic()
+    assert sb.acquire(300 << 10, time.monotonic() + 0.2) is None  # full: bounded wait
+    assert 0.15 < time.monotonic() - t0 < 2
+    threading.Timer(0.1, sb.release, args=(b,)).start()
+    d = sb.acquire(300 << 10, time.monotonic() + 2)  # woken by the release
+    assert d == b
+    for off in (a, c, d):
+        sb.release(off)
+    assert sb.in_use == 0
+    assert sb.acquire(1 << 20, time.monotonic() + 0.1) == 0  # free extents merged back into one
+    assert sb.acquire(2 << 20, time.monotonic() + 0.1) is None  # larger than the buffer
