@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("connectors.cli_bench", "run a benchmark from benchmarks/ (side by side with its reference)"),
     "demo": ("connectors.demo", "replay a multi-turn shared-prefix workload through the SGLang adapter"),
     "hf3fs-meta": ("connectors.hf3fs.cli", "HF3FS metadata service: serve the durable page index over gRPC"),
+    "mooncake-store": ("connectors.mooncake.cli", "Mooncake: run a standalone store process that contributes a memory segment"),
     "peer": ("connectors.peer_rdma.cli", "peer memory pool: run a memory-only node (serve) or query one (status)"),
     "stores": ("connectors.cli_stores", "list stores, their options and whether their dependencies are present"),
 }

@@ -224,6 +224,36 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
         master.kill()
 
 
+def test_segment_holder_killed_reads_miss_in_time(mooncake_cluster):  # noqa: F811
+    """Pages live in another process's segment; kill -9 that process: reads of its pages
+    return misses within op_timeout (never an exception, never a hang)."""
+    holder = mooncake_cluster.start_holder("64mb")
+    op_timeout = 2.0
+    s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, op_timeout=op_timeout,
+                                               reconnect_interval=0.3))
+    try:
+        keys = _keys(8, "remote")
+        src = _filled(keys)
+        s.register_memory(src.address, len(src.raw))
+        assert s.put_from(keys, _pages(src)) == [True] * 8  # lands in the holder: we contribute nothing
+        dst = HostBuffer(8, PAGE, 2)
+        s.register_memory(dst.address, len(dst.raw))
+        assert s.get_into(keys, _pages(dst)) == [True] * 8
+        holder.kill()
+        holder.wait(10)
+        worst = 0.0
+        for _ in range(4):
+            dst.zero(0)
+            t0 = time.monotonic()
+            ok = s.get_into(keys, _pages(dst))
+            worst = max(worst, time.monotonic() - t0)
+            assert ok == [False] * 8
+        assert worst <= op_timeout + 1.0, f"a read took {worst:.2f}s"
+        assert s.exists(keys[:1]) in ([False], [True])  # answers (the master may not have noticed yet)
+    finally:
+        s.close()
+
+
 def _worker(cluster, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
