@@ -1,0 +1,209 @@
+"""LMCache L2 benchmark: kvconnect stores as ``lmcache server`` L2 plugins vs LMCache's own
+adapters, through ``lmcache bench l2`` (LMCache 0.5.6), in one run.
+
+* ``hf3fs`` (kvconnect HF3FS store, POSIX client, in-process index) vs LMCache's built-in
+  ``fs`` adapter, both writing under the same directory (the target: hf3fs >= 1.0x fs);
+* ``memory`` (kvconnect in-process store) vs LMCache's ``mock`` adapter (an in-memory dict
+  of cloned tensors, bandwidth limit set far above memcpy);
+* ``mooncake`` (a real ``mooncake_master`` in a loopback-only network namespace, TCP) and
+  ``peer_rdma`` (one pool node, TCP), when available: figures only, LMCache has no
+  equivalent adapter that runs here.
+
+Each system runs the same ``lmcache bench l2`` invocation (store -> lookup -> load of the
+same keys, round trip verified) in its own process; systems alternate and repeat, the best
+round-average per metric is kept. Results: benchmarks/results/lmcache_l2.json.
+
+    .venv/bin/python benchmarks/lmcache_l2.py [--quick] [--dir DIR] [--stores memory,hf3fs,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import BenchResult  # noqa: E402
+
+LMCACHE_BIN = str(Path(sys.executable).with_name("lmcache"))
+PLUGIN = {"type": "plugin", "module_path": "connectors.engines.lmcache_l2", "class_name": "KVConnectL2Adapter"}
+METRICS = [("Store", "throughput_avg_mbps", "store_MBps"), ("Load", "throughput_avg_mbps", "load_MBps"),
+           ("Lookup", "ops_per_sec_avg", "lookup_keys_per_s")]
+PAIRS = [("hf3fs", "fs"), ("memory", "mock")]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+
+
+def run_bench(adapter: dict, shape: dict, prefix: list[str] | None = None, timeout: float = 240) -> dict:
+    """One ``lmcache bench l2`` run; returns ``{metric: value}`` (raises if it failed)."""
+    cmd = (prefix or []) + [
+        LMCACHE_BIN, "bench", "l2", "--l2-adapter", json.dumps(adapter), "--num-keys", str(shape["keys"]),
+        "--in-flight", str(shape["in_flight"]), "--data-size-kb", str(shape["size_kb"]),
+        "--rounds", str(shape["rounds"]), "--warmup-rounds", "1", "--lookup-max-hit-rate", "1.0",
+        "--no-skip-verify", "--format", "json"]
+    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    out = p.stdout
+    start = out.find('{\n  "title"')
+    if p.returncode != 0 or start < 0 or "data verified OK" not in out:
+        raise RuntimeError(f"lmcache bench l2 failed (rc {p.returncode}) for {adapter.get('type')}:\n"
+                           f"{(out + p.stderr)[-3000:]}")
+    doc = json.loads(out[start:out.rindex("}") + 1])
+    ops = {v["operation"]: v for k, v in doc["metrics"].items() if k.startswith("op_")}
+    figures = {}
+    for op, field, name in METRICS:
+        o = ops[op]
+        if o["total_success"] != o["total_keys"]:
+            raise RuntimeError(f"{adapter}: {op} {o['total_success']}/{o['total_keys']} succeeded")
+        figures[name] = o[field]
+    return figures
+
+
+class Systems:
+    """Adapter JSON (and command prefix) per system; starts what a system needs."""
+
+    def __init__(self, work: Path, shape: dict, stack: ExitStack, notes: list[str]):
+        self.work, self.shape, self.stack, self.notes = work, shape, stack, notes
+        self.total_bytes = (shape["rounds"] + 1) * shape["keys"] * shape["in_flight"] * shape["size_kb"] * 1024
+
+    def spec(self, name: str) -> tuple[dict, list[str]]:
+        data = self.work / "data"
+        data.mkdir(exist_ok=True)
+        size = f"{max(64, 2 * self.total_bytes // (1 << 20))}mb"
+        if name == "fs":
+            return {"type": "fs", "base_path": str(data / "fs")}, []
+        if name == "mock":
+            return {"type": "mock", "max_size_gb": 2 * self.total_bytes / (1 << 30) + 0.1,
+                    "mock_bandwidth_gb": 10000}, []
+        if name == "memory":
+            return {**PLUGIN, "adapter_params": {"store": "memory", "capacity": size}}, []
+        if name == "hf3fs":
+            return {**PLUGIN, "adapter_params": {
+                "store": "hf3fs", "file_path_prefix": str(data / "kvconnect"), "file_size": size,
+                "numjobs": 4, "entries": 8}}, []
+        if name == "mooncake":
+            from connectors.mooncake.testing import MooncakeCluster, netns_supported
+
+            ok, why = netns_supported()
+            if not ok:
+                raise RuntimeError(why)
+            cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=self.work, enter=False)
+            self.stack.callback(cluster.close)
+            return {**PLUGIN, "adapter_params": {
+                "store": "mooncake", "master_server_address": cluster.master.address,
+                "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "protocol": "tcp",
+                "global_segment_size": size, "local_buffer_size": "64mb", "setup_timeout": 20}}, \
+                cluster.netns.exec_prefix()
+        if name == "peer_rdma":
+            from connectors.peer_rdma.netns import loopback_ns, netns_available
+
+            why = netns_available()
+            if why:
+                raise RuntimeError(why)
+            ns = self.stack.enter_context(loopback_ns(f"kvl2b{os.getpid() % 100000}"))
+            return {**PLUGIN, "adapter_params": {
+                "store": "peer_rdma", "protocol": "tcp", "global_segment_size": size,
+                "discovery_addr": "127.0.0.1:31998", "join_timeout": 2}}, ["ip", "netns", "exec", ns]
+        raise ValueError(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small run (tests): hf3fs/fs and memory/mock, once")
+    p.add_argument("--dir", default=None, help="directory for the fs adapter and the hf3fs file (default: a temp dir)")
+    p.add_argument("--stores", default=None,
+                   help="kvconnect stores to run (default: memory,hf3fs,mooncake,peer_rdma; --quick: memory,hf3fs)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per system (default 2, --quick 1)")
+    p.add_argument("--out", default=None, help="results path (default benchmarks/results/lmcache_l2.json)")
+    args = p.parse_args(argv)
+
+    shape = ({"keys": 8, "in_flight": 1, "size_kb": 512, "rounds": 2} if args.quick
+             else {"keys": 16, "in_flight": 2, "size_kb": 2048, "rounds": 3})
+    stores = (args.stores or ("memory,hf3fs" if args.quick else "memory,hf3fs,mooncake,peer_rdma")).split(",")
+    refs = [ref for ours, ref in PAIRS if ours in stores]
+    repeats = args.repeats or (1 if args.quick else 2)
+    res = BenchResult("lmcache_l2", params={**shape, "stores": stores, "references": refs, "repeats": repeats,
+                                             "quick": args.quick, "lmcache": _lmcache_version()})
+    res.notes += [
+        "each system: one `lmcache bench l2` process (store, lookup, load of the same keys; round trip "
+        "verified); systems alternate; best of repeats per metric (MB/s and keys/s are LMCache's "
+        "round averages)",
+        "hf3fs and fs write under the same directory, no fsync on either (fs: tmp file + rename; hf3fs: "
+        "pwritev into one preallocated file, in-process page index)",
+        "the machine is shared with other work: see machine.loadavg",
+    ]
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvc-lmc-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    best: dict[str, dict[str, float]] = {}
+    t0 = time.monotonic()
+    with ExitStack() as stack:
+        systems = Systems(work, shape, stack, res.notes)
+        specs = {}
+        for name in refs + stores:
+            try:
+                specs[name] = systems.spec(name)
+            except Exception as e:  # noqa: BLE001 - an unavailable optional system is a note
+                res.notes.append(f"{name}: not run ({type(e).__name__}: {e})")
+                print(f"[lmcache_l2] {name}: not run: {e}")
+        order = [n for pair in PAIRS for n in pair[::-1] if n in specs] + [n for n in specs if n not in
+                                                                          {x for pr in PAIRS for x in pr}]
+        for rep in range(repeats):
+            for name in order:
+                adapter, prefix = specs[name]
+                _clean(work / "data")
+                try:
+                    figs = run_bench(adapter, shape, prefix)
+                except Exception as e:  # noqa: BLE001
+                    res.notes.append(f"{name} repeat {rep}: failed: {str(e)[-500:]}")
+                    print(f"[lmcache_l2] {name}: FAILED: {str(e)[-1500:]}")
+                    continue
+                print(f"[lmcache_l2] {name:9s} " + "  ".join(f"{k} {v:10.1f}" for k, v in figs.items()))
+                b = best.setdefault(name, {})
+                for k, v in figs.items():
+                    b[k] = max(b.get(k, 0.0), v)
+    if not args.dir:
+        shutil.rmtree(work, ignore_errors=True)
+    res.figures = {"per_system": best, "seconds": round(time.monotonic() - t0, 1)}
+    for ours, ref in PAIRS:
+        if ours in best and ref in best:
+            for _, _, metric in METRICS:
+                res.ratio(f"{ours}_vs_{ref}.{metric}", best[ours][metric], best[ref][metric],
+                          f"LMCache 0.5.6 '{ref}' L2 adapter")
+    res.print_ratios()
+    res.write(Path(args.out) if args.out else None)
+    missing = [s for s in ["hf3fs", "fs"] if s in refs + stores and s not in best]
+    return 1 if missing else 0
+
+
+def _clean(data: Path) -> None:
+    """Fresh data per run: no system reads another's (or its own earlier) files."""
+    if data.exists():
+        for child in data.iterdir():
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+
+def _lmcache_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("lmcache")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
