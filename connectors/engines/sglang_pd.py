@@ -1,0 +1,663 @@
+"""kvconnect as an SGLang PD-disaggregation transfer backend (``--disaggregation-transfer-backend kvconnect``).
+
+Registered by the ``sglang.srt.plugins`` entry point (``connectors.engines.sglang_pd_plugin``).
+The classes build on SGLang's ``Common*`` classes, so the bootstrap server, its ``/route``
+protocol, the request state machine (``KVPoll``), timeouts, heartbeats, abort notifications
+and ``failure_exception`` are SGLang's own; kvconnect supplies the control messages between
+one prefill rank and one decode rank and the data plane chosen by ``KVCONNECT_PD_CONFIG``
+(see ``connectors.engines.pd_transport``):
+
+* ``peer_rdma``: decode registers its KV/aux/state buffers with prefill over ZMQ; prefill
+  writes each chunk's pages one-sided into the slots decode pre-allocated (Transfer Engine),
+  then the aux row, then tells decode ``Success``.
+* ``mooncake`` / ``hf3fs``: prefill does not wait for decode at all. It writes each chunk's
+  pages under room-scoped store keys, then the aux row and a completion marker, then reports
+  ``Success`` (the KV is durable in the store, its pages can be freed). Decode, whenever its
+  request arrives, waits for the marker and reads the keys straight into its slots, then
+  deletes them. Prefill deletes a room's keys after a failure and, if decode never took
+  them, ``retain_s`` after publishing.
+
+Supported topology: prefill and decode with the same attention TP, CP and PP sizes (any
+such size; MLA, MHA and index-to-index state components). Other shapes fail the request
+with a message saying so.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import msgspec
+import numpy as np
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from connectors.engines.pd_transport import (
+    ENV_CONFIG,
+    BufferLayout,
+    Deadlines,
+    PDConfig,
+    PeerRdmaTransport,
+    RelayKeys,
+    RoomMismatch,
+    StoreRelay,
+    TransferFailed,
+    aux_blocks,
+    kv_blocks,
+    load_pd_config,
+    room_namespace,
+    state_blocks,
+)
+
+logger = logging.getLogger(__name__)
+
+REG_TAG = b"KVC_REG"  # decode -> prefill: a decode rank's buffers (once per prefill rank)
+META_TAG = b"KVC_META"  # decode -> prefill: one room's destination pages and aux row
+STATUS_TAG = b"KVC_STATUS"  # prefill -> decode: [tag, room, status, prefill_rank, reason]
+
+_encode = msgspec.msgpack.encode
+_decode = msgspec.msgpack.decode
+
+
+@dataclasses.dataclass
+class DecodeRegistration:
+    session: str
+    endpoint: str
+    port: int
+    kv_ptrs: List[int]
+    kv_item_lens: List[int]
+    aux_ptrs: List[int]
+    aux_item_lens: List[int]
+    state_ptrs: List[List[int]]
+    state_item_lens: List[List[int]]
+    tp_rank: int
+    attn_tp_size: int
+    rejection: Optional[str] = None
+
+
+@dataclasses.dataclass
+class TransferInfo:
+    """One decode rank's destinations for one room (field names as SGLang's Common* read them)."""
+
+    room: int
+    endpoint: str
+    dst_port: int
+    session: str
+    dst_kv_indices: np.ndarray
+    dst_aux_index: Optional[int]
+    dst_state_indices: List[List[int]]
+    required_dst_info_num: int
+    is_dummy: bool
+    decode_prefix_len: Optional[int] = None
+
+
+@dataclasses.dataclass
+class _RelayRoomOut:
+    """Prefill side of one relayed room."""
+
+    keys: RelayKeys
+    src_pages: np.ndarray
+    written_blocks: int = 0
+
+
+@dataclasses.dataclass
+class _RelayRoomIn:
+    """Decode side of one relayed room: where its bytes go."""
+
+    room: int
+    keys: RelayKeys
+    dst_pages: np.ndarray
+    aux_row: int
+    state_indices: Optional[List[Any]]
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    inflight: bool = False
+    cancelled: bool = False
+    not_before: float = 0.0
+    last_error: Optional[str] = None
+
+
+class KVConnectKVManager(CommonKVManager):
+    """One per scheduler process: SGLang's control plane plus a kvconnect data plane."""
+
+    kv_status_msg_tag = STATUS_TAG
+    kv_status_msg_carries_reason = True
+    reports_transfer_latency = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: Optional[bool] = False, **kwargs: Any):
+        # Parse the config first: a bad KVCONNECT_PD_CONFIG fails startup, naming the key.
+        self.pd_config: PDConfig = load_pd_config(os.environ.get(ENV_CONFIG))
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        cfg = self.pd_config
+        self.layout = BufferLayout.from_kv_args(args)
+        self._stopped = False
+        self._threads: List[threading.Thread] = []
+        self.peer: Optional[PeerRdmaTransport] = None
+        self.relay: Optional[StoreRelay] = None
+        if cfg.is_relay:
+            self.relay = StoreRelay(cfg, self.layout)
+        else:
+            self.peer = PeerRdmaTransport(cfg, self.layout, self.local_ip)
+        self.session_id = self.peer.session_id if self.peer else f"{self.local_ip}:{self.rank_port}"
+        self._executor = concurrent.futures.ThreadPoolExecutor(cfg.workers, thread_name_prefix="kvconnect-pd")
+        # Deleting keys can wait for a store lease (Mooncake: seconds); never on the data path.
+        self._cleanup = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvconnect-pd-cleanup")
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            if cfg.timeout_s is not None:
+                self.bootstrap_timeout = cfg.timeout_s
+            self._live_senders: set = set()
+            self._meta_seen: Dict[int, float] = {}
+            self._relay_out: Dict[int, _RelayRoomOut] = {}
+            self._relay_deadlines = Deadlines()
+            self.transfer_queues = [FastQueue() for _ in range(cfg.workers)]
+            for q in self.transfer_queues:
+                self._spawn(self._transfer_worker, q)
+            self._spawn(self._prefill_control_loop)
+            self._spawn(self._prefill_janitor)
+        elif disaggregation_mode == DisaggregationMode.DECODE:
+            if cfg.timeout_s is not None:
+                self.waiting_timeout = cfg.timeout_s
+            self._relay_in: Dict[int, _RelayRoomIn] = {}
+            self._relay_lock = threading.Lock()
+            self._relay_wake = threading.Event()
+            self._spawn(self._decode_control_loop)
+            self._threads.append(self._start_heartbeat_checker_thread())
+            if self.relay is not None:
+                self._spawn(self._relay_reader)
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvconnect-pd-{fn.__name__}")
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        """Stop worker threads and release the data plane (tests, role switches)."""
+        self._stopped = True
+        for q in getattr(self, "transfer_queues", []):
+            q.put(None)
+        if getattr(self, "_relay_wake", None) is not None:
+            self._relay_wake.set()
+        if getattr(self, "_heartbeat_shutdown", None) is not None:
+            self._heartbeat_shutdown.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._cleanup.shutdown(wait=False, cancel_futures=True)
+        if self.peer is not None:
+            self.peer.close()
+        if self.relay is not None:
+            self.relay.close()
+
+    # =============================================================================
+    # Decode side: messages to prefill
+    # =============================================================================
+    def build_receiver_registration_message(self) -> List[bytes]:
+        layout = self.layout
+        return [REG_TAG, _encode({
+            "session": self.session_id, "endpoint": self.local_ip, "port": self.rank_port,
+            "kv_ptrs": list(layout.kv_ptrs), "kv_item_lens": list(layout.kv_item_lens),
+            "aux_ptrs": list(layout.aux_ptrs), "aux_item_lens": list(layout.aux_item_lens),
+            "state_ptrs": [list(c) for c in layout.state_ptrs],
+            "state_item_lens": [list(c) for c in layout.state_item_lens],
+            "tp_rank": int(self.kv_args.engine_rank), "attn_tp_size": int(self.attn_tp_size),
+        })]
+
+    def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
+                                        kv_indices: Any, aux_index: Optional[int], state_indices: Optional[List],
+                                        decode_prefix_len: Optional[int], is_dummy: bool, **kwargs: Any) -> List[bytes]:
+        return [META_TAG, _encode({
+            "room": int(bootstrap_room), "endpoint": self.local_ip, "port": self.rank_port,
+            "session": self.session_id,
+            "kv": b"" if is_dummy else np.asarray(kv_indices, dtype=np.int32).tobytes(),
+            "aux": None if is_dummy or aux_index is None else int(aux_index),
+            "state": [] if is_dummy or not state_indices else [
+                None if s is None else [int(x) for x in np.asarray(s).ravel()] for s in state_indices],
+            "required": int(required_dst_info_num), "prefix": int(decode_prefix_len or 0),
+            "dummy": bool(is_dummy),
+        })]
+
+    # =============================================================================
+    # Prefill side: control messages from decode
+    # =============================================================================
+    def _prefill_control_loop(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stopped:
+            msg = recv()
+            if not msg:
+                continue
+            try:
+                if msg[0] == ABORT_TAG:
+                    self._on_abort(msg)
+                elif msg[0] == REG_TAG:
+                    self._on_registration(_decode(msg[1]))
+                elif msg[0] == META_TAG:
+                    self._on_metadata(_decode(msg[1]))
+                else:
+                    logger.warning("kvconnect PD: dropping unknown control message %r", msg[0][:16])
+            except Exception:  # noqa: BLE001 - one bad message must not stop the control thread
+                logger.exception("kvconnect PD: failed to handle a control message")
+
+    def _on_registration(self, d: dict) -> None:
+        reg = DecodeRegistration(
+            session=d["session"], endpoint=d["endpoint"], port=int(d["port"]), kv_ptrs=d["kv_ptrs"],
+            kv_item_lens=d["kv_item_lens"], aux_ptrs=d["aux_ptrs"], aux_item_lens=d["aux_item_lens"],
+            state_ptrs=d["state_ptrs"], state_item_lens=d["state_item_lens"], tp_rank=d["tp_rank"],
+            attn_tp_size=d["attn_tp_size"])
+        mine = self.layout
+        if tuple(reg.kv_item_lens) != mine.kv_item_lens:
+            reg.rejection = (f"KV layout mismatch with decode {reg.session}: prefill has {len(mine.kv_item_lens)} "
+                             f"buffers of page sizes {sorted(set(mine.kv_item_lens))}, decode "
+                             f"{len(reg.kv_item_lens)} of {sorted(set(reg.kv_item_lens))}")
+        elif tuple(reg.aux_item_lens) != mine.aux_item_lens:
+            reg.rejection = (f"aux (metadata) buffer mismatch with decode {reg.session}: prefill rows "
+                             f"{list(mine.aux_item_lens)}, decode rows {reg.aux_item_lens}")
+        elif reg.attn_tp_size != self.attn_tp_size:
+            reg.rejection = (f"kvconnect PD needs equal attention TP on prefill ({self.attn_tp_size}) and "
+                             f"decode ({reg.attn_tp_size})")
+        if reg.rejection:
+            logger.error("kvconnect PD: %s", reg.rejection)
+        self.decode_kv_args_table[reg.session] = reg
+
+    def _on_metadata(self, d: dict) -> None:
+        room = int(d["room"])
+        info = TransferInfo(
+            room=room, endpoint=d["endpoint"], dst_port=int(d["port"]), session=d["session"],
+            dst_kv_indices=np.frombuffer(d["kv"], dtype=np.int32), dst_aux_index=d["aux"],
+            dst_state_indices=d["state"], required_dst_info_num=int(d["required"]), is_dummy=bool(d["dummy"]),
+            decode_prefix_len=int(d["prefix"]))
+        if self.relay is not None and room in self._relay_deadlines:
+            return  # already published: decode reads the store by itself
+        status = self.request_status.get(room)
+        if status in (KVPoll.Failed, KVPoll.Success) and room in self._live_senders:
+            if status == KVPoll.Failed:  # decode asked after we gave up: tell it now, not at its timeout
+                with self.failure_lock:
+                    reason = self.failure_records.get(room, "prefill failed this request")
+                self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=room,
+                                            status=KVPoll.Failed, failure_reason=reason)
+            return
+        self._meta_seen.setdefault(room, time.monotonic())
+        infos = self.transfer_infos.setdefault(room, {})
+        infos[info.session] = info
+        if len(infos) == info.required_dst_info_num:
+            self.resolve_kv_replica_factor(infos)
+            self.req_to_decode_prefix_len[room] = next(
+                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_abort(self, msg: List[bytes]) -> None:
+        note = AbortNotification.from_zmq(msg)
+        if note is None:
+            return
+        room = note.room
+        status = self.request_status.get(room)
+        if status is not None and status != KVPoll.Success:
+            self.record_failure(room, "decode aborted the request")
+            self.update_status(room, KVPoll.Failed)
+        self._relay_discard_out(room)
+
+    # =============================================================================
+    # Prefill side: data plane
+    # =============================================================================
+    def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
+                             aux_index: Optional[int] = None, state_indices: Optional[List] = None,
+                             num_kv_tokens: Optional[int] = None, **kwargs: Any) -> None:
+        if bootstrap_room not in self.request_status or self.check_status(bootstrap_room) == KVPoll.Failed:
+            return
+        queue = self.transfer_queues[bootstrap_room % len(self.transfer_queues)]  # one room, one queue: in order
+        queue.put(TransferKVChunk(
+            room=bootstrap_room, prefill_kv_indices=kv_indices, index_slice=index_slice,
+            is_last_chunk=is_last_chunk, prefill_aux_index=aux_index, state_indices=state_indices,
+            num_kv_tokens=num_kv_tokens, wait_event=kwargs.get("wait_event"),
+            indices_event=kwargs.get("indices_event")))
+
+    def _transfer_worker(self, queue: FastQueue) -> None:
+        while not self._stopped:
+            chunk = queue.get()
+            if chunk is None:
+                return
+            room = chunk.room
+            try:
+                if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+                    self._relay_discard_out(room)
+                    continue
+                for event in (chunk.wait_event, chunk.indices_event):
+                    if event is not None:  # GPU: the forward pass / index copy must finish first
+                        event.synchronize()
+                pages = chunk.prefill_kv_indices
+                if hasattr(pages, "cpu"):
+                    pages = pages.cpu().numpy()
+                pages = np.asarray(pages, dtype=np.int64)
+                if self.relay is not None:
+                    self._relay_send(chunk, pages)
+                else:
+                    self._peer_send(chunk, pages)
+            except TransferFailed as e:
+                self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect {self.pd_config.transport}: {e}")
+                self._relay_discard_out(room)
+            except Exception as e:  # noqa: BLE001 - fail the request, keep the worker alive
+                logger.exception("kvconnect PD: transfer of room %s crashed", room)
+                self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect transfer error: {e!r}")
+                self._relay_discard_out(room)
+
+    def _peer_send(self, chunk: TransferKVChunk, pages: np.ndarray) -> None:
+        room = chunk.room
+        infos = self.transfer_infos.get(room)
+        if not infos:
+            raise TransferFailed(f"no decode destinations for room {room}")
+        targets = []
+        for info in list(infos.values()):
+            if info.is_dummy:
+                continue
+            reg = self.decode_kv_args_table.get(info.session)
+            if reg is None:
+                raise TransferFailed(f"decode {info.session} sent destinations before registering its buffers")
+            if reg.rejection:
+                raise TransferFailed(reg.rejection)
+            dst = np.asarray(info.dst_kv_indices[chunk.index_slice], dtype=np.int64)
+            if dst.size != pages.size:
+                raise RoomMismatch(
+                    f"room mismatch: decode allocated {info.dst_kv_indices.size} pages for room {room}, "
+                    f"prefill sends pages {chunk.index_slice.start}..{chunk.index_slice.start + pages.size}")
+            blocks = kv_blocks(self.layout, reg.kv_ptrs, pages, dst)
+            if chunk.is_last_chunk:
+                if info.dst_aux_index is None or chunk.prefill_aux_index is None:
+                    raise TransferFailed(f"room {room}: no aux row to send")
+                blocks += aux_blocks(self.layout, reg.aux_ptrs, chunk.prefill_aux_index, info.dst_aux_index)
+                if chunk.state_indices:
+                    blocks += state_blocks(self.layout, reg.state_ptrs, chunk.state_indices, info.dst_state_indices)
+            if blocks:
+                self.peer.write(info.session, blocks)
+            targets.append((info.endpoint, info.dst_port))
+        if chunk.is_last_chunk:
+            if targets:
+                self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets)
+            else:  # every destination is a dummy rank (MLA fan-in): nothing to write
+                self.update_status(room, KVPoll.Success)
+
+    # -- relay (prefill) ----------------------------------------------------------
+    def relay_open(self, room: int, num_pages: int) -> None:
+        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, self.local_ip, self.rank_port, room),
+                               num_pages)
+        self._relay_out[room] = _RelayRoomOut(keys, np.full(num_pages, -1, dtype=np.int64))
+
+    def _relay_send(self, chunk: TransferKVChunk, pages: np.ndarray) -> None:
+        room = chunk.room
+        out = self._relay_out.get(room)
+        if out is None:
+            raise TransferFailed(f"room {room} was not initialised")
+        sl = chunk.index_slice
+        if sl.stop > out.src_pages.size or pages.size != sl.stop - sl.start:
+            raise RoomMismatch(f"room {room}: chunk {sl.start}..{sl.stop} outside the {out.src_pages.size} pages sent")
+        out.src_pages[sl] = pages
+        keys = out.keys
+        # Blocks span chunk boundaries: write a block once all its pages were computed
+        # (earlier chunks' pages stay allocated on prefill until the room concludes).
+        upto = keys.nblocks if chunk.is_last_chunk else sl.stop // keys.block_pages
+        self.relay.put_blocks(keys, out.src_pages, list(range(out.written_blocks, upto)))
+        out.written_blocks = max(out.written_blocks, upto)
+        if not chunk.is_last_chunk:
+            return
+        if chunk.prefill_aux_index is None:
+            raise TransferFailed(f"room {room}: no aux row to send")
+        self.relay.put_tail(keys, chunk.prefill_aux_index, chunk.state_indices, room)
+        self._relay_deadlines.add(room, time.monotonic() + self.pd_config.retain_s, keys)
+        self._relay_out.pop(room, None)
+        # The KV is durable in the store: prefill may free its pages. Decode (if it already
+        # sent its destinations) gets a hint to read now instead of at its next poll.
+        self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+
+    def _relay_discard_out(self, room: int) -> None:
+        if self.relay is None or self.disaggregation_mode != DisaggregationMode.PREFILL:
+            return
+        out = self._relay_out.pop(room, None)
+        keys = out.keys if out is not None else self._relay_deadlines.pop(room)
+        if keys is not None:
+            self._cleanup.submit(self.relay.discard, keys)
+
+    def sender_opened(self, room: int) -> None:
+        self._live_senders.add(room)
+
+    def sender_closed(self, room: int, succeeded: bool) -> None:
+        self._live_senders.discard(room)
+        self._meta_seen.pop(room, None)
+        if not succeeded:
+            self._relay_discard_out(room)
+        else:
+            self._relay_out.pop(room, None)
+
+    def _prefill_janitor(self) -> None:
+        """Bounded cleanup: unread relay keys, and decode destinations for rooms prefill never saw."""
+        while not self._stopped:
+            time.sleep(0.2)
+            try:
+                for keys in self._relay_deadlines.due():
+                    self._cleanup.submit(self.relay.discard, keys)
+                now = time.monotonic()
+                for room, seen in list(self._meta_seen.items()):
+                    if room in self._live_senders or now - seen < self.bootstrap_timeout:
+                        continue
+                    self._meta_seen.pop(room, None)
+                    targets = self._room_notify_targets(room)
+                    self.transfer_infos.pop(room, None)
+                    self.req_to_decode_prefix_len.pop(room, None)
+                    self.request_status.pop(room, None)
+                    with self.failure_lock:
+                        self.failure_records.pop(room, None)
+                    self.send_kv_status_message(
+                        targets=targets, bootstrap_room=room, status=KVPoll.Failed,
+                        failure_reason=(f"room mismatch: prefill {self.local_ip}:{self.rank_port} has no request "
+                                        f"with bootstrap_room {room} (waited {self.bootstrap_timeout:.0f}s)"))
+            except Exception:  # noqa: BLE001
+                logger.exception("kvconnect PD: janitor pass failed")
+
+    # =============================================================================
+    # Decode side: status from prefill, relay reads
+    # =============================================================================
+    def _decode_control_loop(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stopped:
+            msg = recv()
+            if not msg:
+                continue
+            try:
+                if self.handle_abort_ack_message(msg):
+                    continue
+                parsed = self.parse_kv_status_message(msg)
+                if parsed is None:
+                    continue
+                room, status, prefill_rank, reason = parsed
+                if self.relay is not None and status == KVPoll.Success:
+                    self._relay_wake.set()  # marker written: read now
+                    continue
+                self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
+                                          failure_reason=reason)
+            except Exception:  # noqa: BLE001
+                logger.exception("kvconnect PD: failed to handle a status message")
+
+    def relay_expect(self, room: int, prefill_ip: str, prefill_port: int, kv_indices: Any, aux_index: int,
+                     state_indices: Optional[List]) -> None:
+        dst = np.asarray(kv_indices, dtype=np.int64)
+        counts = [0 if s is None else int(np.asarray(s).size) for s in (state_indices or [])]
+        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, prefill_ip, prefill_port, room),
+                               int(dst.size), counts)
+        entry = _RelayRoomIn(room, keys, dst, int(aux_index), state_indices)
+        with self._relay_lock:
+            self._relay_in[room] = entry
+        self._relay_wake.set()
+
+    def relay_forget(self, room: int, succeeded: bool) -> None:
+        """Receiver cleared: stop reading (waiting out a read in flight) and drop unread keys."""
+        with self._relay_lock:
+            entry = self._relay_in.pop(room, None)
+        if entry is None:
+            return
+        with entry.lock:  # a read in flight is writing into slots the scheduler is about to free
+            entry.cancelled = True
+        if not succeeded:
+            self._cleanup.submit(self.relay.discard, entry.keys)
+
+    def relay_failure_detail(self, room: int) -> Optional[str]:
+        with self._relay_lock:
+            entry = self._relay_in.get(room)
+        if entry is not None and entry.last_error:
+            return entry.last_error
+        if self.relay is not None and self.relay.store_errors:
+            return f"store {self.relay.store.name!r}: {self.relay.store_errors[-1]}"
+        return None
+
+    def _relay_reader(self) -> None:
+        cfg = self.pd_config
+        while not self._stopped:
+            with self._relay_lock:
+                idle = not self._relay_in
+            self._relay_wake.wait(0.5 if idle else cfg.poll_interval_s)
+            self._relay_wake.clear()
+            now = time.monotonic()
+            with self._relay_lock:
+                waiting = [e for e in self._relay_in.values() if not e.inflight and e.not_before <= now]
+            if not waiting:
+                continue
+            present = self.relay.markers_present([e.keys.marker for e in waiting])
+            for entry, ready in zip(waiting, present):
+                if ready:
+                    entry.inflight = True
+                    self._executor.submit(self._relay_read, entry)
+
+    def _relay_read(self, entry: _RelayRoomIn) -> None:
+        room = entry.room
+        with entry.lock:
+            if entry.cancelled or self.request_status.get(room) in (None, KVPoll.Failed):
+                return
+            try:
+                self.relay.read(entry.keys, room, entry.dst_pages, entry.aux_row, entry.state_indices)
+            except RoomMismatch as e:
+                self._relay_fail(entry, str(e))
+                return
+            except TransferFailed as e:
+                entry.last_error = str(e)  # maybe a store hiccup: retry until the room's timeout
+                entry.not_before = time.monotonic() + 0.05
+                entry.inflight = False
+                return
+            except Exception as e:  # noqa: BLE001
+                logger.exception("kvconnect PD: relay read of room %s crashed", room)
+                self._relay_fail(entry, f"kvconnect relay read error: {e!r}")
+                return
+            with self._relay_lock:
+                self._relay_in.pop(room, None)
+            self.update_status(room, KVPoll.Success)
+        self._cleanup.submit(self.relay.discard, entry.keys)  # may wait out a store lease: off the read path
+
+    def _relay_fail(self, entry: _RelayRoomIn, reason: str) -> None:
+        with self._relay_lock:
+            self._relay_in.pop(entry.room, None)
+        self.record_failure(entry.room, f"kvconnect {self.pd_config.transport}: {reason}")
+        self.update_status(entry.room, KVPoll.Failed)
+        self._cleanup.submit(self.relay.discard, entry.keys)
+
+
+class KVConnectKVSender(CommonKVSender):
+    """Prefill side of one request."""
+
+    def __init__(self, mgr: KVConnectKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
+        # 0.5.23 passes req_has_disagg_prefill_dp_rank; older releases dest_tp_ranks, pp_rank.
+        has_dp = kwargs.pop("req_has_disagg_prefill_dp_rank", False)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=has_dp)
+        mgr.sender_opened(bootstrap_room)
+        if mgr.relay is not None and self.conclude_state is None:
+            # The relay needs nothing from decode: compute and publish right away.
+            mgr.update_status(bootstrap_room, KVPoll.WaitingForInput)
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
+        super().init(num_kv_indices, aux_index)
+        if self.kv_mgr.relay is not None:
+            self.kv_mgr.relay_open(self.bootstrap_room, num_kv_indices)
+
+    def send(self, kv_indices: Any, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
+             *args: Any, **kwargs: Any) -> None:
+        super().send(kv_indices, state_indices=state_indices, num_kv_tokens=num_kv_tokens,
+                     indices_event=kwargs.get("indices_event"))
+
+    def clear(self) -> None:
+        room = self.bootstrap_room
+        succeeded = self.kv_mgr.request_status.get(room) == KVPoll.Success or self.conclude_state == KVPoll.Success
+        super().clear()
+        self.kv_mgr.sender_closed(room, succeeded)
+
+
+class KVConnectKVReceiver(CommonKVReceiver):
+    """Decode side of one request."""
+
+    def __init__(self, mgr: KVConnectKVManager, bootstrap_addr: Any, bootstrap_room: Optional[int] = None,
+                 *args: Any, **kwargs: Any):
+        super().__init__(mgr, str(bootstrap_addr), bootstrap_room)
+
+    def init(self, prefill_dp_rank: int = 0, *args: Any, **kwargs: Any) -> None:
+        super().init(prefill_dp_rank)
+        if self.conclude_state == KVPoll.Failed or getattr(self, "prefill_info", None) is None:
+            return
+        info, mgr = self.prefill_info, self.kv_mgr
+        reason = None
+        if info.attn_tp_size != mgr.attn_tp_size or info.pp_size != mgr.pp_size or info.attn_cp_size != 1:
+            reason = (f"kvconnect PD supports equal attention TP/PP and CP=1 on both sides; prefill has "
+                      f"tp={info.attn_tp_size} pp={info.pp_size} cp={info.attn_cp_size}, decode "
+                      f"tp={mgr.attn_tp_size} pp={mgr.pp_size}")
+        elif not self.bootstrap_infos or len(self.bootstrap_infos) != 1:
+            reason = f"kvconnect PD expected one prefill rank per decode rank, got {len(self.bootstrap_infos or [])}"
+        if reason:
+            mgr.record_failure(self.bootstrap_room, reason)
+            mgr.update_status(self.bootstrap_room, KVPoll.Failed)
+            self.conclude_state = KVPoll.Failed
+
+    def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
+                      decode_prefix_len: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
+        mgr = self.kv_mgr
+        super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
+        if mgr.relay is None or self.conclude_state == KVPoll.Failed:
+            return
+        if mgr.request_status.get(self.bootstrap_room) == KVPoll.Failed:
+            return
+        target = self.bootstrap_infos[0]
+        mgr.relay_expect(self.bootstrap_room, target["rank_ip"], int(target["rank_port"]), kv_indices,
+                         aux_index, state_indices)
+
+    def _check_waiting_timeout(self) -> Optional[int]:
+        result = super()._check_waiting_timeout()
+        if result == KVPoll.Failed and self.kv_mgr.relay is not None:
+            detail = self.kv_mgr.relay_failure_detail(self.bootstrap_room)
+            with self.kv_mgr.failure_lock:
+                base = self.kv_mgr.failure_records.get(self.bootstrap_room, "timed out")
+            if detail:
+                self.kv_mgr.record_failure(self.bootstrap_room, f"{base}; last relay error: {detail}")
+        return result
+
+    def _clear(self) -> None:
+        room = self.bootstrap_room
+        succeeded = self.kv_mgr.request_status.get(room) == KVPoll.Success or self.conclude_state == KVPoll.Success
+        super()._clear()
+        if self.kv_mgr.relay is not None and room is not None:
+            self.kv_mgr.relay_forget(room, succeeded)
+
+
+class KVConnectKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's bootstrap server unchanged: ``/route`` stays compatible (router, Rust registry)."""
+
+
+KV_CLASSES = {
+    "manager": KVConnectKVManager,
+    "sender": KVConnectKVSender,
+    "receiver": KVConnectKVReceiver,
+    "bootstrap_server": KVConnectKVBootstrapServer,
+}
