@@ -34,11 +34,13 @@ import argparse
 import ctypes
 import hashlib
 import json
+import logging
 import random
 import struct
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -371,10 +373,19 @@ class SGLangPath:
         self.backend.clear()
 
     def store_stats(self) -> dict[str, Any] | None:
+        stats = getattr(self.backend, "kvconnect_stats", None)  # store counters + swallowed errors
+        if stats is not None:
+            return stats()
         store = getattr(self.backend, "store", None)
-        if store is not None and hasattr(store, "stats"):
-            return store.stats().as_dict()
-        return None
+        return store.stats().as_dict() if store is not None else None
+
+    def keyspace_prefix(self) -> str:
+        spaces = (self.store_stats() or {}).get("keyspaces") or {}
+        return spaces.get("kv", "").rsplit(" -> ", 1)[-1]
+
+    def adapter_errors(self) -> int:
+        stats = self.store_stats() or {}
+        return sum((stats.get("adapter_errors") or {}).values())
 
     def close(self) -> None:
         close = getattr(self.backend, "close", None)
@@ -471,7 +482,13 @@ class HostBufferPath:
         self.store.clear()
 
     def store_stats(self) -> dict[str, Any] | None:
-        return self.store.stats().as_dict()
+        return {"store": self.store.stats().as_dict()}
+
+    def keyspace_prefix(self) -> str:
+        return self.keyspace.prefix
+
+    def adapter_errors(self) -> int:
+        return 0
 
     def close(self) -> None:
         self.store.close()
@@ -564,9 +581,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="store options as a JSON object (merged into the adapter's extra config)")
     g.add_argument("--clear", action="store_true", help="clear the store before replaying")
     w = p.add_argument_group("workload")
-    w.add_argument("--clients", type=int, default=16, help="concurrent conversations")
-    w.add_argument("--rounds", type=int, default=4, help="turns per conversation")
-    w.add_argument("--groups", type=int, default=4, help="groups sharing one system prompt")
+    w.add_argument("--clients", type=int, default=32, help="concurrent conversations")
+    w.add_argument("--rounds", type=int, default=5, help="turns per conversation")
+    w.add_argument("--groups", type=int, default=8, help="groups sharing one system prompt")
     w.add_argument("--prefix-tokens", type=int, default=2048, help="tokens of each group's system prompt")
     w.add_argument("--turn-tokens", type=int, default=256, help="tokens each round adds to a conversation")
     w.add_argument("--page-size", type=int, default=64, help="tokens per KV page (SGLang --page-size)")
@@ -576,7 +593,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV geometry of one rank: " + "; ".join(s.describe() for s in SHAPES.values()))
     m.add_argument("--layout", default="page_first", choices=LAYOUTS_MHA,
                    help="host pool layout (SGLang --hicache-mem-layout); MLA shapes: no page_head")
-    m.add_argument("--threads", type=int, default=4, help="requests served concurrently (controller I/O threads)")
+    m.add_argument("--threads", type=int, default=2, help="requests served concurrently (controller I/O threads)")
     m.add_argument("--no-sglang", action="store_true",
                    help="drive the store directly over a HostBuffer even when sglang is installed")
     o = p.add_argument_group("output")
@@ -605,6 +622,13 @@ def _check_args(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _quiet_engine_logs(args: argparse.Namespace) -> None:
+    """SGLang's and the adapter's INFO lines would bury the demo's report; --log-level DEBUG keeps them."""
+    if getattr(args, "log_level", "INFO") != "DEBUG":
+        for name in ("sglang", "kvconnect"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def _gib(n: int) -> float:
     return n / GiB
 
@@ -618,9 +642,13 @@ def run(args: argparse.Namespace) -> int:
     sglang_why = ""
     use_sglang = not args.no_sglang
     if use_sglang:
+        _quiet_engine_logs(args)
         try:
-            import sglang  # noqa: F401
-            import torch  # noqa: F401
+            with warnings.catch_warnings():  # sglang's import warns about CUDA-only quantizers
+                warnings.simplefilter("ignore")
+                import sglang  # noqa: F401
+                import sglang.srt.mem_cache.memory_pool  # noqa: F401
+                import torch  # noqa: F401
         except ImportError as e:
             use_sglang = False
             sglang_why = f"sglang is not installed ({e}); install kvconnect[sglang] to use the real adapter"
@@ -666,7 +694,8 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
               f"in {path.segments_per_page} segment(s)", file=out)
         print(f"  workload     {wl.groups} groups x {wl.prefix_tokens}-token system prompt, {wl.clients} clients x "
               f"{wl.rounds} rounds, +{wl.turn_tokens} tokens per round, {args.threads} threads", file=out)
-        print(f"  page keys    {hash_desc}", file=out)
+        print(f"  page keys    {hash_desc}" + (f" under key space {path.keyspace_prefix()}" if path.keyspace_prefix()
+                                                   else ""), file=out)
         print(f"  working set  {unique_pages} distinct pages, {_gib(unique_pages * page_bytes):.3f} GiB"
               + (f"; store options {json.dumps(store_options)}" if store_options else ""), file=out)
 
@@ -744,6 +773,7 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
         "requests_per_s": tp.requests / wall if wall else 0.0,
         "replay_seconds": wall, "setup_seconds": setup_s,
         "verify_seconds": tp.verify_seconds, "prefill_fill_seconds": tp.prefill_seconds,
+        "adapter_errors": path.adapter_errors(),
         "store_stats": path.store_stats(),
     }
     if args.json:
@@ -768,4 +798,7 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
           f"- OK", file=out)
     print(f"  throughput   {f['moved_gib_per_s_wall']:.2f} GiB/s moved (both directions) over the replay's wall "
           f"time", file=out)
+    if f["adapter_errors"]:
+        print(f"  WARNING      the adapter turned {f['adapter_errors']} exceptions into misses / failed writes "
+              f"(see the log; kvconnect_stats: {f['store_stats'].get('adapter_errors')})", file=out)
     return 0
