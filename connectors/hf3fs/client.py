@@ -43,6 +43,7 @@ class MetadataClient:
     def delete(self, ns: str, keys: list[bytes]) -> bytes: ...
     def clear(self, ns: str) -> int: ...
     def usage(self, ns: str) -> dict: ...
+    def spaces(self, prefix: str) -> list[list]: ...
     def close(self) -> None: ...
 
 
@@ -81,6 +82,9 @@ class LocalMetadata(MetadataClient):
 
     def usage(self, ns):
         return self.index.usage(ns)
+
+    def spaces(self, prefix):
+        return self.index.spaces_with_prefix(prefix)
 
     def close(self):
         pass
@@ -194,6 +198,9 @@ class RemoteMetadata(MetadataClient):
 
     def usage(self, ns):
         return json.loads(self._call("Usage", P.pack_ns(ns)))
+
+    def spaces(self, prefix):
+        return json.loads(self._call("Spaces", prefix.encode()))
 
     def close(self):
         self._channel.close()

@@ -63,15 +63,15 @@ class NamespaceInfo:
 class Namespace:
     """State of one data file. Guarded by the owning ``PageIndex``'s lock."""
 
-    __slots__ = ("name", "num_pages", "page_bytes", "index", "slot_key", "state", "gen", "crc",
-                 "read_until", "free", "fresh_next", "pending", "evictions", "expired", "next_sweep")
+    __slots__ = ("name", "num_pages", "page_bytes", "index", "state", "gen", "crc",
+                 "read_until", "free", "fresh_next", "pending", "evictions", "expired", "next_sweep",
+                 "evicted")
 
     def __init__(self, name: str, num_pages: int, page_bytes: int):
         self.name = name
         self.num_pages = num_pages
         self.page_bytes = page_bytes
         self.index: OrderedDict[bytes, int] = OrderedDict()  # confirmed key -> slot, LRU first
-        self.slot_key: list[bytes | None] = [None] * num_pages
         self.state = bytearray(num_pages)
         self.gen = array("q", bytes(8 * num_pages))
         self.crc = array("I", bytes(4 * num_pages))
@@ -82,6 +82,7 @@ class Namespace:
         self.evictions = 0
         self.expired = 0
         self.next_sweep = 0.0  # when to look for expired reservations next
+        self.evicted: list[bytes] = []  # keys evicted by the reserve call in progress (journal)
 
     def rebuild_free(self) -> None:
         st = self.state
@@ -166,8 +167,8 @@ class PageIndex:
             return -1
         s = index.pop(victim)
         sp.state[s] = FREE
-        sp.slot_key[s] = None
         sp.evictions += 1
+        sp.evicted.append(victim)
         return s
 
     def _expire(self, sp: Namespace, now: float) -> None:
@@ -177,7 +178,6 @@ class PageIndex:
         for k, (s, g, _) in dead:
             del sp.pending[k]
             sp.state[s] = FREE
-            sp.slot_key[s] = None
             sp.free.append(s)
         sp.expired += len(dead)
         if self.journal is not None:
@@ -185,6 +185,20 @@ class PageIndex:
                                 slots=[v[0] for _, v in dead], gens=[v[1] for _, v in dead])
 
     # ------------------------------------------------------------------ writers
+    def _alloc_many(self, sp: Namespace, m: int, now: float) -> list[int]:
+        """Up to ``m`` slots: never-used ones first, then freed ones, then LRU evictions."""
+        out: list[int] = []
+        take = min(m, sp.num_pages - sp.fresh_next)
+        if take > 0:
+            out.extend(range(sp.fresh_next, sp.fresh_next + take))
+            sp.fresh_next += take
+        while len(out) < m:
+            s = self._alloc(sp, now)
+            if s < 0:
+                break
+            out.append(s)
+        return out
+
     def reserve(self, ns: str, keys: Sequence[bytes]) -> tuple[bytes, list[int], list[int]]:
         """Reserve a page per key. Returns (statuses, slots, generations), one per key."""
         n = len(keys)
@@ -200,8 +214,8 @@ class PageIndex:
                 self._expire(sp, now)
                 sp.next_sweep = now + 1.0
             index, pending, gen = sp.index, sp.pending, sp.gen
-            deadline = now + self.write_lease_s
-            new_k, new_s, new_g = [], [], []
+            want: list[int] = []
+            claimed: set = set()
             for i, k in enumerate(keys):
                 s = index.get(k)
                 if s is not None:
@@ -218,26 +232,39 @@ class PageIndex:
                     # expired reservation of a writer that never confirmed: take it over
                     del pending[k]
                     sp.state[p[0]] = FREE
-                    sp.slot_key[p[0]] = None
                     sp.free.append(p[0])
                     sp.expired += 1
-                s = self._alloc(sp, now)
-                if s < 0:
-                    status[i] = NOSPACE
+                    if self.journal is not None:
+                        self.journal.record("release", ns, keys=[k], slots=[p[0]], gens=[p[1]])
+                if k in claimed:  # the same key twice in one batch: one page
+                    status[i] = INFLIGHT
                     continue
+                claimed.add(k)
+                want.append(i)
+            if not want:
+                return bytes(status), slots, gens
+            got = self._alloc_many(sp, len(want), now)
+            deadline = now + self.write_lease_s
+            state = sp.state
+            new_k = []
+            for i, s in zip(want, got):
+                k = keys[i]
                 g = gen[s] + 1
                 gen[s] = g
-                sp.state[s] = RESERVED
-                sp.slot_key[s] = k
+                state[s] = RESERVED
                 pending[k] = (s, g, deadline)
-                status[i] = NEW
                 slots[i] = s
                 gens[i] = g
                 new_k.append(k)
-                new_s.append(s)
-                new_g.append(g)
+            for i in want[len(got):]:
+                status[i] = NOSPACE
+            if sp.evicted:
+                if self.journal is not None:
+                    self.journal.record("delete", ns, keys=sp.evicted)
+                sp.evicted = []
             if new_k and self.journal is not None:
-                self.journal.record("reserve", ns, keys=new_k, slots=new_s, gens=new_g)
+                self.journal.record("reserve", ns, keys=new_k, slots=[slots[i] for i in want[:len(got)]],
+                                    gens=[gens[i] for i in want[:len(got)]])
         return bytes(status), slots, gens
 
     def commit(self, ns: str, keys: Sequence[bytes], slots: Sequence[int], gens: Sequence[int],
@@ -254,34 +281,47 @@ class PageIndex:
             sp = self.spaces.get(ns)
             if sp is None:
                 raise IndexError_(f"namespace {ns!r} is not initialized")
-            index, pending, gen, state = sp.index, sp.pending, sp.gen, sp.state
-            ck, cs, cg, cc, rk, rs, rg = [], [], [], [], [], [], []
+            index, pending, gen, state, crc = sp.index, sp.pending, sp.gen, sp.state, sp.crc
+            pop = pending.pop
+            released = False
             for i in range(n):
-                k, s, g = keys[i], slots[i], gens[i]
-                if not 0 <= s < sp.num_pages:
+                k = keys[i]
+                p = pop(k, None)
+                if p is None or p[0] != slots[i] or p[1] != gens[i]:
+                    if p is not None:
+                        pending[k] = p  # someone else's reservation: leave it
+                    elif confirm[i] and index.get(k) == slots[i] and gen[slots[i]] == gens[i]:
+                        ok[i] = 1  # already confirmed (a retried call)
                     continue
-                p = pending.get(k)
-                if p is None or p[0] != s or p[1] != g:
-                    if confirm[i] and index.get(k) == s and gen[s] == g:
-                        ok[i] = 1  # already confirmed (retry)
-                    continue
-                del pending[k]
+                s = p[0]
                 if confirm[i]:
                     state[s] = CONFIRMED
-                    sp.crc[s] = crcs[i]
+                    crc[s] = crcs[i]
                     index[k] = s
-                    ck.append(k), cs.append(s), cg.append(g), cc.append(crcs[i])
                 else:
                     state[s] = FREE
-                    sp.slot_key[s] = None
                     sp.free.append(s)
-                    rk.append(k), rs.append(s), rg.append(g)
+                    released = True
                 ok[i] = 1
             if self.journal is not None:
-                if ck:
-                    self.journal.record("confirm", ns, keys=ck, slots=cs, gens=cg, crcs=cc)
-                if rk:
-                    self.journal.record("release", ns, keys=rk, slots=rs, gens=rg)
+                if not released and all(confirm):
+                    if all(ok):
+                        self.journal.record("confirm", ns, keys=keys, slots=slots, gens=gens, crcs=crcs)
+                    else:
+                        idx = [i for i in range(n) if ok[i]]
+                        if idx:
+                            self.journal.record("confirm", ns, keys=[keys[i] for i in idx],
+                                                slots=[slots[i] for i in idx], gens=[gens[i] for i in idx],
+                                                crcs=[crcs[i] for i in idx])
+                else:
+                    for flag, kind in ((1, "confirm"), (0, "release")):
+                        idx = [i for i in range(n) if ok[i] and bool(confirm[i]) == bool(flag)]
+                        if idx:
+                            f = {"keys": [keys[i] for i in idx], "slots": [slots[i] for i in idx],
+                                 "gens": [gens[i] for i in idx]}
+                            if kind == "confirm":
+                                f["crcs"] = [crcs[i] for i in idx]
+                            self.journal.record(kind, ns, **f)
         return bytes(ok)
 
     # ------------------------------------------------------------------ readers
@@ -339,7 +379,6 @@ class PageIndex:
                 s = sp.index.pop(k, None)
                 if s is not None:
                     sp.state[s] = FREE
-                    sp.slot_key[s] = None
                     sp.free.append(s)
                     out[i] = 1
                     gone.append(k)
@@ -356,7 +395,6 @@ class PageIndex:
             n = len(sp.index)
             for s in sp.index.values():
                 sp.state[s] = FREE
-                sp.slot_key[s] = None
                 sp.free.append(s)
             sp.index.clear()
             if self.journal is not None:
@@ -372,9 +410,10 @@ class PageIndex:
                     "reserved": len(sp.pending), "evictions": sp.evictions, "expired": sp.expired,
                     "free": len(sp.free) + sp.num_pages - sp.fresh_next}
 
-    def namespaces(self) -> list[str]:
+    def spaces_with_prefix(self, prefix: str) -> list[list]:
+        """``[name, num_pages, page_bytes]`` of every namespace whose name starts with ``prefix``."""
         with self.lock:
-            return list(self.spaces)
+            return [[n, sp.num_pages, sp.page_bytes] for n, sp in self.spaces.items() if n.startswith(prefix)]
 
     # ------------------------------------------------------------------ recovery
     def replay(self, kind: str, ns: str, fields: dict, now: float) -> None:
@@ -388,61 +427,46 @@ class PageIndex:
             return
         if kind == "reserve":
             deadline = now + self.write_lease_s
+            st, gen, pending = sp.state, sp.gen, sp.pending
+            # Evictions and expiries before this record were journaled (delete / release);
+            # a pending entry left on a slot reused here is dropped in finish_recovery.
             for k, s, g in zip(fields["keys"], fields["slots"], fields["gens"]):
-                self._replay_take(sp, s)
-                old = sp.pending.pop(k, None)
-                if old is not None and old[0] != s and sp.state[old[0]] == RESERVED:
-                    sp.state[old[0]] = FREE
-                    sp.slot_key[old[0]] = None
-                sp.gen[s] = g
-                sp.state[s] = RESERVED
-                sp.slot_key[s] = k
-                sp.pending[k] = (s, g, deadline)
+                gen[s] = g
+                st[s] = RESERVED
+                pending[k] = (s, g, deadline)
+            if fields["slots"]:
+                top = max(fields["slots"]) + 1
+                if top > sp.fresh_next:
+                    sp.fresh_next = top
         elif kind == "confirm":
+            st, crc, index, pending = sp.state, sp.crc, sp.index, sp.pending
+            pop = pending.pop
             for k, s, g, c in zip(fields["keys"], fields["slots"], fields["gens"], fields["crcs"]):
-                p = sp.pending.get(k)
+                p = pop(k, None)
                 if p is None or p[0] != s or p[1] != g:
+                    if p is not None:
+                        pending[k] = p
                     continue
-                del sp.pending[k]
-                sp.state[s] = CONFIRMED
-                sp.crc[s] = c
-                sp.index[k] = s
-                sp.index.move_to_end(k)
+                st[s] = CONFIRMED
+                crc[s] = c
+                index[k] = s
         elif kind == "release":
             for k, s, g in zip(fields["keys"], fields["slots"], fields["gens"]):
                 p = sp.pending.get(k)
                 if p is not None and p[0] == s and p[1] == g:
                     del sp.pending[k]
                     sp.state[s] = FREE
-                    sp.slot_key[s] = None
         elif kind == "delete":
             for k in fields["keys"]:
                 s = sp.index.pop(k, None)
                 if s is not None:
                     sp.state[s] = FREE
-                    sp.slot_key[s] = None
         elif kind == "clear":
             for s in sp.index.values():
                 sp.state[s] = FREE
-                sp.slot_key[s] = None
             sp.index.clear()
         else:
             raise ValueError(f"unknown journal record {kind!r}")
-
-    @staticmethod
-    def _replay_take(sp: Namespace, s: int) -> None:
-        """Slot ``s`` is handed to a new reservation: whatever it held is gone."""
-        if s >= sp.fresh_next:
-            sp.fresh_next = s + 1
-        if sp.state[s] == CONFIRMED:
-            old = sp.slot_key[s]
-            if old is not None and sp.index.get(old) == s:
-                del sp.index[old]
-                sp.evictions += 1
-        elif sp.state[s] == RESERVED:
-            old = sp.slot_key[s]
-            if old is not None and sp.pending.get(old, (None,))[0] == s:
-                del sp.pending[old]
 
     def finish_recovery(self, now: float) -> None:
         """After loading: rebuild free lists and lease every used slot for one read lease.
@@ -452,9 +476,11 @@ class PageIndex:
         """
         until = now + self.read_lease_s
         for sp in self.spaces.values():
+            st, gen = sp.state, sp.gen
+            sp.pending = {k: v for k, v in sp.pending.items() if st[v[0]] == RESERVED and gen[v[0]] == v[1]}
             sp.rebuild_free()
-            for s in range(sp.fresh_next):
-                sp.read_until[s] = until
+            used = sp.fresh_next
+            sp.read_until = array("d", [until]) * used + array("d", bytes(8 * (sp.num_pages - used)))
             for k, (s, g, _) in list(sp.pending.items()):
                 sp.pending[k] = (s, g, now + self.write_lease_s)
 

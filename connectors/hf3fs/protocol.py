@@ -21,6 +21,7 @@ Exists      ns, keys                                                 u8 present[
 Delete      ns, keys                                                 u8 deleted[n]
 Clear       ns                                                       i64 keys removed
 Usage       ns                                                       JSON object
+Spaces      namespace prefix (utf-8)                                 JSON [[ns, pages, bytes], ...]
 =========== ======================================================== =============================
 
 Authentication: gRPC metadata ``authorization: Bearer <token>`` on every call.
@@ -32,7 +33,7 @@ import struct
 from array import array
 
 SERVICE = "kvconnect.hf3fs.Meta"
-METHODS = ("Initialize", "Reserve", "Commit", "Get", "Validate", "Exists", "Delete", "Clear", "Usage")
+METHODS = ("Initialize", "Reserve", "Commit", "Get", "Validate", "Exists", "Delete", "Clear", "Usage", "Spaces")
 AUTH_HEADER = "authorization"
 
 _U16 = struct.Struct("<H")

@@ -132,6 +132,10 @@ class MetaService:
         ns, _ = P.unpack_ns(req)
         return json.dumps(self.index.usage(ns)).encode()
 
+    def Spaces(self, req: bytes, ctx) -> bytes:
+        self._check(ctx)
+        return json.dumps(self.index.spaces_with_prefix(req.decode())).encode()
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
             P.SERVICE, {m: grpc.unary_unary_rpc_method_handler(getattr(self, m)) for m in P.METHODS})

@@ -12,10 +12,16 @@ parallel, and accept a page only if it still belongs to its key: either the read
 within the read lease, or a ``validate`` call confirms the (slot, generation) is unchanged;
 with ``checksums`` the page's CRC32 must match too.
 
+Page sizes ("lanes"): a file holds pages of one size. The first size a store meets (the
+engine's ``page_bytes``, else the size the service recorded, else the first page written)
+uses SGLang's file and namespace (``{rank}:{pool}``); pages of another size (a hybrid
+model's side pools sent through the same store) get their own file ``….bin.p{bytes}`` and
+namespace ``{rank}:{pool}:p{bytes}``. ``exists`` asks every lane this store knows.
+
 Context from the engine adapter (``create_store("hf3fs", options, rank=..., ...)``):
 ``rank`` (TP rank), ``is_mla`` (rank-replicated KV), ``is_writer`` (default: not MLA or
 rank 0), ``tp_size``, ``pool`` (``"kv"``, ``"mamba"``, ...) and ``page_bytes`` (the
-engine's bytes per page; otherwise the first page written or the service's record fixes it).
+engine's bytes per page). All optional: without them the store acts as rank 0.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
-from connectors.base import ConfigError, Page, PageStore, StoreUsage
+from connectors.base import BackendUnavailable, ConfigError, Page, PageStore, StoreUsage
 from connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
 from connectors.hf3fs.files import PosixFile, UsrbioFile, crc_of, on_3fs_mount, segment_views
@@ -55,6 +61,7 @@ class _LocalIndexes:
             if entry is None:
                 lock_path = key + ".lock"
                 try:
+                    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
                     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
                 except OSError as e:
                     raise ConfigError("file_path_prefix", f"cannot create {lock_path!r}: {e.strerror}") from e
@@ -85,6 +92,22 @@ class _LocalIndexes:
 _LOCAL = _LocalIndexes()
 
 
+class _Lane:
+    """One page size: a data file, its namespace, its geometry and leases."""
+
+    __slots__ = ("page_bytes", "ns", "path", "file", "kind", "num_pages", "read_lease_s", "write_lease_s")
+
+    def __init__(self, page_bytes, ns, path, file, kind, info):
+        self.page_bytes = page_bytes
+        self.ns = ns
+        self.path = path
+        self.file = file
+        self.kind = kind
+        self.num_pages = info.num_pages
+        self.read_lease_s = info.read_lease_s
+        self.write_lease_s = info.write_lease_s
+
+
 class HF3FSStore(PageStore):
     """Pages in files (3FS via usrbio, or any POSIX filesystem) plus a page index."""
 
@@ -102,7 +125,7 @@ class HF3FSStore(PageStore):
 
     def __init__(self, config: HF3FSConfig, *, rank: int = 0, is_mla: bool = False, is_writer: bool | None = None,
                  tp_size: int = 1, pool: str = "kv", page_bytes: int | None = None,
-                 metadata: MetadataClient | None = None, **_ignored: Any):
+                 metadata: MetadataClient | None = None, **_context: Any):
         super().__init__()
         self.config = config
         self.rank = int(rank)
@@ -113,17 +136,17 @@ class HF3FSStore(PageStore):
         self.ns = f"{self.file_rank}:{self.pool}"
         suffix = "" if self.pool == "kv" else f".{self.pool}"
         self.path = f"{config.file_path_prefix}.{self.file_rank}.bin{suffix}"
-        self._bind_lock = threading.Lock()
-        self.page_bytes = 0
-        self.num_pages = 0
-        self.read_lease_s = 0.0
-        self.write_lease_s = 0.0
+        self._lanes: dict[int, _Lane] = {}
+        self._primary: _Lane | None = None
+        self._lane_lock = threading.Lock()
+        self._unknown_sizes: dict[int, float] = {}  # size -> when a lookup last found no lane
+        self._spaces_checked = 0.0
         self._local_path: str | None = None
-        self._file = None
         self._executor: ThreadPoolExecutor | None = None
+        self._owns_meta = metadata is None
         self.validations = 0
         self.rejected_reads = 0
-        self._owns_meta = metadata is None
+        self._client_kind = self._choose_client()
 
         # Metadata first: a wrong token or a dead service fails the start, before any file.
         if metadata is not None:
@@ -141,8 +164,6 @@ class HF3FSStore(PageStore):
                 raise ConfigError("auth_token", str(e)) from e
             except MetadataError as e:
                 remote.close()
-                from connectors.base import BackendUnavailable
-
                 raise BackendUnavailable("hf3fs", f"{e} (config key 'metadata_server_url')") from e
             except BaseException:
                 remote.close()
@@ -155,84 +176,109 @@ class HF3FSStore(PageStore):
             self.meta = _LOCAL.acquire(self.path)
             self._local_path = self.path
         try:
-            self._file = self._open_file()
+            # Open (create) the primary data file now: an unwritable path fails the start.
+            PosixFile(self.path, 0).close()
             self._executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-io")
-            bytes_hint = config.page_bytes or page_bytes
-            if bytes_hint:
-                self._bind(int(bytes_hint))
-            else:
-                self._lookup_layout()
+            hint = config.page_bytes or page_bytes
+            if hint:
+                self._lane(int(hint), create=True)
+            self._discover_lanes()
         except BaseException:
             self._release()
             raise
 
-    # ------------------------------------------------------------------ setup
-    def _open_file(self):
+    # ------------------------------------------------------------------ lanes
+    def _choose_client(self) -> str:
         client = self.config.client
         if self.config.use_mock_hf3fs_client:
             client = "posix"
         if client == "auto":
             client = "usrbio" if on_3fs_mount(self.path) else "posix"
-        if client == "usrbio":
-            return ("usrbio", None)  # opened at bind time: its staging buffers need page_bytes
-        return ("posix", PosixFile(self.path, 0))
+        return client
 
-    def _bind(self, page_bytes: int) -> None:
-        """Fix the page geometry (once): register the namespace and size the file."""
-        with self._bind_lock:
-            if self.page_bytes:
-                return
-            cfg = self.config
-            num_pages = cfg.file_size // page_bytes
-            if num_pages < 1:
-                raise ConfigError("file_size", f"{cfg.file_size} bytes hold no page of {page_bytes} bytes",
-                                  "a file_size of at least one page")
-            try:
-                info = self.meta.initialize(self.ns, num_pages, page_bytes)
-            except MetadataError as e:
-                from connectors.base import BackendUnavailable
+    def _lane_names(self, page_bytes: int, primary: bool) -> tuple[str, str]:
+        if primary:
+            return self.ns, self.path
+        return f"{self.ns}:p{page_bytes}", f"{self.path}.p{page_bytes}"
 
-                raise BackendUnavailable("hf3fs", str(e)) from e
-            self._adopt(info)
-
-    def _adopt(self, info) -> None:
-        kind, f = self._file
-        if kind == "usrbio":
-            f = UsrbioFile(self.path, info.num_pages * info.page_bytes, info.page_bytes, self.config.entries,
-                           self.config.numjobs, self.config.client_timeout)
-            self._file = (kind, f)
+    def _open_lane(self, page_bytes: int, ns: str, path: str, info) -> _Lane:
+        size = info.num_pages * info.page_bytes
+        if self._client_kind == "usrbio":
+            f = UsrbioFile(path, size, page_bytes, self.config.entries, self.config.numjobs,
+                           self.config.client_timeout)
         else:
-            try:
-                f.grow(info.num_pages * info.page_bytes)
-            except OSError as e:
-                raise ConfigError("file_size", f"cannot size {self.path!r}: {e.strerror}") from e
-        self.read_lease_s = info.read_lease_s
-        self.write_lease_s = info.write_lease_s
-        self.num_pages = info.num_pages
-        self.page_bytes = info.page_bytes
-        log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", self.path, kind,
-                 info.num_pages, info.page_bytes, self.ns)
+            f = PosixFile(path, size)
+        lane = _Lane(page_bytes, ns, path, f, self._client_kind, info)
+        log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
+                 info.num_pages, page_bytes, ns)
+        return lane
 
-    def _lookup_layout(self) -> bool:
-        """Adopt the geometry another process registered (readers that never wrote)."""
-        if self.page_bytes:
-            return True
+    def _lane(self, page_bytes: int, create: bool) -> _Lane | None:
+        """The lane of ``page_bytes``: known, registered by another process, or (``create``) new."""
+        lane = self._lanes.get(page_bytes)
+        if lane is not None:
+            return lane
+        if not create:
+            seen = self._unknown_sizes.get(page_bytes)
+            if seen is not None and time.monotonic() - seen < 2.0:
+                return None
+        with self._lane_lock:
+            lane = self._lanes.get(page_bytes)
+            if lane is not None:
+                return lane
+            num_pages = self.config.file_size // page_bytes
+            if create and num_pages < 1:
+                raise ConfigError("file_size", f"{self.config.file_size} bytes hold no page of {page_bytes} bytes",
+                                  "a file_size of at least one page")
+            # The primary namespace takes the first size registered in it, by anyone.
+            for primary in (True, False):
+                ns, path = self._lane_names(page_bytes, primary)
+                info = self.meta.initialize(ns, 0, 0)
+                if info.page_bytes == page_bytes:
+                    break
+                if info.page_bytes or not create or (primary and self._primary is not None):
+                    continue
+                try:
+                    info = self.meta.initialize(ns, num_pages, page_bytes)
+                except ConfigError:
+                    if primary:  # another process registered another size first
+                        continue
+                    raise
+                break
+            else:
+                self._unknown_sizes[page_bytes] = time.monotonic()
+                return None
+            lane = self._open_lane(page_bytes, ns, path, info)
+            self._lanes[page_bytes] = lane
+            if ns == self.ns:
+                self._primary = lane
+            self._unknown_sizes.pop(page_bytes, None)
+            return lane
+
+    def _discover_lanes(self) -> None:
+        """Adopt lanes other processes registered for this rank and pool (readers that never wrote)."""
+        self._spaces_checked = time.monotonic()
         try:
-            info = self.meta.initialize(self.ns, 0, 0)
+            spaces = self.meta.spaces(self.ns)
         except MetadataError:
-            return False
-        if info.page_bytes:
-            with self._bind_lock:
-                if not self.page_bytes:
-                    self._adopt(info)
-        return bool(self.page_bytes)
+            return
+        for name, _num, pb in spaces:
+            if (name == self.ns or name.startswith(self.ns + ":p")) and pb and pb not in self._lanes:
+                try:
+                    self._lane(int(pb), create=False)
+                except (MetadataError, ConfigError, OSError) as e:
+                    log.warning("hf3fs: cannot open lane %s: %s", name, e)
 
     @property
-    def file(self):
-        return self._file[1]
+    def page_bytes(self) -> int:
+        return self._primary.page_bytes if self._primary else 0
+
+    @property
+    def num_pages(self) -> int:
+        return self._primary.num_pages if self._primary else 0
 
     # ------------------------------------------------------------------ I/O fan-out
-    def _fan_out(self, fn, items: list, *args) -> list[bool]:
+    def _fan_out(self, fn, items: list, *args) -> list:
         """Run ``fn(chunk, *args)`` over ``entries``-sized chunks on the workers, the first
         chunk on the calling thread; results in item order. Waits for every chunk: no I/O
         into caller memory is ever left running when a call returns."""
@@ -244,19 +290,21 @@ class HF3FSStore(PageStore):
             out.extend(f.result())
         return out
 
-    def _read_chunk(self, chunk: list, checks: bool) -> list[bool]:
-        f = self.file
-        items = [(slot * self.page_bytes, segment_views(page)) for slot, page, _ in chunk]
-        ok = f.read_batch(items)
+    @staticmethod
+    def _read_chunk(chunk: list, lane: _Lane, checks: bool) -> list[bool]:
+        pb = lane.page_bytes
+        items = [(slot * pb, segment_views(page)) for slot, page, _ in chunk]
+        ok = lane.file.read_batch(items)
         if checks:
             ok = [o and crc_of(v) == crc for o, (_, v), (_, _, crc) in zip(ok, items, chunk)]
         return ok
 
-    def _write_chunk(self, chunk: list, deadline: float, checks: bool) -> list:
-        f = self.file
-        items = [(slot * self.page_bytes, segment_views(page)) for slot, page in chunk]
+    @staticmethod
+    def _write_chunk(chunk: list, lane: _Lane, deadline: float, checks: bool) -> list:
+        pb = lane.page_bytes
+        items = [(slot * pb, segment_views(page)) for slot, page in chunk]
         crcs = [crc_of(v) for _, v in items] if checks else [0] * len(items)
-        ok = f.write_batch(items, deadline)
+        ok = lane.file.write_batch(items, deadline)
         return list(zip(ok, crcs))
 
     # ------------------------------------------------------------------ primitives
@@ -268,41 +316,65 @@ class HF3FSStore(PageStore):
                 raise ValueError(f"hf3fs: keys must be non-empty and free of newlines, got {k!r}")
         return out
 
+    @staticmethod
+    def _by_size(pages: list[Page]) -> dict[int, list[int]]:
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(pages):
+            groups.setdefault(sum(n for _, n in p), []).append(i)
+        return groups
+
     def _exists(self, keys: list[str]) -> list[bool]:
-        try:
-            return [bool(b) for b in self.meta.exists(self.ns, self._encode(keys))]
-        except MetadataError as e:
-            self._note_error("exists", e)
-            return [False] * len(keys)
+        kb = self._encode(keys)
+        # Until a lane is known ask the index every time (one small call); then look for
+        # lanes other processes added (side pools) every few seconds.
+        if not self._lanes or time.monotonic() - self._spaces_checked > 5.0:
+            self._discover_lanes()
+        out = [False] * len(keys)
+        for lane in list(self._lanes.values()):
+            try:
+                present = self.meta.exists(lane.ns, kb)
+            except MetadataError as e:
+                self._note_error("exists", e)
+                continue
+            out = [a or bool(b) for a, b in zip(out, present)]
+        return out
 
     def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        n = len(keys)
-        out = [False] * n
-        if not self.page_bytes and not self._lookup_layout():
-            return out
-        pb = self.page_bytes
-        want = [i for i, p in enumerate(pages) if sum(s for _, s in p) == pb]
-        if not want:
-            return out
-        kb = self._encode([keys[i] for i in want])
+        out = [False] * len(keys)
+        for size, idx in self._by_size(pages).items():
+            try:
+                lane = self._lane(size, create=False)
+            except (MetadataError, ConfigError, OSError) as e:
+                self._note_error("layout", e)
+                continue
+            if lane is None:
+                continue
+            ok = self._get_lane(lane, [keys[i] for i in idx], [pages[i] for i in idx])
+            for i, o in zip(idx, ok):
+                out[i] = o
+        return out
+
+    def _get_lane(self, lane: _Lane, keys: list[str], pages: list[Page]) -> list[bool]:
+        out = [False] * len(keys)
+        kb = self._encode(keys)
         t0 = time.monotonic()
         try:
-            slots, gens, crcs = self.meta.get(self.ns, kb)
+            slots, gens, crcs = self.meta.get(lane.ns, kb)
         except MetadataError as e:
             self._note_error("get", e)
             return out
         hits = [j for j, s in enumerate(slots) if s >= 0]
         if not hits:
             return out
-        checks = self.config.checksums
-        ok = self._fan_out(self._read_chunk, [(slots[j], pages[want[j]], crcs[j]) for j in hits], checks)
-        if time.monotonic() - t0 > self.read_lease_s * LEASE_TRUST:
-            # the read outlived its lease: the slot may have been reused; ask
-            idx = [h for h, o in zip(range(len(hits)), ok) if o]
+        ok = self._fan_out(self._read_chunk, [(slots[j], pages[j], crcs[j]) for j in hits], lane,
+                           self.config.checksums)
+        if time.monotonic() - t0 > lane.read_lease_s * LEASE_TRUST:
+            # The read outlived its lease: the slot may have been reused meanwhile. Ask.
+            idx = [h for h, o in enumerate(ok) if o]
             if idx:
                 self.validations += 1
                 try:
-                    still = self.meta.validate(self.ns, [slots[hits[h]] for h in idx], [gens[hits[h]] for h in idx])
+                    still = self.meta.validate(lane.ns, [slots[hits[h]] for h in idx], [gens[hits[h]] for h in idx])
                 except MetadataError as e:
                     self._note_error("validate", e)
                     still = bytes(len(idx))
@@ -311,28 +383,32 @@ class HF3FSStore(PageStore):
                         ok[h] = False
                         self.rejected_reads += 1
         for h, j in enumerate(hits):
-            out[want[j]] = bool(ok[h])
+            out[j] = bool(ok[h])
         return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        n = len(keys)
         if not self.is_writer:
-            return [True] * n  # MLA: the writer rank stores these very bytes
-        out = [False] * n
-        if not self.page_bytes:
+            return [True] * len(keys)  # MLA: the writer rank stores these very bytes
+        out = [False] * len(keys)
+        for size, idx in self._by_size(pages).items():
             try:
-                self._bind(sum(s for _, s in pages[0]))
-            except Exception as e:  # noqa: BLE001 - a store that cannot lay out fails writes
+                lane = self._lane(size, create=True)
+            except Exception as e:  # noqa: BLE001 - a page size that cannot be laid out fails its writes
                 self._note_error("layout", e)
-                return out
-        pb = self.page_bytes
-        want = [i for i, p in enumerate(pages) if sum(s for _, s in p) == pb]
-        if not want:
-            return out
-        kb = self._encode([keys[i] for i in want])
+                continue
+            if lane is None:
+                continue
+            ok = self._put_lane(lane, [keys[i] for i in idx], [pages[i] for i in idx])
+            for i, o in zip(idx, ok):
+                out[i] = o
+        return out
+
+    def _put_lane(self, lane: _Lane, keys: list[str], pages: list[Page]) -> list[bool]:
+        out = [False] * len(keys)
+        kb = self._encode(keys)
         t0 = time.monotonic()
         try:
-            status, slots, gens = self.meta.reserve(self.ns, kb)
+            status, slots, gens = self.meta.reserve(lane.ns, kb)
         except MetadataError as e:
             self._note_error("reserve", e)
             return out
@@ -341,52 +417,64 @@ class HF3FSStore(PageStore):
             if st == NEW:
                 new.append(j)
             elif st == EXISTS or st == INFLIGHT:
-                out[want[j]] = True  # stored, or being stored now by another writer of these bytes
+                out[j] = True  # stored, or being stored right now by another writer of these bytes
         if not new:
             return out
-        deadline = t0 + self.write_lease_s * LEASE_TRUST
-        checks = self.config.checksums
-        res = self._fan_out(self._write_chunk, [(slots[j], pages[want[j]]) for j in new], deadline, checks)
+        deadline = t0 + lane.write_lease_s * LEASE_TRUST
+        res = self._fan_out(self._write_chunk, [(slots[j], pages[j]) for j in new], lane, deadline,
+                            self.config.checksums)
         if self.config.fsync_data and any(o for o, _ in res):
             try:
-                self.file.sync()
+                lane.file.sync()
             except OSError as e:
                 self._note_error("fsync", e)
                 res = [(False, c) for _, c in res]
         try:
-            done = self.meta.commit(self.ns, [kb[j] for j in new], [slots[j] for j in new],
-                                    [gens[j] for j in new], [c for _, c in res], bytes(1 if o else 0 for o, _ in res))
+            done = self.meta.commit(lane.ns, [kb[j] for j in new], [slots[j] for j in new], [gens[j] for j in new],
+                                    [c for _, c in res], bytes(1 if o else 0 for o, _ in res))
         except MetadataError as e:
-            self._note_error("confirm", e)  # reservations expire; the pages stay invisible
+            self._note_error("confirm", e)  # the reservations expire; the pages stay invisible
             return out
         for h, j in enumerate(new):
-            out[want[j]] = bool(res[h][0] and done[h])
+            out[j] = bool(res[h][0] and done[h])
         return out
 
     def _delete(self, keys: list[str]) -> list[bool]:
-        try:
-            return [bool(b) for b in self.meta.delete(self.ns, self._encode(keys))]
-        except MetadataError as e:
-            self._note_error("delete", e)
-            return [False] * len(keys)
+        kb = self._encode(keys)
+        out = [False] * len(keys)
+        for lane in list(self._lanes.values()):
+            try:
+                gone = self.meta.delete(lane.ns, kb)
+            except MetadataError as e:
+                self._note_error("delete", e)
+                continue
+            out = [a or bool(b) for a, b in zip(out, gone)]
+        return out
 
     def _clear(self) -> None:
-        try:
-            self.meta.clear(self.ns)
-        except MetadataError as e:
-            self._note_error("clear", e)
+        for lane in list(self._lanes.values()):
+            try:
+                self.meta.clear(lane.ns)
+            except MetadataError as e:
+                self._note_error("clear", e)
 
     def _usage(self) -> StoreUsage:
-        try:
-            u = self.meta.usage(self.ns)
-        except MetadataError:
-            u = {}
-        keys = u.get("keys")
-        return StoreUsage(keys=keys, bytes_used=None if keys is None else keys * self.page_bytes,
-                          capacity_bytes=self.num_pages * self.page_bytes, evictions=u.get("evictions"),
-                          extra={"file": self.path, "client": self._file[0] if self._file else None,
+        keys = bytes_used = capacity = evictions = 0
+        reserved = 0
+        for lane in list(self._lanes.values()):
+            try:
+                u = self.meta.usage(lane.ns)
+            except MetadataError:
+                continue
+            keys += u.get("keys", 0)
+            bytes_used += u.get("keys", 0) * lane.page_bytes
+            capacity += lane.num_pages * lane.page_bytes
+            evictions += u.get("evictions", 0)
+            reserved += u.get("reserved", 0)
+        return StoreUsage(keys=keys, bytes_used=bytes_used, capacity_bytes=capacity, evictions=evictions,
+                          extra={"files": [lane.path for lane in self._lanes.values()], "client": self._client_kind,
                                  "namespace": self.ns, "validations": self.validations,
-                                 "rejected_reads": self.rejected_reads, "reserved": u.get("reserved")})
+                                 "rejected_reads": self.rejected_reads, "reserved": reserved})
 
     def _note_error(self, op: str, e: Exception) -> None:
         self.record_error()
@@ -397,9 +485,10 @@ class HF3FSStore(PageStore):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._file is not None and self._file[1] is not None:
-            self._file[1].close()
-        self._file = None
+        for lane in self._lanes.values():
+            lane.file.close()
+        self._lanes.clear()
+        self._primary = None
         if self._local_path is not None:
             _LOCAL.release(self._local_path)
             self._local_path = None

@@ -122,7 +122,7 @@ class Journal:
     """The index's journal: ``record()`` is called by ``PageIndex`` under its lock."""
 
     def __init__(self, data_dir: str | os.PathLike, fsync: str = "interval", fsync_interval_s: float = 0.05,
-                 snapshot_interval_s: float = 60.0, snapshot_bytes: int = 256 << 20):
+                 snapshot_interval_s: float = 60.0, snapshot_bytes: int = 32 << 20):
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {FSYNC_POLICIES}, got {fsync!r}")
         self.dir = Path(data_dir)
@@ -358,17 +358,13 @@ class Journal:
             keys = keys_b.split(b"\n") if h["keys"] else []
             slots = array("q")
             slots.frombytes(slots_b)
-            sp.index = OrderedDict(zip(keys, slots))
-            sk = sp.slot_key
-            for k, s in zip(keys, slots):
-                sk[s] = k
+            sp.index = OrderedDict(zip(keys, slots.tolist()))
             pk = pk_b.split(b"\n") if h["pending"] else []
             ps, pg = array("q"), array("q")
             ps.frombytes(ps_b)
             pg.frombytes(pg_b)
             for k, s, g in zip(pk, ps, pg):
                 sp.pending[k] = (s, g, 0.0)
-                sk[s] = k
             index.spaces[sp.name] = sp
 
     def close(self) -> None:
