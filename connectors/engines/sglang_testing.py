@@ -7,7 +7,7 @@ the host pool only reads its geometry) and the real host pool SGLang's HiCache u
 CUDA). The pool's ``kv_buffer``, ``get_page_buffer_meta`` and flat-page methods are the
 real ones, so bytes moved through them are laid out as on a GPU server.
 
-Needs sglang (0.5.23 layout: ``mem_cache.pool_host``); imported lazily, so importing this
+Needs sglang (0.5.23; 0.5.17 works too); imported lazily, so importing this
 module never imports sglang or torch.
 """
 
@@ -45,6 +45,14 @@ def _budget_scope(nbytes: int):
     return host_memory_budget_scope(max(nbytes * 4, 64 << 20))
 
 
+def _takes_device_pool(host_cls) -> bool:
+    """sglang <= 0.5.17 builds host pools from the device pool, 0.5.23 from its buffer info."""
+    import inspect
+
+    params = list(inspect.signature(host_cls.__init__).parameters)
+    return len(params) > 1 and params[1] == "device_pool"
+
+
 def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num: int = 3,
                        head_num: int = 2, head_dim: int = 8, dtype: Any = "bfloat16",
                        mla: bool = False, host_tokens: int | None = None,
@@ -62,7 +70,7 @@ def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num
             ``head_dim // 2``) elements; ``head_num`` is ignored (MLA has one KV head).
         host_tokens: host capacity in tokens (rounded up to whole pages). Default: the
             SGLang rule ``2 x device pool + one padding page`` over a 64-token device pool
-            (132 tokens for page_size 4).
+            (132 tokens for page_size 4). sglang <= 0.5.17 has no such knob: ignored there.
     Returns:
         The host pool. Allocate page-aligned token slots with ``pool.alloc(n * page_size)``.
     """
@@ -89,30 +97,35 @@ def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num
         rope = head_dim // 2 if rope_dim is None else rope_dim
         dev = MLATokenToKVPool(device_tokens, page_size, td, head_dim, rope, layer_num, "cpu", False,
                                start_layer=0, end_layer=layer_num)
-        info = dev.get_device_pool_infos()[0].buffer_info
         per_token = (head_dim + rope) * layer_num * td.itemsize
         tokens = capacity or 2 * device_tokens + page_size
         with _budget_scope(per_token * tokens):
-            host = MLATokenToKVPoolHost(
-                info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                device_capacity_tokens=dev.size, start_layer=0, end_layer=layer_num,
-                target_layer_num=layer_num, host_token_capacity=capacity)
+            if _takes_device_pool(MLATokenToKVPoolHost):  # sglang <= 0.5.17
+                host = MLATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
+            else:
+                host = MLATokenToKVPoolHost(
+                    dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size, start_layer=0,
+                    end_layer=layer_num, target_layer_num=layer_num, host_token_capacity=capacity)
     else:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
         dev = MHATokenToKVPool(device_tokens, page_size, td, head_num, head_dim, layer_num, "cpu", False,
                                start_layer=0, end_layer=layer_num, enable_alt_stream=False)
-        info = dev.get_device_pool_infos()[0].buffer_info
         per_token = 2 * head_num * head_dim * layer_num * td.itemsize
         tokens = capacity or 2 * device_tokens + page_size
         cap = dev.size if getattr(dev, "host_capacity_tokens", None) is None else dev.host_capacity_tokens
         with _budget_scope(per_token * tokens):
-            host = MHATokenToKVPoolHost(
-                info, 2.0, 0, page_size, layout, pin_memory=False, device="cpu",
-                device_capacity_tokens=cap, start_layer=dev.start_layer, end_layer=dev.end_layer,
-                write_back_staging=getattr(dev, "hicache_write_back_staging", None),
-                host_token_capacity=capacity)
+            if _takes_device_pool(MHATokenToKVPoolHost):  # sglang <= 0.5.17
+                host = MHATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
+            else:
+                host = MHATokenToKVPoolHost(
+                    dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+                    pin_memory=False, device="cpu", device_capacity_tokens=cap,
+                    start_layer=dev.start_layer, end_layer=dev.end_layer,
+                    write_back_staging=getattr(dev, "hicache_write_back_staging", None),
+                    host_token_capacity=capacity)
     # The device pool is only a geometry source; the host pool keeps no reference to
     # its buffers' data once built on CPU, but keep it alive with the host pool anyway.
     host._kvconnect_device_pool = dev
