@@ -98,13 +98,13 @@ class Systems:
             ok, why = netns_supported()
             if not ok:
                 raise RuntimeError(why)
-            cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=self.work, enter=False)
+            cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=self.work)
             self.stack.callback(cluster.close)
             return {**PLUGIN, "adapter_params": {
                 "store": "mooncake", "master_server_address": cluster.master.address,
                 "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "protocol": "tcp",
                 "global_segment_size": size, "local_buffer_size": "64mb", "setup_timeout": 20}}, \
-                cluster.netns.exec_prefix()
+                cluster.exec_prefix()
         if name == "peer_rdma":
             from connectors.peer_rdma.netns import loopback_ns, netns_available
 
