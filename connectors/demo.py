@@ -574,7 +574,12 @@ def ideal_hit_pages(all_hashes: list[list[list[str]]]) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.description = (__doc__ or "").split("\n\n")[0].strip("` ")
+    p.description = ("Replay a multi-turn, shared-prefix workload (groups sharing a system prompt, many clients, "
+                     "conversations growing per round) through the SGLang HiCache adapter over a real SGLang host "
+                     "pool, verify every byte loaded from the store, and report hit rate, pages and GiB moved and "
+                     "throughput. Exit status 1 on any wrong byte.")
+    p.epilog = ("examples: kvconnect demo | kvconnect demo --model-shape llama-8b --clients 8 --groups 2 --rounds 3 | "
+                "kvconnect demo --store memory --store-options '{\"capacity\": \"256mb\"}' --json")
     g = p.add_argument_group("store")
     g.add_argument("--store", default="memory", help="store name (see `kvconnect stores`)")
     g.add_argument("--store-options", default="{}", metavar="JSON",
@@ -629,6 +634,17 @@ def _quiet_engine_logs(args: argparse.Namespace) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * GiB
+
+
 def _gib(n: int) -> float:
     return n / GiB
 
@@ -665,8 +681,10 @@ def run(args: argparse.Namespace) -> int:
     unique_pages = len({h for rnd in hashes for hs in rnd for h in hs})
     page_bytes_est = shape.bytes_per_token * args.page_size
     if args.store == "memory" and "capacity" not in store_options:
-        # Size the embedded store to the working set so the demo shows reuse, not eviction.
-        store_options["capacity"] = max(64 * MiB, int(unique_pages * page_bytes_est * 1.1))
+        # Size the embedded store to the working set so the demo shows reuse, not eviction,
+        # but never to more than a quarter of the free memory of a (shared) machine.
+        want = max(64 * MiB, int(unique_pages * page_bytes_est * 1.1))
+        store_options["capacity"] = min(want, max(256 * MiB, _mem_available() // 4))
 
     if use_sglang:
         path: SGLangPath | HostBufferPath = SGLangPath(shape, args.layout, args.page_size, host_pages,
@@ -698,6 +716,15 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
                                                    else ""), file=out)
         print(f"  working set  {unique_pages} distinct pages, {_gib(unique_pages * page_bytes):.3f} GiB"
               + (f"; store options {json.dumps(store_options)}" if store_options else ""), file=out)
+        try:
+            from connectors.config import parse_size
+
+            cap = parse_size(store_options["capacity"]) if "capacity" in store_options else None
+        except (KVStoreError, ValueError):
+            cap = None  # the store validated it already; only the note is skipped
+        if cap is not None and cap < unique_pages * page_bytes:
+            print(f"  note         store capacity {_gib(cap):.2f} GiB < working set: expect LRU evictions and a "
+                  f"lower hit rate", file=out)
 
     try:
         from tqdm import tqdm

@@ -262,6 +262,19 @@ def test_demo_without_sglang_path(capsys):
     assert doc["store_stats"]["store"]["get_hits"] == doc["pages_loaded"]
 
 
+def test_demo_without_sglang_installed_falls_back_and_says_so(tmp_path):
+    """sglang made unimportable (a package raising ImportError shadows it): HostBuffer path, said on line 1."""
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "sglang" / "__init__.py").write_text("raise ImportError('sglang hidden by the test')\n")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "connectors.cli", "demo", *SMALL], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert "NOT through SGLang" in first and "sglang is not installed" in first and "sglang hidden" in first
+    assert "hashlib" in r.stdout and "byte-exact" in r.stdout
+
+
 def test_demo_bad_configuration(capsys):
     assert main(["demo", "--store", "memroy", "--no-sglang", "--no-progress"]) == 2
     err = capsys.readouterr().err
