@@ -88,4 +88,9 @@ def run(args: argparse.Namespace) -> int:
     bench_args = list(args.bench_args)
     if bench_args[:1] == ["--"]:
         bench_args = bench_args[1:]
-    return int(module.main(bench_args) or 0)
+    # argparse takes its default prog from argv[0]: make usage lines read "kvconnect bench NAME".
+    saved, sys.argv = sys.argv, [f"kvconnect bench {args.name}", *bench_args]
+    try:
+        return int(module.main(bench_args) or 0)
+    finally:
+        sys.argv = saved

@@ -128,6 +128,20 @@ def test_bench_list_and_unknown():
     assert r.returncode == 2 and "unknown benchmark 'no-such-bench'" in r.stderr and "limits" in r.stderr
 
 
+def _benchmark_names() -> list[str]:
+    from connectors.cli_bench import find_benchmarks_dir, list_benchmarks
+
+    d = find_benchmarks_dir()
+    return sorted(list_benchmarks(d)) if d else []
+
+
+@pytest.mark.parametrize("name", _benchmark_names())
+def test_every_benchmark_has_help_and_quick(name):
+    r = kvconnect("bench", name, "--help")
+    assert r.returncode == 0, r.stderr
+    assert "--quick" in r.stdout, f"benchmarks/{name}.py has no --quick option"
+
+
 def test_bench_limits_quick_writes_valid_json(tmp_path):
     out = tmp_path / "limits.json"
     r = kvconnect("bench", "limits", "--quick", "--dir", str(tmp_path), "--out", str(out), timeout=180)
