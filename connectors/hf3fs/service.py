@@ -25,6 +25,13 @@ from connectors.hf3fs.wal import Journal
 log = logging.getLogger("kvconnect.hf3fs.meta")
 
 
+class _Abort(Exception):
+    def __init__(self, code: "grpc.StatusCode", message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 class MetaService:
     """Handlers for every method of ``protocol.METHODS`` over one ``PageIndex``."""
 
@@ -44,7 +51,7 @@ class MetaService:
                 if hmac.compare_digest(got, self._token):
                     return
                 break
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "hf3fs-meta: missing or wrong token")
+        raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "hf3fs-meta: missing or wrong token")
 
     def _commit(self) -> None:
         if self.journal is not None:
@@ -58,7 +65,7 @@ class MetaService:
         try:
             info = self.index.initialize(ns, num_pages, page_bytes)
         except IndexError_ as e:
-            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
         self._commit()
         return P.INIT_REP.pack(info.num_pages, info.page_bytes, info.read_lease_s, info.write_lease_s)
 
@@ -69,7 +76,7 @@ class MetaService:
         try:
             status, slots, gens = self.index.reserve(ns, keys)
         except IndexError_ as e:
-            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
         self._commit()
         return status + P.i64s(slots) + P.i64s(gens)
 
@@ -87,11 +94,11 @@ class MetaService:
         confirm = req[off:off + n]
         keys = P.split_keys(req[off + n:])
         if len(keys) != n:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Commit: {len(keys)} keys for {n} items")
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Commit: {len(keys)} keys for {n} items")
         try:
             ok = self.index.commit(ns, keys, slots, gens, crcs, confirm)
         except IndexError_ as e:
-            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
         self._commit()
         return ok
 
@@ -136,40 +143,86 @@ class MetaService:
         self._check(ctx)
         return json.dumps(self.index.spaces_with_prefix(req.decode())).encode()
 
-    def handler(self) -> grpc.GenericRpcHandler:
-        return grpc.method_handlers_generic_handler(
-            P.SERVICE, {m: grpc.unary_unary_rpc_method_handler(getattr(self, m)) for m in P.METHODS})
+    def handler(self, blocking: bool) -> grpc.GenericRpcHandler:
+        """Handlers for a ``grpc.aio`` server. The index calls are short and never wait, so
+        they run on the event loop (no thread hand-off per call); with ``blocking`` (the
+        journal fsyncs before answering) they run on the loop's executor instead."""
+        import asyncio
+
+        def wrap(fn):
+            if blocking:
+                async def handle(req, ctx):
+                    try:
+                        return await asyncio.get_running_loop().run_in_executor(None, fn, req, ctx)
+                    except _Abort as a:
+                        await ctx.abort(a.code, a.message)
+            else:
+                async def handle(req, ctx):
+                    try:
+                        return fn(req, ctx)
+                    except _Abort as a:
+                        await ctx.abort(a.code, a.message)
+            return grpc.unary_unary_rpc_method_handler(handle)
+
+        return grpc.method_handlers_generic_handler(P.SERVICE, {m: wrap(getattr(self, m)) for m in P.METHODS})
 
 
 class MetaServer:
-    """A running metadata service (in this process)."""
+    """A running metadata service: a ``grpc.aio`` server on its own event-loop thread."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 18000, data_dir: str | None = None,
                  token: str | None = None, fsync: str = "interval", workers: int = 8,
                  read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
                  snapshot_interval_s: float = 60.0):
+        import asyncio
+
         self.journal = Journal(data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s) if data_dir else None
         self.index = PageIndex(read_lease_s=read_lease_s, write_lease_s=write_lease_s, journal=self.journal)
         self.recovery = self.journal.open(self.index) if self.journal else {}
         self.service = MetaService(self.index, self.journal, token)
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf3fs-meta"),
-            options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                     ("grpc.so_reuseport", 0)])
-        self.server.add_generic_rpc_handlers((self.service.handler(),))
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(futures.ThreadPoolExecutor(max_workers=workers,
+                                                                    thread_name_prefix="hf3fs-meta"))
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hf3fs-meta-loop", daemon=True)
+        self._thread.start()
+
+        async def build():
+            server = grpc.aio.server(options=[
+                ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0)])
+            server.add_generic_rpc_handlers((self.service.handler(blocking=fsync == "always"),))
+            return server, server.add_insecure_port(f"{host}:{port}")
+
+        try:
+            self.server, self.port = self._run(build())
+        except Exception as e:
+            self._shutdown_loop()
+            raise OSError(f"hf3fs-meta: cannot bind {host}:{port}: {e}") from e
         if self.port == 0:
+            self._shutdown_loop()
             raise OSError(f"hf3fs-meta: cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
 
+    def _run(self, coro, timeout: float = 30.0):
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
     def start(self) -> "MetaServer":
-        self.server.start()
+        self._run(self.server.start())
         return self
 
     def stop(self, grace: float = 1.0) -> None:
-        self.server.stop(grace).wait(grace + 5)
-        if self.journal is not None:
-            self.journal.close()
+        try:
+            self._run(self.server.stop(grace), timeout=grace + 10)
+        finally:
+            self._shutdown_loop()
+            if self.journal is not None:
+                self.journal.close()
 
 
 def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "interval",
@@ -189,8 +242,7 @@ def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "
     while not done.wait(1.0):
         pass
     log.info("hf3fs-meta stopping")
-    srv.server.stop(1.0).wait(5)
     if srv.journal is not None:
         srv.journal.snapshot()
-        srv.journal.close()
+    srv.stop(1.0)
     return 0
