@@ -42,6 +42,11 @@ _registered = False
 
 
 class _StoreCollector:
+    def describe(self):
+        # Without describe(), REGISTRY.register() calls collect() to learn the names, and
+        # export_store() registers while holding _lock, which collect() takes: a deadlock.
+        return []
+
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
