@@ -303,6 +303,31 @@ def test_pages_round_trip_byte_exact_into_a_fresh_pool(case):
         b.close()
 
 
+@pytest.mark.parametrize("case", POOL_CASES, ids=pool_id)
+def test_segment_table_equals_get_page_buffer_meta(case):
+    """The numpy segment table gives SGLang's own segments, in flat byte order."""
+    from connectors.engines.sglang_hicache import SegmentTable
+
+    mla, layout = case
+    host = make_cpu_host_pool(layout, mla=mla, layer_num=5, host_tokens=4 * 40)
+    b = backend(host, mla=mla)
+    io = b.kv
+    assert (io.table is not None) == (io.segs_per_page > 2)
+    table = io.table or SegmentTable.for_pool(host, "mla" if mla else "mha")
+    rng = random.Random(5)
+    pages = rng.sample(range(host.size // host.page_size), 17)
+    idx = torch.cat([torch.arange(p * host.page_size, (p + 1) * host.page_size) for p in pages])
+    got = table.pages(idx[:: host.page_size])
+    assert got == io.meta_pages(idx, len(pages))
+    # and the flat byte order: gathering a page's segments gives get_data_page's bytes
+    from connectors.buffers import gather
+
+    fill_pages(host, idx, seed=9)
+    for i, p in enumerate(pages):
+        assert bytes(gather(got[i])) == page_bytes(host, p * host.page_size)
+    b.close()
+
+
 def test_batch_exists_counts_leading_hits_and_misses_stop_reads():
     host = make_cpu_host_pool("page_first_direct")
     b = backend(host)
