@@ -120,6 +120,7 @@ class Workload:
         self.groups, self.clients, self.rounds = groups, clients, rounds
         self.prefix_tokens, self.turn_tokens, self.seed = prefix_tokens, turn_tokens, seed
         self._system = [self._tokens(("system", g), prefix_tokens) for g in range(groups)]
+        self._turns: dict[tuple[int, int], list[int]] = {}
 
     def _tokens(self, what: tuple, n: int) -> list[int]:
         rng = random.Random(f"{self.seed}/{what}")
@@ -132,7 +133,10 @@ class Workload:
         """Tokens client ``client`` sends in round ``round_``: system prompt + turns 0..round."""
         toks = list(self._system[self.group_of(client)])
         for r in range(round_ + 1):
-            toks += self._tokens(("turn", client, r), self.turn_tokens)
+            turn = self._turns.get((client, r))
+            if turn is None:
+                turn = self._turns[(client, r)] = self._tokens(("turn", client, r), self.turn_tokens)
+            toks += turn
         return toks
 
     def requests(self) -> list[list[tuple[int, int]]]:
@@ -401,7 +405,7 @@ class HostBufferPath:
     def __init__(self, shape: ModelShape, page_size: int, host_pages: int, store: str,
                  store_options: dict[str, Any], why: str):
         from connectors.buffers import HostBuffer
-        from connectors.registry import create_store
+        from connectors.engines.common import build_store
         from namespace import KeySpace
 
         self.page_size = page_size
@@ -410,10 +414,11 @@ class HostBufferPath:
         self.buf = HostBuffer(host_pages, self.page_bytes, segments)
         self.segments_per_page = segments
         self.max_segment = self.page_bytes // segments
-        self.store = create_store(store, store_options)
+        # The same option handling as the engine adapters: store options inline, plus tenant etc.
+        self.store, eo = build_store({**store_options, "store": store}, where="kvconnect demo")
         self.keyspace = KeySpace(model=f"kvconnect-demo/{shape.name}", layout=f"hostbuffer-{segments}seg",
                                  page_size=page_size, dtype=shape.dtype, geometry=shape.geometry(),
-                                 rank_replicated=shape.mla)
+                                 rank_replicated=shape.mla, tenant=eo.tenant, weights=eo.model_fingerprint)
         self._free = list(range(host_pages))
         self._alloc_lock = threading.Lock()
         self.description = (f"PageStore {store!r} directly over a HostBuffer ({host_pages} pages), "
