@@ -35,8 +35,8 @@ class PeerRdmaConfig(StoreConfig):
     heartbeat_interval: float = field(default=1.0, metadata=field_doc("seconds between heartbeats"))
     member_ttl: float = field(default=4.0, metadata=field_doc("a member silent this long is dropped (s)"))
     rpc_timeout: float = field(default=0.5, metadata=field_doc("deadline of one control-plane call (s)"))
-    timeout: float = field(default=6.0, metadata=field_doc(
-        "bound on one read/write call (s); >= 2*rpc_timeout + 5 (Transfer Engine's minimum)"))
+    timeout: float = field(default=7.0, metadata=field_doc(
+        "bound on one read/write call (s); >= 4*rpc_timeout + 5 (5: the Transfer Engine's minimum)"))
     auth_token: str = field(default="", metadata=field_doc(
         "shared secret on every RPC (default: $KVCONNECT_PEER_TOKEN)"))
     metrics_port: int = field(default=-1, metadata=field_doc("Prometheus port (-1: no endpoint, 0: any)"))
@@ -64,8 +64,8 @@ class PeerRdmaConfig(StoreConfig):
             raise ConfigError("member_ttl", "must be > heartbeat_interval > 0")
         if self.rpc_timeout <= 0:
             raise ConfigError("rpc_timeout", "must be > 0")
-        if self.timeout < 2 * self.rpc_timeout + 5:
-            raise ConfigError("timeout", f"must be >= 2*rpc_timeout + 5 = {2 * self.rpc_timeout + 5:g} "
+        if self.timeout < 4 * self.rpc_timeout + 5:
+            raise ConfigError("timeout", f"must be >= 4*rpc_timeout + 5 = {4 * self.rpc_timeout + 5:g} "
                               "(the Transfer Engine cannot time a transfer out sooner than 5 s)")
         if self.disk_path and self.disk_size <= 0:
             raise ConfigError("disk_size", "must be > 0 when disk_path is set")
@@ -84,4 +84,5 @@ class PeerRdmaConfig(StoreConfig):
 
     @property
     def transfer_timeout(self) -> int:
-        return max(5, int(self.timeout - 2 * self.rpc_timeout))
+        # what is left of a call's budget after its control-plane calls (at most 4 x rpc_timeout)
+        return max(5, int(self.timeout - 4 * self.rpc_timeout))

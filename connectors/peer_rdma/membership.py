@@ -110,6 +110,13 @@ class Membership:
             self.clients.fan_out(targets, "Leave", timeout=min(1.0, self.clients.timeout))
 
     # -- handlers (called by the gRPC server) ------------------------------------------
+    def touch(self, node_id: str) -> None:
+        """Any reply from a live member counts as hearing from it (busy peers answer data
+        calls even when a heartbeat is late)."""
+        peer = self._live.get(node_id)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+
     def handle_heartbeat(self, req: list) -> list:
         sender = Member.from_wire(req[0])
         self._heard(sender)
@@ -163,12 +170,16 @@ class Membership:
                 if until < now and a not in self.seeds:
                     del self._candidates[a]
         req = [self.me.to_wire(), self._live_wire()]
-        timeout = max(0.2, min(self.clients.timeout, self.interval * 2))
+        # a late reply still proves liveness: wait up to half the TTL (a busy 2-core host
+        # can stall a Python gRPC peer for a second), but never past the next round
+        timeout = max(self.clients.timeout, min(2 * self.interval, self.ttl / 2))
         replies = self.clients.fan_out({t: req for t in targets}, "Heartbeat", timeout=timeout)
         for target, rep in replies.items():
             if isinstance(rep, RpcError):
                 if rep.code == "UNAUTHENTICATED":
                     log.warning("peer %s refused our token", target)
+                else:
+                    log.debug("heartbeat to %s failed: %s", target, rep)
                 continue
             member = Member.from_wire(rep[0])
             if member.node_id != target:  # a seed's address differs from its node id

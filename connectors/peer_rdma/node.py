@@ -141,6 +141,7 @@ class PeerNode:
                          c.global_segment_size)
         self.membership = Membership(self.me, c.seeds, self.clients, interval=c.heartbeat_interval,
                                      ttl=c.member_ttl, on_change=self._on_view_change)
+        self.clients.on_reply = self.membership.touch
         self._threads = [threading.Thread(target=self._outbox_loop, name="peer-outbox", daemon=True),
                          threading.Thread(target=self._rehome_loop, name="peer-rehome", daemon=True)]
         for t in self._threads:
@@ -250,6 +251,7 @@ class PeerNode:
             out.append([tok, off])
         if held:  # already here: make sure the directory still says so
             self._publish(held)
+        self._flush_outbox()
         return out
 
     def _h_commit(self, items: list) -> list:
@@ -398,9 +400,18 @@ class PeerNode:
             if not self._outbox:
                 continue
             time.sleep(0.01)  # let a burst of evictions batch up
+            self._flush_outbox()
+
+    def _flush_outbox(self) -> None:
+        """Tell the owners about evictions now (a write that evicted returns after this,
+        so ``exists`` never reports a page this node already dropped)."""
+        while self._outbox:
             items = []
             while self._outbox and len(items) < 4096:
-                items.append(self._outbox.popleft())
+                try:
+                    items.append(self._outbox.popleft())
+                except IndexError:
+                    break
             try:
                 self._announce(items)
             except Exception:  # noqa: BLE001
@@ -589,19 +600,23 @@ class PeerNode:
         out = [False] * len(keys)
         sizes = [page_nbytes(p) for p in pages]
         remote: list[int] = []
+        promoted = []
         local_hits = disk_hits = 0
         for i, k in enumerate(keys):
             slot = self.segment.lookup(k)
             if slot is None and self.disk is not None and self.disk.contains(k) is not None:
                 slot = self._promote_from_disk(k)
                 if slot is not None:
-                    self._publish([(k, slot)])
+                    promoted.append((k, slot))
                     disk_hits += 1
             if slot is None:
                 remote.append(i)
             elif slot.length == sizes[i]:
                 out[i] = self.segment.read_into(k, pages[i])
                 local_hits += out[i]
+        if promoted:  # resident again: owners point readers back at memory
+            self._publish(promoted)
+            self._flush_outbox()
         if remote:
             self._get_remote(keys, pages, sizes, remote, out, deadline)
         hits = sum(out)
@@ -630,7 +645,7 @@ class PeerNode:
             remaining = deadline - time.monotonic()
             if remaining > 0:
                 answers = self.clients.fan_out({h: [keys[i] for i in ii] for h, ii in promote.items()},
-                                               "Promote", min(self.config.rpc_timeout * 4, remaining))
+                                               "Promote", min(self.config.rpc_timeout * 2, remaining))
                 for h, ii in promote.items():
                     ans = answers.get(h)
                     if isinstance(ans, RpcError) or ans is None:
@@ -746,6 +761,7 @@ class PeerNode:
             if fresh:
                 new.append((j, keys[i], slot))
                 self._write_through(keys[i], slot)
+        self._flush_outbox()
         if new:
             self.count(writes_stored=len(new))
             published = self._publish([(k, s) for _, k, s in new])
@@ -780,8 +796,9 @@ class PeerNode:
     def _write_to(self, member: Member, idx: list[int], keys, pages, out: list[bool], deadline: float) -> None:
         sizes = [page_nbytes(pages[i]) for i in idx]
         try:
+            # Alloc and Commit publish directory entries themselves (nested calls): twice the time
             grants = self.clients.call(member.node_id, "Alloc", [[keys[i], n] for i, n in zip(idx, sizes)],
-                                       min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+                                       min(2 * self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
         except RpcError:
             self.count(rpc_failures=1)
             return
@@ -832,7 +849,7 @@ class PeerNode:
                 self.transport.unbounce()
         try:
             results = self.clients.call(member.node_id, "Commit", commits,
-                                        min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+                                        min(2 * self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
         except RpcError:
             self.count(rpc_failures=1)
             return

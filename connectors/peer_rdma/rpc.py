@@ -51,7 +51,7 @@ class RpcError(Exception):
 
 
 def serve(handlers: Mapping[str, Callable[[Any], Any]], host: str, port: int, token: str,
-          workers: int = 16) -> tuple[grpc.Server, int]:
+          workers: int = 32) -> tuple[grpc.Server, int]:
     """Start a gRPC server exposing ``handlers`` (name -> fn(request) -> response)."""
     expected = token.encode()
 
@@ -90,6 +90,7 @@ class Clients:
     def __init__(self, token: str, timeout: float):
         self.token = token
         self.timeout = timeout
+        self.on_reply: Callable[[str], None] | None = None  # any answer proves the peer is alive
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, dict[str, Any]]] = {}
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
@@ -108,24 +109,29 @@ class Clients:
             return stub
 
     def call(self, target: str, method: str, request: Any, timeout: float | None = None) -> Any:
-        try:
-            return self._method(target, method)(request, timeout=timeout or self.timeout,
-                                                metadata=self._metadata)
-        except grpc.RpcError as e:
-            raise RpcError(method, target, e.code().name if e.code() else "UNKNOWN", e.details() or "") from None
+        return self.result(self.start(target, method, request, timeout))
 
     def start(self, target: str, method: str, request: Any, timeout: float | None = None):
-        """An in-flight call; ``result(fut)`` waits for it."""
-        return (method, target, self._method(target, method).future(
-            request, timeout=timeout or self.timeout, metadata=self._metadata))
-
-    @staticmethod
-    def result(call) -> Any:
-        method, target, fut = call
+        """An in-flight call; ``result(call)`` waits for it."""
         try:
-            return fut.result()
+            return (method, target, self._method(target, method).future(
+                request, timeout=timeout or self.timeout, metadata=self._metadata))
+        except ValueError as e:  # the channel was closed under us (the peer was just dropped)
+            return (method, target, RpcError(method, target, "CANCELLED", str(e)))
+
+    def result(self, call) -> Any:
+        method, target, fut = call
+        if isinstance(fut, RpcError):
+            raise fut
+        try:
+            rep = fut.result()
         except grpc.RpcError as e:
             raise RpcError(method, target, e.code().name if e.code() else "UNKNOWN", e.details() or "") from None
+        except (ValueError, grpc.FutureCancelledError) as e:
+            raise RpcError(method, target, "CANCELLED", str(e)) from None
+        if self.on_reply is not None:
+            self.on_reply(target)
+        return rep
 
     def fan_out(self, requests: Mapping[str, Any], method: str, timeout: float | None = None
                 ) -> dict[str, Any | RpcError]:

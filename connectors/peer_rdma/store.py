@@ -30,7 +30,7 @@ class PeerRdmaStore(PageStore):
     name = "peer_rdma"
     config_class = PeerRdmaConfig
     zero_copy = True
-    needs_registered_memory = False  # unregistered pages go through a bounce buffer
+    needs_registered_memory = True  # registered pages are read in place; others via a bounce buffer
 
     def __init__(self, config: PeerRdmaConfig | None = None, **context: Any):
         super().__init__()

@@ -65,7 +65,7 @@ else:
                     PY, "-m", "connectors.cli", "--log-level", "WARNING", "peer", "serve",
                     "--discovery-addr", seed, "--control-port", "31998" if i == 0 else "0",
                     "--global-segment-size", str(SEG_PAGES * PAGE), "--protocol", "tcp",
-                    "--set", "heartbeat_interval=0.5", "--set", "member_ttl=2", "--ready-file", ready],
+                    "--set", "heartbeat_interval=0.5", "--set", "member_ttl=3", "--ready-file", ready],
                     stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, f"node{i}.log"), "w")))
                 deadline = time.monotonic() + 60
                 while not os.path.exists(ready):
@@ -88,7 +88,7 @@ else:
         def store_options(self):
             return {"discovery_addr": self.seed, "control_port": 0, "protocol": "tcp",
                     "global_segment_size": SEG_PAGES * PAGE, "placement": self.placement,
-                    "heartbeat_interval": 0.5, "member_ttl": 2.0}
+                    "heartbeat_interval": 0.5, "member_ttl": 3.0}
 
         def make_store(self):
             from connectors.registry import create_store
@@ -141,3 +141,33 @@ else:
             assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
             m = store.node.metrics()
             assert m["bounce_reads"] == before and m["read_remote_hits"] > 0
+
+    class TestPeerRdmaDiskTier:
+        """The write-through disk tier: pages the segment evicted come back on demand."""
+
+        def test_evicted_pages_are_promoted_from_disk(self, pool, tmp_path):
+            from connectors.buffers import HostBuffer
+            from connectors.registry import create_store
+
+            store = create_store("peer_rdma", {
+                "discovery_addr": pool, "control_port": 0, "protocol": "tcp", "global_segment_size": 16 * PAGE,
+                "disk_path": str(tmp_path / "disk"), "disk_size": 256 * PAGE, "heartbeat_interval": 0.5,
+                "member_ttl": 3.0})
+            try:
+                keys = [f"disk-{i}-{os.getpid()}" for i in range(48)]
+                src = HostBuffer(48, PAGE, 2)
+                for i, k in enumerate(keys):
+                    src.fill(i, page_bytes(k))
+                for i in range(0, 48, 8):
+                    assert store.put_from(keys[i:i + 8], [src.page(j) for j in range(i, i + 8)]) == [True] * 8
+                store.node.disk.flush()
+                m = store.node.metrics()
+                assert m["evictions"] >= 32 and m["pool_keys"] <= 16 and m["disk_keys"] == 48, m
+                assert store.exists(keys) == [True] * 48
+                dst = HostBuffer(48, PAGE, 2)
+                for i in range(0, 48, 8):  # batches that fit the segment
+                    assert store.get_into(keys[i:i + 8], [dst.page(j) for j in range(i, i + 8)]) == [True] * 8
+                assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
+                assert store.node.metrics()["read_disk_hits"] >= 32
+            finally:
+                store.close()

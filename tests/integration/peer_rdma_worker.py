@@ -115,8 +115,10 @@ class HostPages:
 class Node:
     def __init__(self, spec: dict):
         self.name = spec["name"]
-        self.store = create_store("peer_rdma", spec["options"])
+        # the host pool first: importing sglang takes seconds of GIL, which would stall
+        # the node's heartbeats had it already joined
         self.pages = HostPages(spec.get("host_pool"))
+        self.store = create_store("peer_rdma", spec["options"])
         if spec.get("register", True):
             self.store.register_memory(*self.pages.region())
         self.timeout = self.store.config.timeout
