@@ -527,6 +527,7 @@ class Server:
     def __init__(self, params: dict, log_path: Path, *extra: str):
         self.port, self.http_port = free_port(), free_port()
         self.log_path = log_path
+        self._interrupted = False
         cmd = [LMCACHE_BIN, "server", "--host", "127.0.0.1", "--port", str(self.port), "--l1-size-gb", "0.25",
                "--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
                "--disable-metrics", "--l2-adapter", plugin_json(params), *extra]
@@ -565,9 +566,15 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def stop(self, timeout: float = 30) -> int | None:
-        if self.proc.poll() is None:
+    def interrupt(self) -> None:
+        """SIGINT once (LMCache's clean shutdown); a second one would cut it short."""
+        if self.proc.poll() is None and not self._interrupted:
+            self._interrupted = True
             self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, timeout: float = 30) -> int | None:
+        self.interrupt()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -656,17 +663,28 @@ def servers(tmp_path_factory):
     hf3fs = {"store": "hf3fs", "file_path_prefix": str(d / "kv"), "file_size": "64mb", "numjobs": 2,
              "entries": 8, "metadata_server_url": f"http://{meta.address}", "auth_token": "t0k",
              "client_timeout": 1, "meta_retries": 1}
+    ns = types.SimpleNamespace(meta=meta, hf3fs=hf3fs, meta_alive=True)
+
+    def stop_meta() -> None:
+        if ns.meta_alive:
+            ns.meta_alive = False
+            meta.stop(0)
+
+    ns.stop_meta = stop_meta
     with ExitStack() as stack:
-        a = Server(hf3fs, d / "a.log", "--l2-store-policy", "skip_l1")
-        stack.callback(a.stop)
-        b = Server(hf3fs, d / "b.log")
-        stack.callback(b.stop)
-        bad = Server({"store": "tests.integration.lmcache_faulty:RaisingStore"}, d / "bad.log")
-        stack.callback(bad.stop)
-        stack.callback(lambda: meta.stop(0))
-        for s in (a, b, bad):
+        stack.callback(stop_meta)
+        procs = []
+        stack.callback(lambda: [s.stop() for s in procs])  # SIGINT all first, then wait for each
+        stack.callback(lambda: [s.interrupt() for s in procs])
+        ns.a = Server(hf3fs, d / "a.log", "--l2-store-policy", "skip_l1")
+        procs.append(ns.a)
+        ns.b = Server(hf3fs, d / "b.log")
+        procs.append(ns.b)
+        ns.bad = Server({"store": "tests.integration.lmcache_faulty:RaisingStore"}, d / "bad.log")
+        procs.append(ns.bad)
+        for s in procs:
             s.wait_healthy()
-        yield types.SimpleNamespace(a=a, b=b, bad=bad, meta=meta, hf3fs=hf3fs)
+        yield ns
 
 
 def test_server_pages_land_in_the_store_and_a_second_server_reads_them(servers):
@@ -731,7 +749,7 @@ def test_dead_metadata_service_gives_misses_not_a_hung_server(servers):
         before = a.adapter_status()["store_stats"]["put_written"]
         wait_for(lambda: a.adapter_status()["store_stats"]["put_written"] >= 8, 30, "A's L2 stores of seq 5, 6")
         assert c.hit_chunks(5) == (2, 2)  # from the store (A keeps no L1 copies)
-        servers.meta.stop(0)
+        servers.stop_meta()
         t0 = time.monotonic()
         hit, total = c.hit_chunks(6)  # only the store, whose index is gone, had seq 6
         took = time.monotonic() - t0
