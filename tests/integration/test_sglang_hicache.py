@@ -718,3 +718,31 @@ def test_concurrent_prefetch_and_backup_threads_keep_pages_intact():
     assert errors == []
     for x in [b, *rb]:
         x.close()
+
+
+def test_metrics_port_serves_the_store_counters_on_loopback():
+    import re
+    import urllib.request
+
+    from connectors import metrics
+
+    host = make_cpu_host_pool("page_first")
+    b = backend(host, extra={"metrics_port": 0})
+    port = b._metrics_port
+    assert isinstance(port, int) and port > 0
+    try:
+        keys = hashes(2, "metrics")
+        idx = alloc_pages(host, 2)
+        assert b.batch_set_v1(keys, idx) == [True, True]
+        assert b.batch_get_v1(keys + hashes(1, "miss"), alloc_pages(host, 3)) == [True, True, False]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        hits = [line for line in text.splitlines()
+                if line.startswith("kvconnect_get_hits_total") and 'engine="sglang"' in line]
+        assert hits and re.search(r" 2\.0$", hits[0]), hits
+    finally:
+        b.close()
+        server = metrics._servers.pop(("127.0.0.1", port), None)
+        if server is not None:
+            server.shutdown()
+            server.server_close()
