@@ -333,9 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
+    import logging
+
+    # sglang's mini server module calls logging.basicConfig(INFO) on import: keep output to figures
+    import sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server  # noqa: F401
+
+    logging.getLogger().setLevel(logging.WARNING)
     workers = [int(w) for w in (args.workers or ("4" if args.quick else "1,4,16")).split(",")]
     page_sizes = [512 * KiB] if args.quick else [512 * KiB, 8 * MiB]
-    reps = 2 if args.quick else 3
+    reps = 3 if args.quick else 5
     meta_batches = args.meta_batches or (60 if args.quick else 400)
     result = BenchResult("hf3fs", params={"quick": args.quick, "page_sizes": page_sizes, "batch": args.batch,
                                           "workers": workers, "reps": reps, "meta_batches": meta_batches,

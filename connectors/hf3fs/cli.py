@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--fsync", choices=FSYNC_POLICIES, default="interval",
                    help="journal fsync policy (default interval: every 50 ms; kill -9 never loses a "
                         "confirmed key under any policy)")
-    s.add_argument("--workers", type=int, default=8, help="gRPC worker threads (default 8)")
+    s.add_argument("--workers", type=int, default=8, help="threads for calls that wait for fsync (--fsync always; default 8)")
     s.add_argument("--snapshot-interval", type=float, default=60.0, help="seconds between snapshots (default 60)")
     s.add_argument("--ready-file", help="write the bound address here once serving (scripts, tests)")
     u = sub.add_parser("usage", help="print a namespace's usage as JSON")
