@@ -1,0 +1,320 @@
+"""Mooncake store: kvconnect vs raw MooncakeDistributedStore vs SGLang's own MooncakeStore.
+
+Run: ``kvconnect bench mooncake [--quick]`` or ``python benchmarks/mooncake.py [--quick]``
+(root: it makes a loopback-only network namespace).
+
+The seed's deployment, on one machine: a ``mooncake_master`` and a process that only
+contributes a memory segment (the standalone store), both in a loopback-only netns made
+for the run; the engine side contributes no memory, so every page crosses the Transfer
+Engine's TCP path, as between SGLang and a standalone store.
+
+One worker process (inside the namespace) builds a real SGLang host KV pool
+(``page_first_direct``: K and V of a page are two separate segments) filled with the same
+bytes for every system, then, one system after the other, on the same pages:
+
+* ``raw``: ``MooncakeDistributedStore.batch_put_from_multi_buffers`` /
+  ``batch_get_into_multi_buffers`` on the pool's page segments (one object per page), the
+  calls kvconnect makes, without kvconnect;
+* ``kvc``: kvconnect's ``MooncakeStore.put_from`` / ``get_into`` (registered pool: direct
+  zero-copy path) -- target >= 95 % of ``raw``;
+* ``kvc_hicache``: SGLang's HiCache interface over kvconnect
+  (``KVConnectStorage`` with ``"store": "mooncake"``, ``batch_set_v1`` / ``batch_get_v1``);
+* ``sglang``: SGLang 0.5.23's own ``MooncakeStore`` backend (``batch_set_v1`` /
+  ``batch_get_v1``, two objects per page: K and V), driven on CPU -- ``kvc_hicache``
+  against it: target >= 1.0x;
+* ``raw_per_segment``: raw calls with one object per segment (SGLang's object layout),
+  to show which object layout is faster.
+
+All clients are set up first; each repetition then runs every system once, in a
+rotating order (interleaved, so load changes on the shared machine hit all alike). Every put writes keys not stored before (a fresh prefix per repetition); every get reads
+all pages of the batch; then all objects are removed, so the next put reuses segment
+memory (steady state) instead of paying first-touch page faults in the holder. Figures are medians over the repetitions; ratios are same-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable, and keep this
+    # file (benchmarks/mooncake.py) from shadowing the `mooncake` package
+    _here = str(Path(__file__).resolve().parent)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_here)]
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment")
+
+
+# ---------------------------------------------------------------------------------
+# worker side (runs inside the namespace)
+# ---------------------------------------------------------------------------------
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _check(name: str, what: str, results, ok) -> None:
+    bad = [r for r in results if not ok(r)]
+    if bad:
+        raise RuntimeError(f"{name}: {what} failed for {len(bad)} of {len(results)} pages: {bad[:4]}")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import hashlib
+
+    import torch
+
+    from connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool
+
+    p = json.loads(args.params)
+    n, reps, ps = p["pages"], p["reps"], p["page_size"]
+    host = make_cpu_host_pool("page_first_direct", page_size=ps, layer_num=p["layers"], head_num=p["heads"],
+                              head_dim=p["head_dim"], host_tokens=ps * (n + 2))
+    idx = host.alloc(n * ps)
+    ptrs, sizes = host.get_page_buffer_meta(idx)
+    per = len(ptrs) // n
+    pages = [[(ptrs[i * per + j], sizes[i * per + j]) for j in range(per)] for i in range(n)]
+    page_nbytes = sum(s for _, s in pages[0])
+    kv = host.kv_buffer
+    region = (kv.data_ptr(), kv.numel() * kv.element_size())
+    master = args.master
+    out: dict[str, Any] = {"page_nbytes": page_nbytes, "segments_per_page": per}
+
+    kv.zero_()
+    fill_pages(host, idx, seed=1)
+    pristine = kv.clone()  # refilling / checking with memcpy / memcmp keeps the CPU for the systems
+    kv_bytes, pristine_bytes = kv.view(-1).view(torch.uint8), pristine.view(-1).view(torch.uint8)
+
+    def verify(name: str) -> None:
+        if not torch.equal(kv_bytes, pristine_bytes):  # bytes, not bf16 values (NaN != NaN)
+            raise RuntimeError(f"{name}: pages read back differ from the pages written")
+
+    def zero() -> None:
+        kv.zero_()
+
+    systems: dict[str, tuple[Any, Any]] = {}
+    closers: list[Any] = []
+
+    for name in p["systems"]:
+        if name in ("raw", "raw_per_segment"):
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+            s = MooncakeDistributedStore()
+            rc = s.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master)
+            assert rc == 0, f"raw setup rc={rc}"
+            assert s.register_buffer(*region) == 0
+            closers.append(s.close)
+            cfg = ReplicateConfig()
+            mp = [[a for a, _ in pg] for pg in pages]
+            ms = [[b for _, b in pg] for pg in pages]
+            if name == "raw":
+                def put(keys, s=s, mp=mp, ms=ms, cfg=cfg):
+                    _check("raw", "put", s.batch_put_from_multi_buffers(keys, mp, ms, cfg), lambda r: r == 0)
+
+                def get(keys, s=s, mp=mp, ms=ms):
+                    _check("raw", "get", s.batch_get_into_multi_buffers(keys, mp, ms), lambda r: r == page_nbytes)
+            else:
+                fp = [a for pg in pages for a, _ in pg]
+                fs = [b for pg in pages for _, b in pg]
+
+                def put(keys, s=s, fp=fp, fs=fs, cfg=cfg):
+                    sk = [f"{k}_{j}" for k in keys for j in range(per)]
+                    _check("raw_per_segment", "put", s.batch_put_from(sk, fp, fs, cfg), lambda r: r == 0)
+
+                def get(keys, s=s, fp=fp, fs=fs):
+                    sk = [f"{k}_{j}" for k in keys for j in range(per)]
+                    _check("raw_per_segment", "get", s.batch_get_into(sk, fp, fs), lambda r: r > 0)
+            systems[name] = (put, get)
+        elif name == "kvc":
+            from connectors.registry import create_store
+
+            st = create_store("mooncake", {"master_server_address": master, "protocol": "tcp",
+                                           "local_hostname": "127.0.0.1", "global_segment_size": 0,
+                                           "staging_size": "8mb"})
+            st.register_memory(*region)
+            closers.append(st.close)
+
+            def put(keys, st=st):
+                _check("kvc", "put", st.put_from(keys, pages), bool)
+
+            def get(keys, st=st):
+                _check("kvc", "get", st.get_into(keys, pages), bool)
+            systems[name] = (put, get)
+            kvc_store = st
+        elif name in ("kvc_hicache", "sglang"):
+            from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+            extra = {"backend_name": "kvconnect", "interface_v1": 1, "store": "mooncake",
+                     "master_server_address": master, "protocol": "tcp", "local_hostname": "127.0.0.1",
+                     "global_segment_size": 0, "staging_size": "8mb"} if name == "kvc_hicache" else None
+            cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                       attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                                       is_page_first_layout=False, model_name="bench/model", extra_config=extra)
+            if name == "kvc_hicache":
+                from connectors.engines.sglang_hicache import KVConnectStorage
+
+                b = KVConnectStorage(cfg, {})
+            else:
+                from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+                os.environ.update({"MOONCAKE_MASTER": master, "MOONCAKE_PROTOCOL": "tcp",
+                                   "MOONCAKE_TE_META_DATA_SERVER": "P2PHANDSHAKE",
+                                   "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1", "MOONCAKE_GLOBAL_SEGMENT_SIZE": "0"})
+                b = MooncakeStore(cfg, host)
+            b.register_mem_pool_host(host)
+            closers.append(b.close)
+
+            def put(keys, b=b, name=name):
+                _check(name, "batch_set_v1", b.batch_set_v1(keys, idx), bool)
+
+            def get(keys, b=b, name=name):
+                _check(name, "batch_get_v1", b.batch_get_v1(keys, idx), bool)
+            systems[name] = (put, get)
+
+    # Objects of a finished run are removed, so every put lands in segment memory that was
+    # written before (steady state: a store's memory is touched once, then reused); without
+    # it first-touch page faults in the holder dominate and swamp the comparison.
+    from mooncake.store import MooncakeDistributedStore
+
+    admin = MooncakeDistributedStore()
+    assert admin.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) == 0
+    closers.append(admin.close)
+
+    # Interleaved: every repetition runs each system once, in a rotating order, so load
+    # changes on the shared machine hit all systems alike. Repetition 0 warms up.
+    names = list(systems)
+    times: dict[str, dict[str, list[float]]] = {n: {"put": [], "get": []} for n in names}
+    for r in range(reps + 1):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            put, get = systems[name]
+            keys = [hashlib.sha256(f"{name}-{os.getpid()}-{r}-{i}".encode()).hexdigest() for i in range(n)]
+            kv.copy_(pristine)
+            tp = _timed(lambda: put(keys))
+            zero()
+            tg = _timed(lambda: get(keys))
+            verify(name)
+            admin.remove_all(True)
+            if r:
+                times[name]["put"].append(tp)
+                times[name]["get"].append(tg)
+    for name in names:
+        puts, gets = times[name]["put"], times[name]["get"]
+        out[name] = {"put_s": statistics.median(puts), "get_s": statistics.median(gets),
+                     "put_gib_s": gib_per_s(n * page_nbytes, statistics.median(puts)),
+                     "get_gib_s": gib_per_s(n * page_nbytes, statistics.median(gets)),
+                     "put_all_s": puts, "get_all_s": gets}
+        print(f"# {name}: put {out[name]['put_gib_s']:.3f} GiB/s, get {out[name]['get_gib_s']:.3f} GiB/s",
+              file=sys.stderr, flush=True)
+    if "kvc" in systems:
+        out["kvc"]["path"] = {k: kvc_store.stats().extra[k] for k in ("direct_pages", "staged_pages")}
+    for close in closers:
+        close()
+    print("RESULT " + json.dumps(out), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------
+# orchestrator
+# ---------------------------------------------------------------------------------
+
+
+def _run_worker(cluster, params: dict, timeout: float) -> dict:
+    # One OpenMP thread: torch's idle OpenMP workers spin after each tensor op and, on a
+    # small machine, starve Mooncake's transfer threads (the same for every system).
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", GLOG_minloglevel="2",
+               OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    cmd = cluster.exec_prefix() + [sys.executable, "-m", "benchmarks.mooncake", "--worker",
+                                   "--master", cluster.master.address, "--params", json.dumps(params)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stderr.splitlines():
+        if line.startswith("# "):
+            print(line[2:], flush=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"benchmark worker failed (rc {proc.returncode}):\n"
+                       + "\n".join([ln for ln in proc.stderr.splitlines() if not ln[:1] in "IWE" or "Error" in ln][-40:]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvconnect bench mooncake", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small run for tests (~1 min)")
+    ap.add_argument("--pages", type=int, default=None, help="pages per batch (default 64; quick 16)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per system (default 15; quick 6)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    ap.add_argument("--output", default=None, help="result JSON (default benchmarks/results/mooncake.json)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--params", default="{}", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+
+    from connectors.mooncake.testing import MooncakeCluster, netns_supported
+
+    ok, why = netns_supported()
+    if not ok:
+        print(f"mooncake benchmark needs a network namespace: {why}", file=sys.stderr)
+        return 2
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)} (accepted: {', '.join(SYSTEMS)})")
+    params = {"pages": args.pages or (16 if args.quick else 64), "reps": args.reps or (6 if args.quick else 15),
+              "page_size": 64, "layers": 8, "heads": 2, "head_dim": 128, "systems": systems}
+    res = BenchResult("mooncake", params=dict(params, segment="2gb", transport="tcp over loopback (netns)",
+                                              layout="page_first_direct bf16"))
+    cluster = MooncakeCluster(lease_ttl_ms=10000)
+    try:
+        cluster.start_holder("2gb" if not args.quick else "512mb")
+        fig = _run_worker(cluster, params, timeout=170 if args.quick else 560)
+    finally:
+        cluster.close()
+    res.figures = fig
+    batch = params["pages"] * fig["page_nbytes"]
+    res.params.update(page_nbytes=fig["page_nbytes"], batch_bytes=batch)
+    def paired(ours: str, ref: str, op: str) -> float:
+        """Median over repetitions of ref_time / ours_time (same round: adjacent runs)."""
+        pairs = zip(fig[ours][f"{op}_all_s"], fig[ref][f"{op}_all_s"])
+        return statistics.median(r / o for o, r in pairs)
+
+    comparisons = [("kvc", "raw", "kvconnect MooncakeStore / raw",
+                    "raw MooncakeDistributedStore multi-buffer calls (target >= 0.95)"),
+                   ("kvc_hicache", "sglang", "kvconnect HiCache / SGLang MooncakeStore",
+                    "SGLang 0.5.23 MooncakeStore backend (target >= 1.0)"),
+                   ("raw", "raw_per_segment", "one object per page / one per segment (raw)",
+                    "raw batch_put_from/batch_get_into, one object per segment")]
+    for op in ("get", "put"):
+        for ours, ref, label, system in comparisons:
+            if ours in fig and ref in fig:
+                row = res.ratio(f"{op}_gib_s {label}", fig[ours][f"{op}_gib_s"], fig[ref][f"{op}_gib_s"], system)
+                row["ratio_of_medians"] = row["ratio"]
+                row["ratio"] = round(paired(ours, ref, op), 4)  # robust to load drift on a shared box
+    res.notes.append("ratio = median over repetitions of the paired (same-round) time ratio; "
+                     "ours/reference are median GiB/s; ratio_of_medians is their quotient")
+    res.notes.append("all systems ran interleaved (rotating order per repetition) in one worker process, same pages; "
+                     "the machine is shared (see machine.loadavg): quote ratios, not absolute GiB/s")
+    res.notes.append("engine side contributes no segment; pages live in a separate segment-holder process "
+                     "(Transfer Engine TCP over loopback), as with SGLang + a standalone Mooncake store")
+    res.print_ratios()
+    res.write(Path(args.output) if args.output else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
