@@ -5,7 +5,8 @@ run (``from benchmarks.limits import measure_all`` or the single ``measure_*`` f
 because the machines are shared and absolute numbers drift with load.
 
 * memcpy: ``ctypes.memmove`` between two large buffers (the call every kvconnect store
-  uses to move page bytes; it releases the GIL), single thread and ``--threads`` threads.
+  uses to move page bytes; it releases the GIL), single thread and ``--threads`` threads,
+  and one page at a time for 128 KiB and 8 MiB pages (the per-call cost a store pays).
 * loopback TCP: one Python stream over 127.0.0.1 (``sendall`` / ``recv_into``, a receiver
   thread in this process), i.e. the best a Python TCP data path can do here.
 * disk: sequential ``os.write`` of a file then ``fsync`` (write+fsync), then reading it
@@ -38,6 +39,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 
 MiB = 1 << 20
+# Page sizes for the per-page memcpy figures: the demo's tiny shape and a Llama-8B page (64 tokens).
+PAGE_SIZES = (128 * 1024, 8 * MiB)
 
 # Published orientation figures (GiB/s) from ENVIRONMENT.md, "Measured limits of this machine kind".
 PUBLISHED = {
@@ -90,6 +93,28 @@ def measure_memcpy(nbytes: int = 256 * MiB, repeats: int = 5, threads: int = 1) 
     once()  # warm-up
     times = [once() for _ in range(repeats)]
     return _summary(nbytes, times, threads=threads, how="ctypes.memmove")
+
+
+def measure_memcpy_pages(page_bytes: int, nbytes: int = 256 * MiB, repeats: int = 5) -> dict[str, Any]:
+    """``ctypes.memmove`` one page at a time (a store's copy pattern, per-call cost included)."""
+    n_pages = max(1, nbytes // page_bytes)
+    nbytes = n_pages * page_bytes
+    src, dst = bytearray(nbytes), bytearray(nbytes)
+    _touch(src)
+    _touch(dst)
+    s, d = _address(src), _address(dst)
+    offsets = [i * page_bytes for i in range(n_pages)]
+    mm = ctypes.memmove
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for off in offsets:
+            mm(d + off, s + off, page_bytes)
+        return time.perf_counter() - t0
+
+    once()
+    times = [once() for _ in range(repeats)]
+    return _summary(nbytes, times, page_bytes=page_bytes, how="ctypes.memmove per page")
 
 
 def compare_memcpy_numpy(nbytes: int = 256 * MiB, repeats: int = 5) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -238,12 +263,15 @@ def measure_all(quick: bool = True, disk_dir: str | os.PathLike[str] | None = No
     pair = compare_memcpy_numpy(mem, rep)
     raw["memcpy"], raw["numpy_copy"] = pair if pair else (measure_memcpy(mem, rep), None)
     raw["memcpy_threads"] = measure_memcpy(mem, rep, threads=threads)
+    for page in PAGE_SIZES:
+        raw[f"memcpy_pages_{page // 1024}KiB"] = measure_memcpy_pages(page, mem, rep)
     raw["loopback_tcp"] = measure_loopback_tcp(tcp, repeats=rep if quick else 3)
     with tempfile.TemporaryDirectory(prefix="kvconnect-limits-", dir=disk_dir) as d:
         raw["disk"] = measure_disk(d, disk, repeats=2 if quick else 3)
     flat = {
         "memcpy_gib_s": raw["memcpy"]["gib_per_s"],
         f"memcpy_{threads}threads_gib_s": raw["memcpy_threads"]["gib_per_s"],
+        **{f"memcpy_{p // 1024}KiB_pages_gib_s": raw[f"memcpy_pages_{p // 1024}KiB"]["gib_per_s"] for p in PAGE_SIZES},
         "loopback_tcp_gib_s": raw["loopback_tcp"]["gib_per_s"],
         "disk_write_fsync_gib_s": raw["disk"]["write_fsync"]["gib_per_s"],
         "pagecache_read_gib_s": raw["disk"]["pagecache_read"]["gib_per_s"],
