@@ -407,6 +407,59 @@ def test_mla_rank1_reads_what_rank0_wrote_and_never_writes(layout):
         b.close()
 
 
+def _dcp_mla_pool(dcp_rank: int, dcp_size: int = 2):
+    """A real MLA host pool of one decode-context-parallel rank (pages widened x dcp_size)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dev = MLATokenToKVPool(64, 4, torch.bfloat16, 8, 4, 2, "cpu", False, start_layer=0, end_layer=2)
+    with host_memory_budget_scope(64 << 20):
+        return MLATokenToKVPoolHost(
+            dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, 4 * dcp_size, "page_first", pin_memory=False,
+            device="cpu", dcp_size=dcp_size, dcp_rank=dcp_rank, device_capacity_tokens=dev.size, start_layer=0,
+            end_layer=2, target_layer_num=2, host_token_capacity=64)
+
+
+def test_mla_with_decode_context_parallel_shards():
+    """TP 4 x DCP 2: TP ranks 0 and 1 write DCP shards 0 and 1; ranks 2 and 3 read them."""
+    hosts = [_dcp_mla_pool(r % 2) for r in range(4)]
+    ranks = []
+    for r, h in enumerate(hosts):
+        extra = {**ISSUE_JSON, "store": SHARED, "space": "dcp"}
+        cfg = HiCacheStorageConfig(
+            tp_rank=r, tp_size=4, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=True,
+            enable_storage_metrics=False, is_page_first_layout=True, model_name="tiny/mla", extra_config=extra,
+            dcp_size=2, dcp_rank=r % 2, logical_page_size=8)
+        b = StorageBackendFactory.create_backend("dynamic", cfg, h)
+        b.register_mem_pool_host(h)
+        ranks.append(b)
+    assert [b.kv.is_writer for b in ranks] == [True, True, False, False]
+    assert ranks[0].kv.keyspace.prefix == ranks[2].kv.keyspace.prefix != ranks[1].kv.keyspace.prefix
+    keys = hashes(3, "dcp")
+    lps = 8  # host indices are logical: 8 slots per key, 4 physical rows on each DCP rank
+    idx = [h.alloc(3 * lps) for h in hosts]
+    for r in (0, 1):
+        for i in range(3):
+            page = torch.randint(0, 256, (hosts[r].get_dummy_flat_data_page().numel() * 2,),
+                                 dtype=torch.uint8, generator=torch.Generator().manual_seed(10 * r + i))
+            hosts[r].set_from_flat_data_page(int(idx[r][i * lps]), page.view(torch.bfloat16))
+        assert ranks[r].batch_set_v1(keys, idx[r]) == [True] * 3
+    assert ranks[3].batch_set_v1(keys, idx[3]) == [True] * 3  # a reader: nothing written
+    assert ranks[0].store.stats().keys == 6
+    for reader, writer in ((2, 0), (3, 1)):
+        assert ranks[reader].batch_get_v1(keys, idx[reader]) == [True] * 3
+        got = [page_bytes(hosts[reader], idx[reader][i * lps]) for i in range(3)]
+        assert got == [page_bytes(hosts[writer], idx[writer][i * lps]) for i in range(3)]
+    assert pages_of_dcp(hosts[0], idx[0]) != pages_of_dcp(hosts[1], idx[1])
+    for b in ranks:
+        b.close()
+
+
+def pages_of_dcp(host, idx, lps=8):
+    return [page_bytes(host, idx[i * lps]) for i in range(len(idx) // lps)]
+
+
 # -- v2 pools -------------------------------------------------------------------------
 
 
