@@ -176,6 +176,13 @@ def _fail(what: str):
 # ---------------------------------------------------------------------------------
 
 
+def _cpu(pid: int) -> float:
+    """User + system CPU seconds a process has used so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -284,14 +291,20 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
                     # fresh keys: the first pass confirmed them all; new ones for this pass
                     kb[:] = [[k.encode() for k in _keys(B, f"m{threads}-{b}")] for b in range(batches)]
                     ks[:] = [[k.decode() for k in batch] for batch in kb]
-                # interleaved in tenths, so both systems see the same machine load
+                # interleaved in tenths, so both systems see the same machine load; server CPU
+                # time too, which the load of a shared machine does not inflate
                 to = tr = 0.0
+                co0, cr0 = _cpu(ours_p.pid), _cpu(ref_p.pid)
                 for c in range(0, batches, chunk):
                     to += timed(o, c, min(batches, c + chunk), threads)
                     tr += timed(r, c, min(batches, c + chunk), threads)
-                fig[f"{op}/c{threads}"] = {"kvconnect_keys_s": n / to, "sglang_keys_s": n / tr, "client_threads": threads}
+                co, cr = _cpu(ours_p.pid) - co0, _cpu(ref_p.pid) - cr0
+                fig[f"{op}/c{threads}"] = {"kvconnect_keys_s": n / to, "sglang_keys_s": n / tr, "client_threads": threads,
+                                           "kvconnect_server_cpu_us_per_key": co / n * 1e6,
+                                           "sglang_server_cpu_us_per_key": cr / n * 1e6}
                 print(f"[meta {op}, {threads} client thread(s)] ours {n / to:,.0f} keys/s, "
-                      f"mini_3fs_metadata_server {n / tr:,.0f} keys/s ({tr / to:.1f}x)")
+                      f"mini_3fs_metadata_server {n / tr:,.0f} keys/s ({tr / to:.1f}x); server CPU per key "
+                      f"{co / n * 1e6:.2f} vs {cr / n * 1e6:.2f} us ({cr / co if co else 0:.1f}x)")
         fig["loadavg"] = os.getloadavg()
         result.figures["meta"] = fig
         ref_name = "SGLang 0.5.23 mini_3fs_metadata_server (FastAPI, in-memory)"

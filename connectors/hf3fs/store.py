@@ -123,12 +123,12 @@ class HF3FSStore(PageStore):
         config = parse_config(cls.config_class, merged_options(options), where=f"store {cls.name!r}")
         return cls(config, **context)
 
-    def __init__(self, config: HF3FSConfig, *, rank: int = 0, is_mla: bool = False, is_writer: bool | None = None,
+    def __init__(self, config: HF3FSConfig, *, rank: int | None = None, is_mla: bool = False, is_writer: bool | None = None,
                  tp_size: int = 1, pool: str = "kv", page_bytes: int | None = None,
                  metadata: MetadataClient | None = None, **_context: Any):
         super().__init__()
         self.config = config
-        self.rank = int(rank)
+        self.rank = int(rank or 0)
         self.is_mla = bool(is_mla)
         self.file_rank = 0 if self.is_mla else self.rank
         self.is_writer = (not self.is_mla or self.rank == 0) if is_writer is None else bool(is_writer)
@@ -173,8 +173,14 @@ class HF3FSStore(PageStore):
             if self.is_mla and tp_size > 1:
                 raise ConfigError("metadata_server_url", "an MLA model with tp_size > 1 needs a metadata service: "
                                   "every rank reads the pages rank 0 writes")
-            self.meta = _LOCAL.acquire(self.path)
-            self._local_path = self.path
+            if rank is None and not self.is_mla:
+                # No rank from the engine (and no service): the in-process index makes the
+                # file's old contents meaningless, so any file no other process holds will
+                # do. Take the first free one; with TP > 1 each rank gets its own, as in SGLang.
+                self._take_free_local_file(config, suffix)
+            else:
+                self.meta = _LOCAL.acquire(self.path)
+                self._local_path = self.path
         try:
             # Open (create) the primary data file now: an unwritable path fails the start.
             PosixFile(self.path, 0).close()
@@ -186,6 +192,22 @@ class HF3FSStore(PageStore):
         except BaseException:
             self._release()
             raise
+
+    def _take_free_local_file(self, config: HF3FSConfig, suffix: str) -> None:
+        last: ConfigError | None = None
+        for n in range(1024):
+            path = f"{config.file_path_prefix}.{n}.bin{suffix}"
+            try:
+                self.meta = _LOCAL.acquire(path)
+            except ConfigError as e:
+                if "used by another process" not in str(e):
+                    raise
+                last = e
+                continue
+            self.file_rank, self.path, self._local_path = n, path, path
+            self.ns = f"{n}:{self.pool}"
+            return
+        raise last or ConfigError("file_path_prefix", "no free data file")
 
     # ------------------------------------------------------------------ lanes
     def _choose_client(self) -> str:

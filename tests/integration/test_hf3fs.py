@@ -521,17 +521,21 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
         s.close()
 
 
-def test_second_process_on_a_file_without_service_is_refused(tmp_path):
+def test_second_process_on_a_file_without_service(tmp_path):
+    """Without a metadata service a file belongs to one process: a second process naming
+    the same rank is refused; one without a rank (the SGLang adapter passes none) takes
+    the next free file, as SGLang's per-rank files with a local index would."""
     opts = store_opts(tmp_path)
-    s = create_store("hf3fs", opts)
+    s = create_store("hf3fs", opts, rank=0)
     try:
         code = ("import sys; sys.path.insert(0, %r)\n"
                 "from connectors.registry import create_store\n"
                 "from connectors.base import ConfigError\n"
-                "try:\n    create_store('hf3fs', %r)\nexcept ConfigError as e:\n    print('refused', e)\n") % (
-            str(ROOT), opts)
+                "try:\n    create_store('hf3fs', %r, rank=0)\nexcept ConfigError as e:\n    print('refused', e)\n"
+                "t = create_store('hf3fs', %r)\nprint('took', t.path)\nt.close()\n") % (str(ROOT), opts, opts)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert "refused" in r.stdout and "metadata_server_url" in r.stdout, r.stdout + r.stderr
+        assert r.stdout.strip().endswith("hicache.1.bin"), r.stdout
     finally:
         s.close()
 
