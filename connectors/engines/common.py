@@ -239,13 +239,17 @@ def build_store(options: Mapping[str, Any] | None, *, where: str, ignore: Collec
     name = None if ":" in eo.store else eo.store
     try:
         store = create_store(name, eo.store_options)
-    except UnknownConfigKey as e:
-        accepted = set(ADAPTER_KEYS) | set(engine_keys)
-        if name is not None:
-            from connectors.config import config_fields
-            from connectors.registry import store_class
+    except ConfigError as e:
+        if name is None and e.key in ("module_path", "class_name"):
+            # The user wrote "store": "pkg.mod:Class"; name that key, not our translation.
+            raise ConfigError("store", f"{eo.store!r}: {e.problem}", "a registered store name or 'module:Class'",
+                              where) from e
+        if not isinstance(e, UnknownConfigKey) or name is None:
+            raise
+        from connectors.config import config_fields
+        from connectors.registry import store_class
 
-            accepted |= set(config_fields(store_class(name).config_class))
+        accepted = set(ADAPTER_KEYS) | set(engine_keys) | set(config_fields(store_class(name).config_class))
         raise UnknownConfigKey(e.key, sorted(accepted), f"{where}: store {eo.store!r}") from e
     return store, eo
 

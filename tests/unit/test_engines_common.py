@@ -45,6 +45,8 @@ def test_build_store_errors_name_key_and_accepted_values():
         build_store({"store": "nope"}, where="test")
     with pytest.raises(ConfigError, match="'store'.*is required"):
         build_store({}, where="test")
+    with pytest.raises(ConfigError, match="'store'.*'nosuch.mod:X'.*cannot import"):
+        build_store({"store": "nosuch.mod:X"}, where="test")
     with pytest.raises(UnknownConfigKey) as e:
         build_store({"store": "memory", "cap": 1}, where="test", engine_keys=("queue",))
     assert "'cap'" in str(e.value) and "'capacity'" in str(e.value) and "'queue'" in str(e.value)
