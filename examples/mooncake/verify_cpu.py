@@ -2,7 +2,8 @@
 
     sudo .venv/bin/python examples/mooncake/verify_cpu.py [--metadata http|p2p] [--pages 32]
 
-Everything runs inside a loopback-only network namespace made for the run (root needed):
+Everything runs inside a network namespace made for the run (root needed) that has only
+``lo`` and a veth pair with a private address (Mooncake advertises a LAN address):
 
 1. ``mooncake_master`` with its HTTP metadata server (1_master.sh);
 2. a standalone store: ``kvconnect mooncake-store`` contributing a segment (2_store.sh);
@@ -78,12 +79,21 @@ def main(argv: list[str] | None = None) -> int:
     keys = [hashlib.sha256(f"seed4-prefix-page-{i}".encode()).hexdigest() for i in range(args.pages)]
     ns = LoopbackNetns()
     procs: list[subprocess.Popen] = []
+    # With a metadata server, Mooncake's Transfer Engine advertises a LAN address of the host
+    # (MOONCAKE_LOCAL_HOSTNAME=localhost, as in the seed); a loopback-only namespace has
+    # none, so the run gives its namespace a veth pair (both ends inside it) with a
+    # private address that exists only there.
     env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
                GLOG_minloglevel="2", MOONCAKE_LOCAL_HOSTNAME="localhost", MOONCAKE_MASTER="127.0.0.1:50051",
                MOONCAKE_PROTOCOL="tcp",
                MOONCAKE_TE_META_DATA_SERVER="http://127.0.0.1:8080/metadata" if args.metadata == "http"
                else "P2PHANDSHAKE")
     try:
+        if args.metadata == "http":  # a veth pair with both ends inside the namespace
+            for cmd in (["link", "add", "lan0", "type", "veth", "peer", "name", "lan1"],
+                        ["addr", "add", "10.254.0.1/24", "dev", "lan0"],
+                        ["link", "set", "lan0", "up"], ["link", "set", "lan1", "up"]):
+                subprocess.run(ns.exec_prefix() + ["ip", *cmd], check=True, capture_output=True)
         extra = ("--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
                  "--http_metadata_server_port=8080", "--eviction_high_watermark_ratio=0.95")
         master = MasterProcess(ns, extra_args=extra if args.metadata == "http" else ()).start()
