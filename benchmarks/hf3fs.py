@@ -21,8 +21,8 @@ engine ranks calling one service). Both systems' passes are interleaved in tenth
 
 Ratios (ours / SGLang's; > 1 = kvconnect faster): ``store_set`` and ``store_get`` are the
 worst case over page sizes and worker counts (per-configuration rows follow as
-``store_set/<page>/w<workers>``), ``meta_ops`` is reserve+confirm with 8 client threads
-(``meta_ops/get``, ``meta_ops/exists``, and the one-thread ``.../c1`` rows follow), ``get_vs_memcpy/8MiB`` is the best warm 8 MiB get over memcpy.
+``store_set/<page>/w<workers>``), ``meta_ops`` is reserve+confirm with one client thread
+(``meta_ops/get``, ``meta_ops/exists``, and the 8-thread ``.../c8`` rows follow), ``get_vs_memcpy/8MiB`` is the best warm 8 MiB get over memcpy.
 """
 
 from __future__ import annotations
@@ -308,15 +308,15 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
         fig["loadavg"] = os.getloadavg()
         result.figures["meta"] = fig
         ref_name = "SGLang 0.5.23 mini_3fs_metadata_server (FastAPI, in-memory)"
-        c = f"c{concurrency}"
-        result.ratio("meta_ops", fig[f"reserve_confirm/{c}"]["kvconnect_keys_s"],
-                     fig[f"reserve_confirm/{c}"]["sglang_keys_s"], ref_name + f", {concurrency} client threads")
+        result.ratio("meta_ops", fig["reserve_confirm/c1"]["kvconnect_keys_s"],
+                     fig["reserve_confirm/c1"]["sglang_keys_s"], ref_name + ", reserve+confirm, 1 client thread")
         for op in ("get", "exists"):
-            result.ratio(f"meta_ops/{op}", fig[f"{op}/{c}"]["kvconnect_keys_s"], fig[f"{op}/{c}"]["sglang_keys_s"],
-                         ref_name + f", {concurrency} client threads")
-        for op in ("reserve_confirm", "get", "exists"):
-            result.ratio(f"meta_ops/{op}/c1", fig[f"{op}/c1"]["kvconnect_keys_s"], fig[f"{op}/c1"]["sglang_keys_s"],
+            result.ratio(f"meta_ops/{op}", fig[f"{op}/c1"]["kvconnect_keys_s"], fig[f"{op}/c1"]["sglang_keys_s"],
                          ref_name + ", 1 client thread")
+        c = f"c{concurrency}"
+        for op in ("reserve_confirm", "get", "exists"):
+            result.ratio(f"meta_ops/{op}/{c}", fig[f"{op}/{c}"]["kvconnect_keys_s"], fig[f"{op}/{c}"]["sglang_keys_s"],
+                         ref_name + f", {concurrency} client threads")
         ours.close()
     finally:
         for p in (ours_p, ref_p):

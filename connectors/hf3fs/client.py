@@ -8,8 +8,11 @@ fast miss per batch instead of a timeout per batch.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
+import queue
 import random
 import threading
 import time
@@ -28,6 +31,15 @@ class MetadataError(KVStoreError):
 
 class AuthError(MetadataError):
     """The service rejected the token."""
+
+
+class _StreamError(Exception):
+    """An error status carried inside a session reply (or a session that ended)."""
+
+    def __init__(self, code_name: str, message: str):
+        super().__init__(f"{code_name}: {message}")
+        self.code_name = code_name
+        self.message = message
 
 
 class MetadataClient:
@@ -90,8 +102,86 @@ class LocalMetadata(MetadataClient):
         pass
 
 
+class _Session:
+    """One long-lived ``Session`` stream; one request at a time (its holder's)."""
+
+    def __init__(self, stream_call, metadata):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+        def requests():
+            while True:
+                m = self._q.get()
+                if m is None:
+                    return
+                yield m
+
+        self.responses = stream_call(requests(), metadata=metadata)
+        self.broken = False
+
+    def request(self, msg: bytes) -> bytes:
+        self._q.put(msg)
+        return next(self.responses)
+
+    def close(self) -> None:
+        self.broken = True
+        self._q.put(None)
+        self.responses.cancel()
+
+
+class _Watchdog:
+    """Cancels a session whose reply is late, so a caller blocked on it returns (never hangs)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list = []
+        self._armed: dict[int, _Session] = {}
+        self._seq = itertools.count()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="hf3fs-meta-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, session: _Session, deadline: float) -> int:
+        tok = next(self._seq)
+        with self._cv:
+            self._armed[tok] = session
+            heapq.heappush(self._heap, (deadline, tok))
+            if self._heap[0][1] == tok:
+                self._cv.notify()
+        return tok
+
+    def disarm(self, tok: int) -> None:
+        with self._cv:
+            self._armed.pop(tok, None)
+
+    def _run(self) -> None:
+        with self._cv:
+            while not self._stop:
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                deadline, tok = self._heap[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                heapq.heappop(self._heap)
+                session = self._armed.pop(tok, None)
+                if session is not None:
+                    session.broken = True
+                    session.responses.cancel()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(5)
+
+
 class RemoteMetadata(MetadataClient):
     """Client of ``kvconnect hf3fs-meta serve``.
+
+    Calls go over ``Session`` streams (one per concurrently calling thread, kept open), or
+    as unary calls with ``streams=False``.
 
     Args:
         address: ``host:port``.
@@ -101,10 +191,11 @@ class RemoteMetadata(MetadataClient):
         cooldown: seconds during which calls fail fast after a call failed for good.
     """
 
-    RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN")
+    RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN",
+                 "CANCELLED")
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0, retries: int = 3,
-                 cooldown: float = 1.0):
+                 cooldown: float = 1.0, streams: bool = True):
         import grpc
 
         self._grpc = grpc
@@ -112,6 +203,7 @@ class RemoteMetadata(MetadataClient):
         self.timeout = timeout
         self.retries = max(1, retries)
         self.cooldown = cooldown
+        self.streams = streams
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._metadata = ((P.AUTH_HEADER, f"Bearer {token}"),) if token else ()
@@ -120,6 +212,10 @@ class RemoteMetadata(MetadataClient):
             ("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.keepalive_time_ms", 30000)])
         self._calls = {m: self._channel.unary_unary(P.path(m)) for m in P.METHODS}
+        self._stream_call = self._channel.stream_stream(P.path(P.SESSION))
+        self._idle: list[_Session] = []
+        self._watchdog = _Watchdog() if streams else None
+        self._closed = False
 
     # -- plumbing -----------------------------------------------------------------------
     def connect(self) -> None:
@@ -129,6 +225,35 @@ class RemoteMetadata(MetadataClient):
         except self._grpc.FutureTimeoutError as e:
             raise BackendUnavailable("hf3fs", f"metadata service at {self.address} not reachable "
                                               f"within {self.timeout:g}s (config key 'metadata_server_url')") from e
+
+    def _session_call(self, method: str, payload: bytes, deadline: float) -> bytes:
+        with self._lock:
+            session = self._idle.pop() if self._idle else None
+        if session is None:
+            session = _Session(self._stream_call, self._metadata)
+        tok = self._watchdog.arm(session, deadline)
+        try:
+            rep = session.request(bytes((P.METHOD_ID[method],)) + payload)
+        except StopIteration as e:
+            session.broken = True
+            raise _StreamError("UNAVAILABLE", "session stream ended") from e
+        except BaseException:
+            session.broken = True
+            raise
+        finally:
+            self._watchdog.disarm(tok)
+            if session.broken:
+                session.close()
+            else:
+                with self._lock:
+                    if self._closed:
+                        session.close()
+                    else:
+                        self._idle.append(session)
+        if rep[:1] == P.OK:
+            return rep[1:]
+        code, _, message = rep[1:].decode(errors="replace").partition("\n")
+        raise _StreamError(code, message)
 
     def _call(self, method: str, payload: bytes) -> bytes:
         now = time.monotonic()
@@ -142,23 +267,31 @@ class RemoteMetadata(MetadataClient):
             if remaining <= 0:
                 break
             try:
+                if self.streams:
+                    return self._session_call(method, payload, deadline)
                 return self._calls[method](payload, timeout=remaining, metadata=self._metadata)
-            except self._grpc.RpcError as e:
-                code = e.code()
-                if code == self._grpc.StatusCode.UNAUTHENTICATED:
+            except (self._grpc.RpcError, _StreamError) as e:
+                code = e.code().name if isinstance(e, self._grpc.RpcError) else e.code_name
+                details = e.details() if isinstance(e, self._grpc.RpcError) else e.message
+                if code == "UNAUTHENTICATED":
                     raise AuthError(f"metadata service at {self.address} rejected the token "
                                     f"(config keys 'auth_token' / 'auth_token_file')") from e
-                if code == self._grpc.StatusCode.FAILED_PRECONDITION:
-                    raise ConfigError("page_bytes", e.details() or "rejected by the metadata service") from e
+                if code == "FAILED_PRECONDITION":
+                    raise ConfigError("page_bytes", details or "rejected by the metadata service") from e
                 last = e
-                if code.name not in self.RETRYABLE:
+                if code not in self.RETRYABLE:
                     break
             if attempt + 1 < self.retries:
                 time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
                 delay *= 2
         with self._lock:
             self._down_until = time.monotonic() + self.cooldown
-        detail = f"{last.code().name}: {last.details()}" if isinstance(last, self._grpc.RpcError) else "deadline"
+        if isinstance(last, self._grpc.RpcError):
+            detail = f"{last.code().name}: {last.details()}"
+        elif isinstance(last, _StreamError):
+            detail = f"{last.code_name}: {last.message}"
+        else:
+            detail = "deadline"
         raise MetadataError(f"metadata call {method} to {self.address} failed: {detail}")
 
     # -- methods --------------------------------------------------------------------------
@@ -203,4 +336,11 @@ class RemoteMetadata(MetadataClient):
         return json.loads(self._call("Spaces", prefix.encode()))
 
     def close(self):
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for session in idle:
+            session.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
         self._channel.close()

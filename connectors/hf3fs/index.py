@@ -64,7 +64,7 @@ class Namespace:
     """State of one data file. Guarded by the owning ``PageIndex``'s lock."""
 
     __slots__ = ("name", "num_pages", "page_bytes", "index", "state", "gen", "crc",
-                 "read_until", "free", "fresh_next", "pending", "evictions", "expired", "next_sweep",
+                 "read_until", "lease_end", "free", "fresh_next", "pending", "evictions", "expired", "next_sweep",
                  "evicted")
 
     def __init__(self, name: str, num_pages: int, page_bytes: int):
@@ -78,7 +78,8 @@ class Namespace:
         self.read_until = array("d", bytes(8 * num_pages))
         self.free: deque[int] = deque()  # slots freed since start (FREE, maybe still leased)
         self.fresh_next = 0  # slots >= fresh_next were never handed out
-        self.pending: dict[bytes, tuple[int, int, float]] = {}  # key -> (slot, gen, deadline)
+        self.pending: dict[bytes, tuple[int, int]] = {}  # key -> (slot, gen) of a live reservation
+        self.lease_end = array("d", bytes(8 * num_pages))  # a reserved slot's write deadline
         self.evictions = 0
         self.expired = 0
         self.next_sweep = 0.0  # when to look for expired reservations next
@@ -172,10 +173,11 @@ class PageIndex:
         return s
 
     def _expire(self, sp: Namespace, now: float) -> None:
-        dead = [(k, v) for k, v in sp.pending.items() if v[2] <= now]
+        le = sp.lease_end
+        dead = [(k, v) for k, v in sp.pending.items() if le[v[0]] <= now]
         if not dead:
             return
-        for k, (s, g, _) in dead:
+        for k, (s, g) in dead:
             del sp.pending[k]
             sp.state[s] = FREE
             sp.free.append(s)
@@ -214,57 +216,66 @@ class PageIndex:
                 self._expire(sp, now)
                 sp.next_sweep = now + 1.0
             index, pending, gen = sp.index, sp.pending, sp.gen
-            want: list[int] = []
-            claimed: set = set()
-            for i, k in enumerate(keys):
-                s = index.get(k)
-                if s is not None:
-                    index.move_to_end(k)
-                    status[i] = EXISTS
-                    slots[i] = s
-                    gens[i] = gen[s]
-                    continue
-                p = pending.get(k)
-                if p is not None:
-                    if p[2] > now:
+            # C-level lookups first; the per-key Python loop only visits keys that exist,
+            # are in flight or repeat (rare on the write path: writers look before they write)
+            found = list(map(index.get, keys))
+            inflight = list(map(pending.get, keys)) if pending else None
+            want: list[int]
+            if found.count(None) == n and inflight is None and len(set(keys)) == n:
+                want = list(range(n))
+            else:
+                want = []
+                claimed: set = set()
+                le = sp.lease_end
+                for i, k in enumerate(keys):
+                    s = found[i]
+                    if s is not None:
+                        index.move_to_end(k)
+                        status[i] = EXISTS
+                        slots[i] = s
+                        gens[i] = gen[s]
+                        continue
+                    p = inflight[i] if inflight is not None else None
+                    if p is not None:
+                        if le[p[0]] > now:
+                            status[i] = INFLIGHT
+                            continue
+                        # expired reservation of a writer that never confirmed: take it over
+                        del pending[k]
+                        sp.state[p[0]] = FREE
+                        sp.free.append(p[0])
+                        sp.expired += 1
+                        if self.journal is not None:
+                            self.journal.record("release", ns, keys=[k], slots=[p[0]], gens=[p[1]])
+                    if k in claimed:  # the same key twice in one batch: one page
                         status[i] = INFLIGHT
                         continue
-                    # expired reservation of a writer that never confirmed: take it over
-                    del pending[k]
-                    sp.state[p[0]] = FREE
-                    sp.free.append(p[0])
-                    sp.expired += 1
-                    if self.journal is not None:
-                        self.journal.record("release", ns, keys=[k], slots=[p[0]], gens=[p[1]])
-                if k in claimed:  # the same key twice in one batch: one page
-                    status[i] = INFLIGHT
-                    continue
-                claimed.add(k)
-                want.append(i)
+                    claimed.add(k)
+                    want.append(i)
             if not want:
                 return bytes(status), slots, gens
             got = self._alloc_many(sp, len(want), now)
+            m = len(got)
             deadline = now + self.write_lease_s
-            state = sp.state
-            new_k = []
-            for i, s in zip(want, got):
-                k = keys[i]
-                g = gen[s] + 1
+            state, le = sp.state, sp.lease_end
+            new_g = [gen[s] + 1 for s in got]
+            for s, g in zip(got, new_g):
                 gen[s] = g
                 state[s] = RESERVED
-                pending[k] = (s, g, deadline)
+                le[s] = deadline
+            new_k = [keys[i] for i in want[:m]] if m < n or want[-1] != n - 1 else list(keys)
+            pending.update(zip(new_k, zip(got, new_g)))
+            for i, s, g in zip(want, got, new_g):
                 slots[i] = s
                 gens[i] = g
-                new_k.append(k)
-            for i in want[len(got):]:
+            for i in want[m:]:
                 status[i] = NOSPACE
             if sp.evicted:
                 if self.journal is not None:
                     self.journal.record("delete", ns, keys=sp.evicted)
                 sp.evicted = []
             if new_k and self.journal is not None:
-                self.journal.record("reserve", ns, keys=new_k, slots=[slots[i] for i in want[:len(got)]],
-                                    gens=[gens[i] for i in want[:len(got)]])
+                self.journal.record("reserve", ns, keys=new_k, slots=got, gens=new_g)
         return bytes(status), slots, gens
 
     def commit(self, ns: str, keys: Sequence[bytes], slots: Sequence[int], gens: Sequence[int],
@@ -282,17 +293,28 @@ class PageIndex:
             if sp is None:
                 raise IndexError_(f"namespace {ns!r} is not initialized")
             index, pending, gen, state, crc = sp.index, sp.pending, sp.gen, sp.state, sp.crc
-            pop = pending.pop
+            expect = list(zip(slots, gens))
+            if list(map(pending.get, keys)) == expect and (confirm == b"\x01" * n or all(confirm)) \
+                    and len(set(keys)) == n:
+                # the common case, at C speed: every item is its writer's live reservation
+                for k in keys:
+                    del pending[k]
+                for s, c in zip(slots, crcs):
+                    state[s] = CONFIRMED
+                    crc[s] = c
+                index.update(zip(keys, slots))
+                if self.journal is not None:
+                    self.journal.record("confirm", ns, keys=keys, slots=slots, gens=gens, crcs=crcs)
+                return b"\x01" * n
             released = False
             for i in range(n):
                 k = keys[i]
-                p = pop(k, None)
-                if p is None or p[0] != slots[i] or p[1] != gens[i]:
-                    if p is not None:
-                        pending[k] = p  # someone else's reservation: leave it
-                    elif confirm[i] and index.get(k) == slots[i] and gen[slots[i]] == gens[i]:
+                p = pending.get(k)
+                if p is None or p != expect[i]:
+                    if p is None and confirm[i] and index.get(k) == slots[i] and gen[slots[i]] == gens[i]:
                         ok[i] = 1  # already confirmed (a retried call)
                     continue
+                del pending[k]
                 s = p[0]
                 if confirm[i]:
                     state[s] = CONFIRMED
@@ -304,24 +326,16 @@ class PageIndex:
                     released = True
                 ok[i] = 1
             if self.journal is not None:
-                if not released and all(confirm):
-                    if all(ok):
-                        self.journal.record("confirm", ns, keys=keys, slots=slots, gens=gens, crcs=crcs)
-                    else:
-                        idx = [i for i in range(n) if ok[i]]
-                        if idx:
-                            self.journal.record("confirm", ns, keys=[keys[i] for i in idx],
-                                                slots=[slots[i] for i in idx], gens=[gens[i] for i in idx],
-                                                crcs=[crcs[i] for i in idx])
-                else:
-                    for flag, kind in ((1, "confirm"), (0, "release")):
-                        idx = [i for i in range(n) if ok[i] and bool(confirm[i]) == bool(flag)]
-                        if idx:
-                            f = {"keys": [keys[i] for i in idx], "slots": [slots[i] for i in idx],
-                                 "gens": [gens[i] for i in idx]}
-                            if kind == "confirm":
-                                f["crcs"] = [crcs[i] for i in idx]
-                            self.journal.record(kind, ns, **f)
+                for flag, kind in ((1, "confirm"), (0, "release")):
+                    if kind == "release" and not released:
+                        continue
+                    idx = [i for i in range(n) if ok[i] and bool(confirm[i]) == bool(flag)]
+                    if idx:
+                        f = {"keys": [keys[i] for i in idx], "slots": [slots[i] for i in idx],
+                             "gens": [gens[i] for i in idx]}
+                        if kind == "confirm":
+                            f["crcs"] = [crcs[i] for i in idx]
+                        self.journal.record(kind, ns, **f)
         return bytes(ok)
 
     # ------------------------------------------------------------------ readers
@@ -430,10 +444,12 @@ class PageIndex:
             st, gen, pending = sp.state, sp.gen, sp.pending
             # Evictions and expiries before this record were journaled (delete / release);
             # a pending entry left on a slot reused here is dropped in finish_recovery.
+            le = sp.lease_end
             for k, s, g in zip(fields["keys"], fields["slots"], fields["gens"]):
                 gen[s] = g
                 st[s] = RESERVED
-                pending[k] = (s, g, deadline)
+                le[s] = deadline
+                pending[k] = (s, g)
             if fields["slots"]:
                 top = max(fields["slots"]) + 1
                 if top > sp.fresh_next:
@@ -443,7 +459,7 @@ class PageIndex:
             pop = pending.pop
             for k, s, g, c in zip(fields["keys"], fields["slots"], fields["gens"], fields["crcs"]):
                 p = pop(k, None)
-                if p is None or p[0] != s or p[1] != g:
+                if p != (s, g):
                     if p is not None:
                         pending[k] = p
                     continue
@@ -481,8 +497,8 @@ class PageIndex:
             sp.rebuild_free()
             used = sp.fresh_next
             sp.read_until = array("d", [until]) * used + array("d", bytes(8 * (sp.num_pages - used)))
-            for k, (s, g, _) in list(sp.pending.items()):
-                sp.pending[k] = (s, g, now + self.write_lease_s)
+            for s, _ in sp.pending.values():
+                sp.lease_end[s] = now + self.write_lease_s
 
     def iter_spaces(self) -> Iterable[Namespace]:
         return list(self.spaces.values())

@@ -24,7 +24,12 @@ Usage       ns                                                       JSON object
 Spaces      namespace prefix (utf-8)                                 JSON [[ns, pages, bytes], ...]
 =========== ======================================================== =============================
 
-Authentication: gRPC metadata ``authorization: Bearer <token>`` on every call.
+``Session`` (stream-stream) carries the same calls over one long-lived stream per client
+thread: each request is ``<u8 method index in METHODS><request>``, each reply
+``<u8 0><reply>`` or ``<u8 1><status code name>\n<message>``. Per message it costs about half
+the CPU of a unary call (no per-call stream setup), and clients use it by default.
+
+Authentication: gRPC metadata ``authorization: Bearer <token>`` on every call and stream.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from array import array
 SERVICE = "kvconnect.hf3fs.Meta"
 METHODS = ("Initialize", "Reserve", "Commit", "Get", "Validate", "Exists", "Delete", "Clear", "Usage", "Spaces")
 AUTH_HEADER = "authorization"
+SESSION = "Session"
+METHOD_ID = {m: i for i, m in enumerate(METHODS)}
+OK, ERR = b"\x00", b"\x01"
 
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")

@@ -164,7 +164,28 @@ class MetaService:
                         await ctx.abort(a.code, a.message)
             return grpc.unary_unary_rpc_method_handler(handle)
 
-        return grpc.method_handlers_generic_handler(P.SERVICE, {m: wrap(getattr(self, m)) for m in P.METHODS})
+        handlers = {m: wrap(getattr(self, m)) for m in P.METHODS}
+        by_id = [getattr(self, m) for m in P.METHODS]
+
+        async def session(requests, ctx):
+            try:
+                self._check(ctx)
+            except _Abort as a:
+                await ctx.abort(a.code, a.message)
+            loop = asyncio.get_running_loop()
+            async for msg in requests:
+                try:
+                    fn = by_id[msg[0]]
+                    rep = await loop.run_in_executor(None, fn, msg[1:], ctx) if blocking else fn(msg[1:], ctx)
+                    yield P.OK + rep
+                except _Abort as a:
+                    yield P.ERR + f"{a.code.name}\n{a.message}".encode()
+                except Exception as e:  # noqa: BLE001 - a bad message must not end the stream
+                    log.exception("hf3fs-meta: session call failed")
+                    yield P.ERR + f"INTERNAL\n{type(e).__name__}: {e}".encode()
+
+        handlers[P.SESSION] = grpc.stream_stream_rpc_method_handler(session)
+        return grpc.method_handlers_generic_handler(P.SERVICE, handlers)
 
 
 class MetaServer:

@@ -364,7 +364,7 @@ class Journal:
             ps.frombytes(ps_b)
             pg.frombytes(pg_b)
             for k, s, g in zip(pk, ps, pg):
-                sp.pending[k] = (s, g, 0.0)
+                sp.pending[k] = (s, g)
             index.spaces[sp.name] = sp
 
     def close(self) -> None:
