@@ -5,16 +5,17 @@ embedded HTTP metadata server, the Transfer Engine's handshake and data sockets)
 every Mooncake process of a test runs inside a network namespace that has nothing but
 ``lo``. Needs root (``ip netns``) and ``iproute2``.
 
-* ``LoopbackNetns``: ``ip netns add kvc-mc-<random>`` + ``lo`` up; ``enter()`` moves the
-  *calling thread* into it with ``setns(2)`` (threads and processes it starts afterwards
-  inherit it; Python 3.11 has no ``os.setns``, so libc's is called through ctypes),
-  ``leave()`` moves it back; ``delete()`` removes the namespace.
-* ``MasterProcess``: the ``mooncake_master`` ELF shipped in the wheel, started through
-  ``ip netns exec``, listening on 127.0.0.1 only; ``kill()`` / ``start()`` again for
-  failure tests.
+* ``LoopbackNetns``: ``ip netns add kvc-mc-<random>`` + ``lo`` up; ``exec_prefix()`` runs a
+  program inside it; ``run(fn)`` runs ``fn`` on a short-lived thread moved into it with
+  ``setns(2)`` (Python 3.11 has no ``os.setns``: libc's, through ctypes); ``delete()``.
+* ``MasterProcess``: the ``mooncake_master`` ELF shipped in the wheel, listening on
+  127.0.0.1 only; ``kill()`` / ``start()`` again for failure tests.
+* ``MooncakeCluster``: namespace + master (+ segment holders), removed by ``close()``.
+  Mooncake keeps process-wide I/O threads in the namespace where they started, so Mooncake
+  *clients* run in processes started inside the namespace (``exec_prefix()``), never in a
+  process that moves between namespaces.
 * ``python -m connectors.mooncake.testing holder --master H:P --segment 1gb``: a process
-  that only contributes a memory segment (what ``mooncake_store_service`` does in the
-  seed's deployment), until stdin closes or it is terminated.
+  that only contributes a memory segment, until stdin closes or it is terminated.
 """
 
 from __future__ import annotations
