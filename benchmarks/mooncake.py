@@ -277,11 +277,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown systems {sorted(unknown)} (accepted: {', '.join(SYSTEMS)})")
     params = {"pages": args.pages or (16 if args.quick else 64), "reps": args.reps or (6 if args.quick else 15),
               "page_size": 64, "layers": 8, "heads": 2, "head_dim": 128, "systems": systems}
-    res = BenchResult("mooncake", params=dict(params, segment="2gb", transport="tcp over loopback (netns)",
+    segment = "512mb" if args.quick else "2gb"
+    res = BenchResult("mooncake", params=dict(params, segment=segment, transport="tcp over loopback (netns)",
                                               layout="page_first_direct bf16"))
     cluster = MooncakeCluster(lease_ttl_ms=10000)
     try:
-        cluster.start_holder("2gb" if not args.quick else "512mb")
+        cluster.start_holder(segment)
         fig = _run_worker(cluster, params, timeout=170 if args.quick else 560)
     finally:
         cluster.close()
