@@ -396,6 +396,69 @@ def create_relay_store(config: PDConfig, page_bytes: int) -> PageStore:
     return create_store(name, opts, page_bytes=page_bytes)
 
 
+class KeyCleaner:
+    """Deletes relay keys in the background, batched, retrying keys a store did not drop.
+
+    A store may refuse to delete a key a reader still leases (Mooncake: until the lease
+    lapses, and an ``exists`` probe can renew it), so cleanup never probes: it retries the
+    keys a delete did not report removed, once per ``retry_interval_s``, for ``retry_s``
+    (a key that was never written is retried too, harmlessly). Batching all pending rooms
+    into one call keeps it cheap and off the data path.
+    """
+
+    def __init__(self, store: PageStore, retry_s: float = 30.0, retry_interval_s: float = 1.0):
+        self.store = store
+        self.retry_s = retry_s
+        self.retry_interval_s = retry_interval_s
+        self._pending: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._busy = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="kvconnect-pd-cleaner")
+        self._thread.start()
+
+    def submit(self, names: Sequence[str]) -> None:
+        if names:
+            self._pending.append((list(names), time.monotonic(), 0.0))
+            self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        return not self._pending and not self._busy
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            self._wake.wait(self.retry_interval_s / 2)
+            self._wake.clear()
+            now = time.monotonic()
+            batch, later = [], []
+            while self._pending:
+                item = self._pending.popleft()
+                (batch if item[2] <= now else later).append(item)
+            self._pending.extend(later)
+            if not batch:
+                continue
+            self._busy = True
+            try:
+                names = [n for keys, _, _ in batch for n in keys]
+                try:
+                    gone = dict(zip(names, self.store.delete(names)))
+                except Exception as e:  # noqa: BLE001 - retried below
+                    logger.warning("kvconnect PD: deleting %d relay keys failed: %r", len(names), e)
+                    gone = {}
+                now = time.monotonic()
+                for keys, since, _ in batch:
+                    left = [n for n in keys if not gone.get(n)]
+                    if left and now - since < self.retry_s:
+                        self._pending.append((left, since, now + self.retry_interval_s))
+            finally:
+                self._busy = False
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+
 class StoreRelay:
     """Both halves of the relay over one ``PageStore``; one instance per SGLang process."""
 
@@ -408,6 +471,7 @@ class StoreRelay:
                 self.store.register_memory(ptr, n)
         self.markers = MarkerSlots(self.store)
         self.store_errors: collections.deque = collections.deque(maxlen=8)
+        self.cleaner = KeyCleaner(self.store)
         page_bytes = max(1, layout.page_bytes)
         key_bytes = config.key_bytes
         if key_bytes is None:
@@ -495,7 +559,7 @@ class StoreRelay:
         try:
             ok = self.store.get_into([keys.marker], [self.markers.page(slot)])
             if not ok[0]:
-                raise TransferFailed(f"marker {keys.marker!r} vanished before it was read")
+                raise TransferFailed(f"marker {keys.marker!r} present but unreadable{self._health()}")
             marker = Marker.unpack(self.markers.read(slot))
         finally:
             self.markers.release(slot)
@@ -537,16 +601,21 @@ class StoreRelay:
         missing = [n for n, good in zip(names, ok) if not good]
         if missing:
             raise TransferFailed(f"store {self.store.name!r} missed {len(missing)} of {len(names)} keys of room "
-                                 f"{room} (first {missing[0]!r})")
+                                 f"{room} (first {missing[0]!r}){self._health()}")
+
+    def _health(self) -> str:
+        try:
+            extra = self.store.stats().extra
+        except Exception:  # noqa: BLE001 - diagnostics only
+            return ""
+        return f" (store healthy={extra['healthy']})" if "healthy" in extra else ""
 
     def discard(self, keys: RelayKeys) -> None:
-        """Delete every key of a room (idempotent; errors are logged, never raised)."""
-        try:
-            self.store.delete(keys.all())
-        except Exception as e:  # noqa: BLE001
-            logger.warning("kvconnect PD: could not delete keys of %s: %r", keys.namespace, e)
+        """Delete every key of a room, in the background (idempotent; never raises)."""
+        self.cleaner.submit(keys.all())
 
     def close(self) -> None:
+        self.cleaner.close()
         try:
             self.store.close()
         except Exception:  # noqa: BLE001

@@ -46,6 +46,7 @@ from sglang.srt.disaggregation.common.conn import (
 )
 from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.utils.network import NetworkAddress
 
 from connectors.engines.pd_transport import (
     ENV_CONFIG,
@@ -69,6 +70,7 @@ logger = logging.getLogger(__name__)
 REG_TAG = b"KVC_REG"  # decode -> prefill: a decode rank's buffers (once per prefill rank)
 META_TAG = b"KVC_META"  # decode -> prefill: one room's destination pages and aux row
 STATUS_TAG = b"KVC_STATUS"  # prefill -> decode: [tag, room, status, prefill_rank, reason]
+TAKEN_TAG = b"KVC_TAKEN"  # decode -> prefill: relay keys of a room were read (prefill stops tracking them)
 
 _encode = msgspec.msgpack.encode
 _decode = msgspec.msgpack.decode
@@ -124,6 +126,7 @@ class _RelayRoomIn:
     dst_pages: np.ndarray
     aux_row: int
     state_indices: Optional[List[Any]]
+    prefill_endpoint: str
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     inflight: bool = False
     cancelled: bool = False
@@ -245,6 +248,8 @@ class KVConnectKVManager(CommonKVManager):
                     self._on_registration(_decode(msg[1]))
                 elif msg[0] == META_TAG:
                     self._on_metadata(_decode(msg[1]))
+                elif msg[0] == TAKEN_TAG:
+                    self._relay_deadlines.pop(int(msg[1]))
                 else:
                     logger.warning("kvconnect PD: dropping unknown control message %r", msg[0][:16])
             except Exception:  # noqa: BLE001 - one bad message must not stop the control thread
@@ -367,10 +372,11 @@ class KVConnectKVManager(CommonKVManager):
             if reg.rejection:
                 raise TransferFailed(reg.rejection)
             dst = np.asarray(info.dst_kv_indices[chunk.index_slice], dtype=np.int64)
-            if dst.size != pages.size:
+            if dst.size != pages.size or (chunk.is_last_chunk and info.dst_kv_indices.size != chunk.index_slice.stop):
                 raise RoomMismatch(
                     f"room mismatch: decode allocated {info.dst_kv_indices.size} pages for room {room}, "
-                    f"prefill sends pages {chunk.index_slice.start}..{chunk.index_slice.start + pages.size}")
+                    f"prefill sends pages {chunk.index_slice.start}..{chunk.index_slice.start + pages.size}"
+                    f"{' (last chunk)' if chunk.is_last_chunk else ''}")
             blocks = kv_blocks(self.layout, reg.kv_ptrs, pages, dst)
             if chunk.is_last_chunk:
                 if info.dst_aux_index is None or chunk.prefill_aux_index is None:
@@ -425,7 +431,7 @@ class KVConnectKVManager(CommonKVManager):
         out = self._relay_out.pop(room, None)
         keys = out.keys if out is not None else self._relay_deadlines.pop(room)
         if keys is not None:
-            self._cleanup.submit(self.relay.discard, keys)
+            self.relay.discard(keys)
 
     def sender_opened(self, room: int) -> None:
         self._live_senders.add(room)
@@ -444,10 +450,14 @@ class KVConnectKVManager(CommonKVManager):
             time.sleep(0.2)
             try:
                 for keys in self._relay_deadlines.due():
-                    self._cleanup.submit(self.relay.discard, keys)
+                    self.relay.discard(keys)
                 now = time.monotonic()
+                # Decode's destinations for a room this prefill never got: normally the gap is
+                # milliseconds (the router posts to both at once). Answer well inside decode's
+                # own timeout so it fails with the real reason, not a bare timeout.
+                orphan_after = self.bootstrap_timeout / 2
                 for room, seen in list(self._meta_seen.items()):
-                    if room in self._live_senders or now - seen < self.bootstrap_timeout:
+                    if room in self._live_senders or now - seen < orphan_after:
                         continue
                     self._meta_seen.pop(room, None)
                     targets = self._room_notify_targets(room)
@@ -459,7 +469,7 @@ class KVConnectKVManager(CommonKVManager):
                     self.send_kv_status_message(
                         targets=targets, bootstrap_room=room, status=KVPoll.Failed,
                         failure_reason=(f"room mismatch: prefill {self.local_ip}:{self.rank_port} has no request "
-                                        f"with bootstrap_room {room} (waited {self.bootstrap_timeout:.0f}s)"))
+                                        f"with bootstrap_room {room} (waited {orphan_after:.1f}s)"))
             except Exception:  # noqa: BLE001
                 logger.exception("kvconnect PD: janitor pass failed")
 
@@ -493,7 +503,8 @@ class KVConnectKVManager(CommonKVManager):
         counts = [0 if s is None else int(np.asarray(s).size) for s in (state_indices or [])]
         keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, prefill_ip, prefill_port, room),
                                int(dst.size), counts)
-        entry = _RelayRoomIn(room, keys, dst, int(aux_index), state_indices)
+        entry = _RelayRoomIn(room, keys, dst, int(aux_index), state_indices,
+                             NetworkAddress(prefill_ip, prefill_port).to_tcp())
         with self._relay_lock:
             self._relay_in[room] = entry
         self._relay_wake.set()
@@ -507,7 +518,7 @@ class KVConnectKVManager(CommonKVManager):
         with entry.lock:  # a read in flight is writing into slots the scheduler is about to free
             entry.cancelled = True
         if not succeeded:
-            self._cleanup.submit(self.relay.discard, entry.keys)
+            self.relay.discard(entry.keys)
 
     def relay_failure_detail(self, room: int) -> Optional[str]:
         with self._relay_lock:
@@ -558,14 +569,21 @@ class KVConnectKVManager(CommonKVManager):
             with self._relay_lock:
                 self._relay_in.pop(room, None)
             self.update_status(room, KVPoll.Success)
-        self._cleanup.submit(self.relay.discard, entry.keys)  # may wait out a store lease: off the read path
+        self.relay.discard(entry.keys)  # background: a store may hold the keys while a lease lasts
+        self._cleanup.submit(self._relay_taken, entry)
+
+    def _relay_taken(self, entry: _RelayRoomIn) -> None:
+        try:
+            self._send_multipart_locked(entry.prefill_endpoint, [TAKEN_TAG, str(entry.room).encode("ascii")])
+        except Exception as e:  # noqa: BLE001 - prefill's retain_s deadline cleans up anyway
+            logger.debug("kvconnect PD: could not tell prefill room %s was taken: %r", entry.room, e)
 
     def _relay_fail(self, entry: _RelayRoomIn, reason: str) -> None:
         with self._relay_lock:
             self._relay_in.pop(entry.room, None)
         self.record_failure(entry.room, f"kvconnect {self.pd_config.transport}: {reason}")
         self.update_status(entry.room, KVPoll.Failed)
-        self._cleanup.submit(self.relay.discard, entry.keys)
+        self.relay.discard(entry.keys)
 
 
 class KVConnectKVSender(CommonKVSender):

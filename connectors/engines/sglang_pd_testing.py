@@ -146,6 +146,7 @@ class Node:
         self.rng = np.random.default_rng(s["seed"] + (7 if s["role"] == "decode" else 0))
         self.reset_allocator()
         self.relay_rooms: list[tuple[int, int, str, int]] = []
+        self.first_wave = True
 
     # -- helpers -----------------------------------------------------------------
     def reset_allocator(self) -> None:
@@ -268,8 +269,8 @@ class Node:
                         open(s["progress_file"], "a").write(f"{room}\n")
                     if last:
                         q["state"] = "inflight"
-                    elif s["chunk_sleep_s"]:
-                        time.sleep(s["chunk_sleep_s"])
+                    elif r.get("chunk_sleep_s", s["chunk_sleep_s"]):
+                        time.sleep(r.get("chunk_sleep_s", s["chunk_sleep_s"]))
                 else:
                     if st == KVPoll.Success:
                         results[str(room)] = {"status": "success", "t_first_send": q["t_first_send"],
@@ -313,7 +314,7 @@ class Node:
                 rcv, r = q["rcv"], q["spec"]
                 st = int(rcv.poll())
                 if st == KVPoll.Failed:
-                    results[str(room)] = {**self._failure(rcv), "t_failed": time.time()}
+                    results[str(room)] = {**self._failure(rcv), "t_failed": time.time(), "t_created": q["t_created"]}
                     del reqs[room]
                     continue
                 if q["state"] == "prealloc" and st == KVPoll.WaitingForInput:
@@ -342,8 +343,9 @@ class Node:
             time.sleep(0.001)
         for room in reqs:
             results[str(room)] = {"status": "stuck", "state": reqs[room]["state"]}
-        if s["verify"]:
+        if s["verify"] and self.first_wave:
             results["_untouched_ok"] = self.untouched_ok(np.concatenate(used) if used else np.empty(0, np.int64))
+        self.first_wave = False
         return results
 
     @staticmethod
@@ -373,6 +375,12 @@ class Node:
             for room, npages, ip, port in self.relay_rooms:
                 ns = room_namespace(m.pd_config.key_prefix, ip, port, room)
                 names += m.relay.keys(ns, npages, counts).all()
+            # Cleanup runs in the background (a store may keep a leased key a while): wait for it,
+            # bounded, then look once (an exists() probe may itself renew a Mooncake lease).
+            end = time.monotonic() + 40
+            while not m.relay.cleaner.idle and time.monotonic() < end:
+                time.sleep(0.1)
+            out["cleaner_idle"] = m.relay.cleaner.idle
             out["store_keys_left"] = sum(m.relay.store.exists(names))
         return out
 
@@ -381,6 +389,13 @@ def torch_from(arr: np.ndarray):  # noqa: ANN201 - small helper
     import torch
 
     return torch.from_numpy(arr)
+
+
+def _write_result(path: str, out: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:
@@ -394,11 +409,20 @@ def main(argv: list[str]) -> int:
         out["ready_t"] = time.time()
         waves = node.spec["waves"] or [node.spec["rooms"]]
         out["waves"] = []
-        for rooms in waves:
+        barrier = node.spec.get("barrier_dir")
+        for k, rooms in enumerate(waves):
+            if barrier and k and node.spec["role"] == "prefill":
+                # wave k starts once decode finished wave k-1 (a relay prefill never waits otherwise)
+                flag, end = os.path.join(barrier, f"decode_done_{k - 1}"), time.monotonic() + node.spec["deadline_s"]
+                while not os.path.exists(flag) and time.monotonic() < end:
+                    time.sleep(0.02)
             node.reset_allocator()
             run = node.run_prefill if node.spec["role"] == "prefill" else node.run_decode
             out["waves"].append(run(rooms))
-        out["rooms"] = out["waves"][0]
+            out["rooms"] = out["waves"][0]
+            _write_result(spec["result"], out)  # partial results survive a kill in a later wave
+            if barrier and node.spec["role"] == "decode":
+                open(os.path.join(barrier, f"decode_done_{k}"), "w").close()
         # Let concluding messages (aborts, late statuses, janitor passes) land before counting.
         time.sleep(float(spec.get("settle_s", 0.5)))
         out["leftovers"] = node.leftovers()
@@ -412,10 +436,7 @@ def main(argv: list[str]) -> int:
 
         out["error"] = f"{type(e).__name__}: {e}"
         out["traceback"] = traceback.format_exc()
-    tmp = spec["result"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f)
-    os.replace(tmp, spec["result"])
+    _write_result(spec["result"], out)
     sys.stdout.flush()
     os._exit(0)  # SGLang's daemon threads (bootstrap server, heartbeats) must not keep us alive
 
@@ -495,7 +516,8 @@ class Pair:
         self.progress_file = os.path.join(workdir, "progress")
         self.specs = {}
         for role, own in (("prefill", prefill), ("decode", decode)):
-            spec = {**common, **own, "role": role, "result": os.path.join(workdir, f"{role}.json")}
+            spec = {**common, **own, "role": role, "result": os.path.join(workdir, f"{role}.json"),
+                    "barrier_dir": workdir}
             if role == "prefill":
                 spec.setdefault("stop_file", self.stop_file)
                 spec.setdefault("progress_file", self.progress_file)
@@ -533,7 +555,7 @@ class Pair:
             raise AssertionError(f"{role} wrote no result; log tail:\n{self.tail(role)}")
         with open(path) as f:
             res = json.load(f)
-        if "error" in res:
+        if res.get("error"):
             raise AssertionError(f"{role} failed: {res['error']}\n{res.get('traceback', '')}\n{self.tail(role)}")
         return res
 

@@ -14,6 +14,7 @@ for RDMA (no NIC); the scheduler loop is replaced by the driver's poll loop (a r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ pytest.importorskip("sglang", reason="needs sglang (the CI venv has it)")
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (the CI venv has it)")
 
 from connectors.engines import sglang_pd_testing as pdt  # noqa: E402
+from tests.integration import pd_stores  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -146,55 +148,139 @@ def test_bad_config_fails_at_manager_start_naming_the_key():
 
 
 # ---------------------------------------------------------------------------------
-# Two processes, byte-exact
+# Two processes: byte-exact transfers, then failures
 # ---------------------------------------------------------------------------------
 
 GEOMETRY = {"layers": 3, "heads": 2, "head_dim": 16, "page_size": 4, "dtype": "bfloat16",
             "pool_pages": 1024, "aux_slots": 96, "state": True}
+TIMEOUT_S = 10.0  # KVCONNECT_PD_CONFIG timeout_s: the bound of the room-mismatch and outage cases
+HEARTBEAT_BOUND_S = 15.0  # heartbeat 2 s x 2 misses, plus HTTP timeouts and a loaded 2-core machine
+BASE = 7_000_000_000_000
 
 
-def _rooms(n: int, base: int = 7_000_000_000_000) -> list[dict]:
+def byte_exact_rooms(n: int = 24) -> list[dict]:
     # varied lengths and chunk sizes: single-chunk rooms, many small chunks, ragged last chunks
-    return [{"room": base + 7919 * i, "npages": 3 + (i * 7) % 31, "chunk_pages": 1 + (i * 5) % 9} for i in range(n)]
+    return [{"room": BASE + 7919 * i, "npages": 3 + (i * 7) % 31, "chunk_pages": 1 + (i * 5) % 9} for i in range(n)]
 
 
-def transport_config(transport: str, stores: dict | None = None, **over) -> dict:
-    cfg = {"transport": transport, "timeout_s": 30, "key_bytes": 4096}
+MISMATCH_ROOMS = [
+    # decode was routed another room id than prefill (router bug): both sides must give up
+    {"room": BASE + 1, "decode_room": BASE + 2, "npages": 6, "chunk_pages": 2},
+    # decode allocated more pages than prefill sends
+    {"room": BASE + 3, "npages": 8, "decode_npages": 9, "chunk_pages": 3},
+    # a normal room in the same wave still succeeds
+    {"room": BASE + 4, "npages": 5, "chunk_pages": 5},
+]
+SLOW_ROOMS = [{"room": BASE + 100 + i, "npages": 40, "chunk_pages": 2, "chunk_sleep_s": 0.15} for i in range(4)]
+
+
+@contextlib.contextmanager
+def transport_setup(transport: str, workdir: str):
+    """(netns, KVCONNECT_PD_CONFIG, outage) for a transport; relay stores are really started."""
+    cfg = {"transport": transport, "timeout_s": TIMEOUT_S, "retain_s": 3.0}
     if transport == "peer_rdma":
         cfg["protocol"] = "tcp"
-    else:
-        cfg["store"] = dict(stores[transport]) if stores else {}
-    cfg.update(over)
-    return cfg
+        with pdt.loopback_netns() as ns:
+            yield ns, cfg, None
+        return
+    cfg["key_bytes"] = 4096 if transport == "mooncake" else None  # several pages per key vs one (hf3fs)
+    with pd_stores.store_service(transport, workdir) as (ns, opts, outage):
+        cfg["store"] = opts
+        yield ns, cfg, outage
 
 
-def _assert_clean(res: dict) -> None:
-    left = res["leftovers"]
-    assert all(v == 0 for k, v in left.items() if k != "relay_unread_rooms"), left
+def run_scenario(transport: str, last_wave: str, plugin_path: str, workdir: str, port: int) -> dict:
+    """Wave 1: 24 rooms byte-exact. Wave 2: room mismatches. Wave 3: prefill SIGKILL or store outage."""
+    waves = [byte_exact_rooms(), MISMATCH_ROOMS, SLOW_ROOMS]
+    common = {**GEOMETRY, "waves": waves, "deadline_s": 120, "bootstrap_port": port, "http_port": port + 1}
+    with transport_setup(transport, workdir) as (ns, cfg, outage):
+        with pdt.pair(common, {}, {}, cfg, plugin_path, ns=ns) as p:
+            p.start("prefill")
+            p.start("decode")
+            slow = {str(r["room"]) for r in SLOW_ROOMS}
+            deadline = time.monotonic() + 150
+            while time.monotonic() < deadline:  # until prefill sends wave 3's first chunks
+                if os.path.exists(p.progress_file) and slow & set(open(p.progress_file).read().split()):
+                    break
+                assert p.procs["prefill"].poll() is None, p.tail("prefill")
+                time.sleep(0.05)
+            else:
+                raise AssertionError(f"wave 3 never started\n{p.tail('prefill')}\n{p.tail('decode')}")
+            time.sleep(0.5)  # some chunks (relay: some keys) have landed
+            t_fault = time.time()
+            if last_wave == "kill_prefill":
+                p.kill("prefill")
+            else:
+                outage()
+            dec = p.wait("decode", 120)
+            if last_wave != "kill_prefill":
+                p.stop()
+            pre = p.result("prefill")
+    return {"pre": pre, "dec": dec, "t_fault": t_fault, "transport": transport, "last_wave": last_wave}
 
 
-@pytest.mark.parametrize("transport", ["peer_rdma"])
-def test_pages_and_aux_rows_arrive_byte_exact(transport, plugin_path, pd_stores):
-    rooms = _rooms(24)
-    common = {**GEOMETRY, "rooms": rooms, "deadline_s": 90, "bootstrap_port": 19011, "http_port": 31011}
-    cfg = transport_config(transport, pd_stores)
-    with pdt.pair(common, {}, {}, cfg, plugin_path, ns=pd_stores.get("_ns")) as p:
-        p.start("prefill")
-        p.start("decode")
-        dec = p.wait("decode", 150)
-        p.stop()
-        pre = p.wait("prefill", 30)
-    for r in rooms:
-        d = dec["rooms"][str(r["room"])]
+SCENARIOS = [("peer_rdma", "kill_prefill"), ("mooncake", "outage"), ("hf3fs", "kill_prefill")]
+_results: dict = {}
+
+
+@pytest.fixture(scope="module", params=SCENARIOS, ids=[f"{t}-{w}" for t, w in SCENARIOS])
+def scenario(request, plugin_path, tmp_path_factory):
+    transport, last_wave = request.param
+    port = 19011 + 10 * SCENARIOS.index(request.param)
+    try:
+        return run_scenario(transport, last_wave, plugin_path, str(tmp_path_factory.mktemp(transport)), port)
+    except pd_stores.StoreUnavailable as e:
+        pytest.fail(f"{transport} store service did not start: {e}")
+
+
+def test_pages_and_aux_rows_arrive_byte_exact(scenario):
+    """24 concurrent rooms, chunked sends, pages scattered at random in both pools."""
+    dec, pre = scenario["dec"]["waves"][0], scenario["pre"]["waves"][0]
+    for r in byte_exact_rooms():
+        d = dec[str(r["room"])]
         assert d["status"] == "success", d
         assert d["pages_ok"] and d["aux_ok"] and d["state_ok"], (r, d)
-        assert pre["rooms"][str(r["room"])]["status"] == "success"
-    assert dec["rooms"]["_untouched_ok"], "a slot decode did not ask for was written"
-    _assert_clean(dec)
-    _assert_clean(pre)
+        assert pre[str(r["room"])]["status"] == "success", pre[str(r["room"])]
+    assert dec["_untouched_ok"], "a KV slot decode did not ask for was written"
 
 
-@pytest.fixture
-def pd_stores():
-    """Per-transport store options (filled in by the relay tests' fixtures)."""
-    return {}
+def test_room_mismatch_fails_within_the_bound(scenario):
+    dec, pre = scenario["dec"]["waves"][1], scenario["pre"]["waves"][1]
+    relay = scenario["transport"] != "peer_rdma"
+    wrong_id, wrong_size, normal = MISMATCH_ROOMS
+    d = dec[str(wrong_id["decode_room"])]
+    assert d["status"] == "failed" and "room mismatch" in d["error"], d
+    assert d["t_failed"] - d.get("t_created", d["t_failed"]) < TIMEOUT_S + 5
+    p = pre[str(wrong_id["room"])]
+    if relay:  # prefill published without waiting for decode; its keys expire after retain_s
+        assert p["status"] == "success", p
+    else:
+        assert p["status"] == "failed" and "Bootstrapping" in p["error"], p
+    d = dec[str(wrong_size["room"])]
+    assert d["status"] == "failed" and "room mismatch" in d["error"] and "9" in d["error"], d
+    assert dec[str(normal["room"])]["status"] == "success" and dec[str(normal["room"])]["pages_ok"]
+
+
+def test_fault_mid_transfer_fails_within_the_bound(scenario):
+    """Prefill SIGKILLed mid-transfer, or the store backend killed: every room Failed, in bounded time."""
+    dec = scenario["dec"]["waves"][2]
+    bound = HEARTBEAT_BOUND_S if scenario["last_wave"] == "kill_prefill" else TIMEOUT_S + 12
+    for r in SLOW_ROOMS:
+        d = dec[str(r["room"])]
+        assert d["status"] == "failed", d
+        assert d["t_failed"] - scenario["t_fault"] < bound, (d, bound)
+        if scenario["last_wave"] == "kill_prefill":
+            assert "Lost connection with prefill" in d["error"] or "timed out" in d["error"], d
+        else:
+            assert "store" in d["error"] or "timed out" in d["error"], d
+
+
+def test_nothing_leaks(scenario):
+    """Manager tables empty on both sides; no relay key left in the store (decode checks every key)."""
+    left = scenario["dec"]["leftovers"]
+    assert left["request_status"] == 0 and left["failure_records"] == 0, left
+    if scenario["transport"] != "peer_rdma" and scenario["last_wave"] != "outage":
+        assert left["store_keys_left"] == 0, left
+    if scenario["last_wave"] == "outage":  # prefill survived: its tables must be empty too
+        pleft = scenario["pre"]["leftovers_at_stop"]
+        assert all(v == 0 for v in pleft.values()), pleft
