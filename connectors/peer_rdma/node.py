@@ -99,6 +99,8 @@ class PeerNode:
         self._outbox: deque[tuple[str, str, list]] = deque()  # (op, key, payload): evictions to announce
         self._outbox_event = threading.Event()
         self._rehome_event = threading.Event()
+        self._gone: dict[str, float] = {}  # member -> when it left the view
+        self._swept_version = 0
         self._last_view: View | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-io")
 
@@ -440,47 +442,55 @@ class PeerNode:
 
     # ------------------------------------------------------------------ membership changes
     def _on_view_change(self, old: View, new: View) -> None:
-        gone = [m for m in old.members if m not in new.members or
-                new.members[m].incarnation != old.members[m].incarnation]
-        if gone:
-            with self._dlock:
-                for holder in gone:
-                    for k in self._dir_by_holder.pop(holder, set()):
-                        e = self._dir.get(k)
-                        if e is not None and e[HOLDER] == holder and self._live_holder(e, new) is None:
-                            del self._dir[k]
-            for holder in gone:
-                self.clients.forget(holder)
+        # Entries of a holder that left stay but are invisible (readers and DirGet check that
+        # the holder is live): a member dropped by a false suspicion comes back with its
+        # entries intact. They are purged once it stays away (or restarts) - see _sweep.
+        now = time.monotonic()
+        for m, rec in old.members.items():
+            if m not in new.members or new.members[m].incarnation != rec.incarnation:
+                self._gone.setdefault(m, now)
+                self.clients.forget(m)
+        for m in new.members:
+            self._gone.pop(m, None)
         self._rehome_event.set()
 
     def _rehome_loop(self) -> None:
         published_view: View | None = None
         while not self._closed:
-            if not self._rehome_event.wait(1.0):
-                continue
-            self._rehome_event.clear()
-            time.sleep(0.05)
-            view = self.view
+            woke = self._rehome_event.wait(1.0)
+            if self._closed:
+                return
             try:
-                self._rehome(published_view, view)
-                published_view = view
+                if woke:
+                    self._rehome_event.clear()
+                    time.sleep(0.05)
+                    view = self.view
+                    self._rehome(published_view, view)
+                    published_view = view
+                elif self._unpublished:
+                    self._rehome(self.view, self.view)
+                self._sweep()
             except Exception:  # noqa: BLE001
                 log.exception("re-homing directory entries failed")
 
     def _rehome(self, old: View | None, new: View) -> None:
-        """Publish every held page to the owners that joined its owner set since ``old``."""
+        """Publish every held page to the owners that joined its owner set since ``old``
+        (and retry the pages no owner accepted yet)."""
         held = self.segment.items()
         n = 1 + self.config.directory_replicas
         new_ids = new.ids
-        old_ids = [m for m in (old.ids if old else []) if m in new.members and
-                   old.members[m].incarnation == new.members[m].incarnation]
+        old_ids = old.ids if old else []
+        # a member that restarted lost its directory shard: it counts as a new owner
+        restarted = {m for m in old_ids if m in new.members and
+                     old.members[m].incarnation != new.members[m].incarnation}
         by_target: dict[str, list] = {}
-        for key, slot in held:
-            now_owners = owners(key, new_ids, n)
-            before = set(owners(key, old_ids, n)) if old_ids else set()
-            for t in now_owners:
-                if t not in before or old is None or t == self.node_id:
-                    by_target.setdefault(t, []).append([key, self._entry(slot)])
+        if old is not new:
+            for key, slot in held:
+                now_owners = owners(key, new_ids, n)
+                before = set(owners(key, old_ids, n)) - restarted if old_ids else set()
+                for t in now_owners:
+                    if t not in before or old is None or t == self.node_id:
+                        by_target.setdefault(t, []).append([key, self._entry(slot)])
         with self._dlock:
             retry, self._unpublished = self._unpublished, set()
         for key in retry:
@@ -491,24 +501,44 @@ class PeerNode:
         local = by_target.pop(self.node_id, None)
         if local:
             self._h_dir_put([local, True])
+        failed: set[str] = set()
+        for t, batch in by_target.items():
+            for i in range(0, len(batch), 4096):
+                try:
+                    self.clients.call(t, "DirPut", [batch[i:i + 4096], True])
+                except RpcError:
+                    self.count(rpc_failures=1)
+                    if t in self.view.members:  # still an owner: try again next round
+                        failed.update(k for k, _ in batch[i:])
+                    break
+        if failed:
+            with self._dlock:
+                self._unpublished |= failed
         if by_target:
-            for t, batch in by_target.items():
-                for i in range(0, len(batch), 4096):
-                    try:
-                        self.clients.call(t, "DirPut", [batch[i:i + 4096], True])
-                    except RpcError:
-                        self.count(rpc_failures=1)
-                        break
             self.count(directory_republishes=sum(len(b) for b in by_target.values()))
-        # entries this node no longer owns: drop after a grace period (readers with an older view)
-        time.sleep(min(2 * self.config.heartbeat_interval, 2.0))
+
+    def _sweep(self) -> None:
+        """Purge entries of holders gone (or restarted) for 3 TTLs, and, once the view has
+        been stable long enough for every node to agree on it, entries this node no longer
+        owns (their holders have published them to the new owners)."""
+        now = time.monotonic()
+        purge = [h for h, t in list(self._gone.items()) if now - t > 3 * self.config.member_ttl]
         view = self.view
-        if view.version != new.version:
+        with self._dlock:
+            for h in purge:
+                self._gone.pop(h, None)
+                for k in self._dir_by_holder.pop(h, set()):
+                    e = self._dir.get(k)
+                    if e is not None and e[HOLDER] == h and self._live_holder(e, view) is None:
+                        del self._dir[k]
+        settle = self.config.member_ttl + 2 * self.config.heartbeat_interval + 1
+        if self._swept_version == view.version or now - view.changed_at < settle:
             return
+        self._swept_version = view.version
+        n = 1 + self.config.directory_replicas
         ids = view.ids
         with self._dlock:
-            stale = [k for k in self._dir if self.node_id not in owners(k, ids, n)]
-            for k in stale:
+            for k in [k for k in self._dir if self.node_id not in owners(k, ids, n)]:
                 e = self._dir.pop(k)
                 self._dir_by_holder.get(e[HOLDER], set()).discard(k)
 
