@@ -763,3 +763,18 @@ def test_dead_metadata_service_gives_misses_not_a_hung_server(servers):
         c.close()
     # and the server still shuts down cleanly on SIGINT
     assert a.stop() is not None
+
+
+def test_benchmark_quick_writes_ratios(tmp_path):
+    """``benchmarks/lmcache_l2.py --quick``: hf3fs and LMCache's fs adapter through
+    ``lmcache bench l2`` on one directory, ratios in the results JSON."""
+    from benchmarks.lmcache_l2 import main
+
+    out = tmp_path / "lmcache_l2.json"
+    assert main(["--quick", "--dir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["figures"]["per_system"]) == {"hf3fs", "fs"}
+    ratios = {r["metric"]: r for r in doc["ratios"]}
+    assert {"hf3fs_vs_fs.store_MBps", "hf3fs_vs_fs.load_MBps", "hf3fs_vs_fs.lookup_keys_per_s"} <= set(ratios)
+    assert all(r["ours"] > 0 and r["reference"] > 0 for r in ratios.values())
+    assert "loadavg" in doc["machine"]
