@@ -144,6 +144,9 @@ def bench_store(result: BenchResult, page: int, batch: int, workers: list[int], 
             for r in range(reps + 1):
                 g_ours += _best(lambda _: all(ours.get_into(last["ours"], pages)) or _fail("ours get"), 1)
                 g_ref += _best(lambda _: all(ref._batch_get(last["ref"], tensors)) or _fail("ref get"), 1)
+                mc += _best(lambda _: ctypes.memmove(saddr, buf.address, nbytes), 1)  # the limit, same moments
+            memcpy = max(memcpy, gib_per_s(nbytes, min(mc)))
+            result.figures["memcpy_gib_s"][tag] = round(memcpy, 3)
             fig["set_gib_s"] = {"kvconnect": gib_per_s(nbytes, min(t_ours)),
                                 "sglang": gib_per_s(nbytes, min(t_ref))}
             fig["get_gib_s"] = {"kvconnect": gib_per_s(nbytes, min(g_ours)),
@@ -371,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
                 worst = min(rows, key=lambda r: r["ratio"])
                 result.ratios.append({**worst, "metric": f"store_{op}", "worst_case_of": worst["metric"]})
             if 8 * MiB in page_sizes:
-                best = max(v["get_vs_memcpy"] for k, v in result.figures["store"].items() if k.startswith("8MiB"))
+                best = max(v["get_gib_s"]["kvconnect"] for k, v in result.figures["store"].items() if k.startswith("8MiB"))
                 memcpy = result.figures["memcpy_gib_s"]["8MiB"]
-                result.ratio("get_vs_memcpy/8MiB", best * memcpy, memcpy, "memcpy (ctypes.memmove, 1 thread)")
+                result.ratio("get_vs_memcpy/8MiB", best, memcpy, "memcpy (ctypes.memmove, 1 thread, best in this run)")
         if not args.skip_meta:
             bench_meta(result, meta_batches, tmp, args.meta_threads)
     finally:

@@ -229,7 +229,7 @@ class HF3FSStore(PageStore):
             f = UsrbioFile(path, size, page_bytes, self.config.entries, self.config.numjobs,
                            self.config.client_timeout)
         else:
-            f = PosixFile(path, size)
+            f = PosixFile(path, size, mmap_reads=self.config.posix_read == "mmap")
         lane = _Lane(page_bytes, ns, path, f, self._client_kind, info)
         log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
                  info.num_pages, page_bytes, ns)
@@ -315,8 +315,14 @@ class HF3FSStore(PageStore):
     @staticmethod
     def _read_chunk(chunk: list, lane: _Lane, checks: bool) -> list[bool]:
         pb = lane.page_bytes
+        f = lane.file
+        if getattr(f, "_map", None) is not None:
+            ok = [f.read_mapped(slot * pb, page) for slot, page, _ in chunk]
+            if checks:
+                ok = [o and crc_of(segment_views(page)) == crc for o, (_, page, crc) in zip(ok, chunk)]
+            return ok
         items = [(slot * pb, segment_views(page)) for slot, page, _ in chunk]
-        ok = lane.file.read_batch(items)
+        ok = f.read_batch(items)
         if checks:
             ok = [o and crc_of(v) == crc for o, (_, v), (_, _, crc) in zip(ok, items, chunk)]
         return ok

@@ -1,5 +1,6 @@
-"""Conformance: the HF3FS store (POSIX file client) with the in-process index and with the
-gRPC metadata service (a real ``MetaServer`` on 127.0.0.1 with a durable journal and a token).
+"""Conformance: the HF3FS store (POSIX file client; reads from the file mapping, and with
+``preadv``) with the in-process index and with the gRPC metadata service (a real
+``MetaServer`` on 127.0.0.1 with a durable journal and a token).
 
 The usrbio client needs a 3FS mount; none exists here, so it is not exercised (see
 tests/integration/test_hf3fs.py::test_usrbio_client_on_3fs_mount).
@@ -28,6 +29,13 @@ class TestHF3FSLocalIndex(PageStoreConformance):
 
     def make_store(self):
         return HF3FSStore(HF3FSConfig(**self.store_options()))
+
+
+class TestHF3FSPreadvReads(TestHF3FSLocalIndex):
+    """The same with reads through ``os.preadv`` instead of the file mapping."""
+
+    def store_options(self):
+        return {**super().store_options(), "posix_read": "preadv"}
 
 
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")

@@ -517,6 +517,13 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
         assert write_pages(s, keyset(4)) == [False] * 4
         assert time.monotonic() - t0 < 4, "a dead service must cost bounded time"
         assert s.stats().errors >= 1
+        meta.start()  # back (same data dir): the same store reconnects by itself
+        deadline = time.monotonic() + 15
+        ok = [False]
+        while not all(ok) and time.monotonic() < deadline:
+            time.sleep(0.3)
+            ok, data = read_pages(s, keys)
+        assert all(ok) and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 8
     finally:
         s.close()
 
