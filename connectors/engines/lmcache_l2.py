@@ -325,6 +325,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
         self._max_sizes = 1 << 20
         self._lookup_deadlines: dict[int, tuple[float, int]] = {}
         self.lookup_timeouts = 0
+        self._consecutive_failures = 0  # store calls that raised in a row
 
         self.store = store if store is not None else build_store(config.params, where=WHERE,
                                                                  engine_keys=ENGINE_KEYS)[0]
@@ -415,8 +416,16 @@ class KVConnectL2Adapter(L2AdapterInterface):
         return keys, store_keys, pages
 
     def _guarded(self, what: str, fn: Callable[..., list[bool]], *args: Any, n: int) -> list[bool]:
-        out = safe_call(fn, *args, default=lambda: [False] * n, what=f"lmcache.{what}",
-                        errors=self._errors, rlog=self._rlog)
+        """``fn(*args)``; an exception is ``n`` failures (counted, rate-limited log)."""
+        raised = []
+
+        def failed() -> list[bool]:
+            raised.append(True)
+            return [False] * n
+
+        out = safe_call(fn, *args, default=failed, what=f"lmcache.{what}", errors=self._errors, rlog=self._rlog)
+        with self._lock:
+            self._consecutive_failures = self._consecutive_failures + 1 if raised else 0
         return list(out) if len(out) == n else [False] * n
 
     # -- store --------------------------------------------------------------------
@@ -606,8 +615,14 @@ class KVConnectL2Adapter(L2AdapterInterface):
         with self._lock:
             in_flight = {op: f.in_flight for op, f in self._families.items()}
             locked = len(self._locks)
+            failing = self._consecutive_failures
+        # is_healthy: the adapter works (LMCache ANDs it into the server's health). A failing
+        # backend does not make it unhealthy -- the server goes on serving from L1, and a
+        # restart would not bring the backend back -- it shows in backend_ok instead.
         status: dict[str, Any] = {
             "is_healthy": not self._closed and not self.store.closed,
+            "backend_ok": failing == 0,
+            "consecutive_failures": failing,
             "type": type(self).__name__,
             "store": self.store.name,
             "in_flight": in_flight,

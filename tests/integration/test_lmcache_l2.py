@@ -179,6 +179,7 @@ def test_lmcache_factory_round_trip_bytes_and_results_once(memory_adapter):
 
     st = a.report_status()
     assert st["is_healthy"] is True and st["locked_keys"] == 0 and st["errors"] == {}
+    assert st["backend_ok"] is True
     assert st["store_stats"]["put_written"] == 16 and st["store_stats"]["get_hits"] == 16
     assert a.get_usage().total_bytes_used == 16 * CHUNK
     # storing the same keys again: success, no double accounting
@@ -333,6 +334,7 @@ def test_raising_store_fails_tasks_never_raises():
         st = a.report_status()
         assert st["errors"].get("lmcache.store") and st["errors"].get("lmcache.exists")
         assert st["errors"].get("lmcache.load") and st["locked_keys"] == 0
+        assert st["backend_ok"] is False and st["consecutive_failures"] >= 3 and st["is_healthy"] is True
         # bad arguments are failed tasks too, not exceptions into LMCache's threads
         assert not store(a, keys, src.objs[:2]).is_successful()
         assert load(a, keys, [object()] * 4) == []
