@@ -254,6 +254,66 @@ def test_segment_holder_killed_reads_miss_in_time(mooncake_cluster):  # noqa: F8
         s.close()
 
 
+def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_cluster):  # noqa: F811
+    """SIGSTOP the process that holds the pages: a read hangs in Mooncake past op_timeout.
+    The caller gets misses on time; later calls short-circuit; after SIGCONT the abandoned
+    transfer finishes into its quarantined staging extent, never into the caller's buffer,
+    and the store recovers."""
+    import signal
+
+    holder = mooncake_cluster.start_holder("64mb")
+    op_timeout = 1.5
+    s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, io_mode="staged",
+                                               op_timeout=op_timeout, reconnect_interval=0.3))
+    try:
+        keys = _keys(8, "hung")
+        src = _filled(keys)
+        # A segment of a process killed by an earlier test stays mounted until the master's
+        # client_ttl (10 s) expires; a put placed there fails: retry until all land here.
+        deadline = time.monotonic() + 30
+        ok = s.put_from(keys, _pages(src))
+        while not all(ok) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            ok = s.put_from(keys, _pages(src))
+        assert all(ok)
+        dst = HostBuffer(8, PAGE, 2)
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            ok = s.get_into(keys, _pages(dst))
+            took = time.monotonic() - t0
+            assert ok == [False] * 8
+            assert took <= op_timeout + 1.0, f"read took {took:.2f}s"
+            extra = s.stats().extra
+            print("after hung read:", {k: extra[k] for k in ("abandoned_running", "staging_in_use", "timeouts")})
+            # a stopped peer cannot answer: the transfer hangs inside Mooncake
+            assert extra["abandoned_running"] == 1 and extra["timeouts"] >= 1
+            assert extra["staging_in_use"] > 0, "the abandoned call's extent was released early"
+            t0 = time.monotonic()
+            assert s.get_into(keys[:1], [dst.page(0)]) == [False]
+            assert time.monotonic() - t0 < 0.5, "a call while a hung call runs was not short-circuited"
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (s.stats().extra["abandoned_running"] or
+                                               s.stats().extra["staging_in_use"]):
+            time.sleep(0.2)
+        extra = s.stats().extra
+        assert extra["abandoned_running"] == 0 and extra["staging_in_use"] == 0
+        assert all(b == 0 for b in dst.raw), "a late transfer wrote into memory the caller got back as a miss"
+        deadline = time.monotonic() + 30
+        ok = [False]
+        while time.monotonic() < deadline and not all(ok):
+            ok = s.get_into(keys, _pages(dst))
+            time.sleep(0.2)
+        assert all(ok), "store did not recover after the peer resumed"
+        assert all(check_page(k, dst.read(i)) == 0 for i, k in enumerate(keys))
+    finally:
+        s.close()
+        if holder.poll() is None:
+            holder.kill()
+
+
 def _worker(cluster, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
