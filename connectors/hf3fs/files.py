@@ -85,14 +85,24 @@ class PosixFile:
 
     kind = "posix"
 
-    def __init__(self, path: str, size: int, mmap_reads: bool = False):
+    def __init__(self, path: str, size: int, mmap_reads: bool = False, mmap_writes: bool = False):
         self.path = path
         self.size = size
         self.fd = open_data_file(path, size)
         self._map = None
         self._map_ref = None
         self._map_base = 0
-        if mmap_reads and size > 0:
+        self.mmap_writes = False
+        if mmap_writes and size > 0:
+            # Stores into a shared mapping of a file whose blocks are not allocated turn a
+            # full disk into SIGBUS. Allocate every block first; if that fails, pwritev.
+            try:
+                os.posix_fallocate(self.fd, 0, size)
+                self.mmap_writes = True
+            except OSError as e:
+                log.warning("hf3fs: cannot allocate %d bytes for %s (%s): writing with pwritev", size, path,
+                            e.strerror)
+        if (mmap_reads or self.mmap_writes) and size > 0:
             import mmap
 
             self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -114,6 +124,28 @@ class PosixFile:
             ctypes.memmove(addr, src, size)
             src += size
         return True
+
+    def write_mapped_batch(self, items: list[tuple[int, list]], deadline: float | None = None) -> list[bool]:
+        """Copy pages into the (fully allocated) mapping: a user-space memcpy per segment."""
+        import time
+
+        out = []
+        for offset, page in items:
+            n = sum(s for _, s in page)
+            if offset + n > self.size or (deadline is not None and time.monotonic() > deadline):
+                out.append(False)
+                continue
+            dst = self._map_base + offset
+            for addr, size in page:
+                ctypes.memmove(dst, addr, size)
+                dst += size
+            out.append(True)
+        return out
+
+    def sync(self) -> None:
+        if self._map is not None and self.mmap_writes:
+            self._map.flush()
+        os.fdatasync(self.fd)
 
     def read(self, offset: int, views: list[memoryview]) -> bool:
         want = sum(len(v) for v in views)
@@ -160,9 +192,6 @@ class PosixFile:
                 out.append(False)
         return out
 
-    def sync(self) -> None:
-        os.fdatasync(self.fd)
-
     def close(self) -> None:
         if self._map is not None:
             self._map_ref = None
@@ -192,6 +221,15 @@ def mount_fstype(path: str) -> str:
 
 def on_3fs_mount(path: str) -> bool:
     return "3fs" in mount_fstype(path).lower()
+
+
+# File systems whose page cache is this machine's alone and whose I/O errors are rare
+# enough that a shared mapping is safe (no SIGBUS from a flaky server, as NFS or FUSE).
+LOCAL_FILESYSTEMS = ("ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs", "overlay", "zfs")
+
+
+def on_local_fs(path: str) -> bool:
+    return mount_fstype(path) in LOCAL_FILESYSTEMS
 
 
 class UsrbioFile:

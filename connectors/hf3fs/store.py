@@ -37,7 +37,7 @@ from typing import Any, Mapping
 from connectors.base import BackendUnavailable, ConfigError, Page, PageStore, StoreUsage
 from connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
-from connectors.hf3fs.files import PosixFile, UsrbioFile, crc_of, on_3fs_mount, segment_views
+from connectors.hf3fs.files import PosixFile, UsrbioFile, crc_of, on_3fs_mount, on_local_fs, segment_views
 from connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
 
 log = logging.getLogger("kvconnect.hf3fs")
@@ -229,7 +229,11 @@ class HF3FSStore(PageStore):
             f = UsrbioFile(path, size, page_bytes, self.config.entries, self.config.numjobs,
                            self.config.client_timeout)
         else:
-            f = PosixFile(path, size, mmap_reads=self.config.posix_read == "mmap")
+            local = on_local_fs(path)
+            cfg = self.config
+            f = PosixFile(path, size,
+                          mmap_reads=cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local),
+                          mmap_writes=cfg.posix_write == "mmap" or (cfg.posix_write == "auto" and local))
         lane = _Lane(page_bytes, ns, path, f, self._client_kind, info)
         log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
                  info.num_pages, page_bytes, ns)
@@ -330,6 +334,10 @@ class HF3FSStore(PageStore):
     @staticmethod
     def _write_chunk(chunk: list, lane: _Lane, deadline: float, checks: bool) -> list:
         pb = lane.page_bytes
+        if getattr(lane.file, "mmap_writes", False):
+            crcs = [crc_of(segment_views(page)) for _, page in chunk] if checks else [0] * len(chunk)
+            ok = lane.file.write_mapped_batch([(slot * pb, page) for slot, page in chunk], deadline)
+            return list(zip(ok, crcs))
         items = [(slot * pb, segment_views(page)) for slot, page in chunk]
         crcs = [crc_of(v) for _, v in items] if checks else [0] * len(items)
         ok = lane.file.write_batch(items, deadline)

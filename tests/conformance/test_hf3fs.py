@@ -32,10 +32,11 @@ class TestHF3FSLocalIndex(PageStoreConformance):
 
 
 class TestHF3FSPreadvReads(TestHF3FSLocalIndex):
-    """The same with reads through ``os.preadv`` instead of the file mapping."""
+    """The same with ``os.preadv`` / ``os.pwritev`` instead of the file mapping (what the
+    POSIX client does on network and FUSE file systems)."""
 
     def store_options(self):
-        return {**super().store_options(), "posix_read": "preadv"}
+        return {**super().store_options(), "posix_read": "preadv", "posix_write": "pwritev"}
 
 
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
