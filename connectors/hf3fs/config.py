@@ -57,9 +57,6 @@ class HF3FSConfig(StoreConfig):
     posix_read: Literal["auto", "mmap", "preadv"] = field(default="auto", metadata=field_doc(
         "POSIX client reads: memcpy from a shared mapping of the file, or preadv "
         "(auto: mmap on local file systems)"))
-    posix_write: Literal["auto", "mmap", "pwritev"] = field(default="auto", metadata=field_doc(
-        "POSIX client writes: memcpy into a shared mapping of the fully allocated file, or pwritev "
-        "(auto: mmap on local file systems when the whole file can be allocated)"))
     page_bytes: Size | None = field(default=None, metadata=field_doc(
         "bytes per page; default: the engine's page size (or the first page written)"))
     meta_retries: int = field(default=3, metadata=field_doc("metadata RPC attempts before a miss"))

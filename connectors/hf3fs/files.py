@@ -80,29 +80,22 @@ class PosixFile:
     mapping is faster where the kernel's copy is slower than a user-space memcpy (measured
     on this machine kind: 8 MiB pages, one thread, 11.7 vs 5.1 GiB/s); its risk is SIGBUS if
     someone truncates the file under a reader, which kvconnect never does (files only grow).
-    Writes never go through the mapping: a full disk must be an error, not SIGBUS.
+    Writes never go through the mapping: a full disk must be an error, not SIGBUS, and in
+    steady state (pages reused after writeback cleaned them) every 4 KiB of a mapped write
+    takes a fault: measured 8 MiB pages, 4-16 workers, median 0.6-1.1 GiB/s against 4-5.6
+    GiB/s for pwritev.
     """
 
     kind = "posix"
 
-    def __init__(self, path: str, size: int, mmap_reads: bool = False, mmap_writes: bool = False):
+    def __init__(self, path: str, size: int, mmap_reads: bool = False):
         self.path = path
         self.size = size
         self.fd = open_data_file(path, size)
         self._map = None
         self._map_ref = None
         self._map_base = 0
-        self.mmap_writes = False
-        if mmap_writes and size > 0:
-            # Stores into a shared mapping of a file whose blocks are not allocated turn a
-            # full disk into SIGBUS. Allocate every block first; if that fails, pwritev.
-            try:
-                os.posix_fallocate(self.fd, 0, size)
-                self.mmap_writes = True
-            except OSError as e:
-                log.warning("hf3fs: cannot allocate %d bytes for %s (%s): writing with pwritev", size, path,
-                            e.strerror)
-        if (mmap_reads or self.mmap_writes) and size > 0:
+        if mmap_reads and size > 0:
             import mmap
 
             self._map = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -125,26 +118,7 @@ class PosixFile:
             src += size
         return True
 
-    def write_mapped_batch(self, items: list[tuple[int, list]], deadline: float | None = None) -> list[bool]:
-        """Copy pages into the (fully allocated) mapping: a user-space memcpy per segment."""
-        import time
-
-        out = []
-        for offset, page in items:
-            n = sum(s for _, s in page)
-            if offset + n > self.size or (deadline is not None and time.monotonic() > deadline):
-                out.append(False)
-                continue
-            dst = self._map_base + offset
-            for addr, size in page:
-                ctypes.memmove(dst, addr, size)
-                dst += size
-            out.append(True)
-        return out
-
     def sync(self) -> None:
-        if self._map is not None and self.mmap_writes:
-            self._map.flush()
         os.fdatasync(self.fd)
 
     def read(self, offset: int, views: list[memoryview]) -> bool:

@@ -231,9 +231,7 @@ class HF3FSStore(PageStore):
         else:
             local = on_local_fs(path)
             cfg = self.config
-            f = PosixFile(path, size,
-                          mmap_reads=cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local),
-                          mmap_writes=cfg.posix_write == "mmap" or (cfg.posix_write == "auto" and local))
+            f = PosixFile(path, size, mmap_reads=cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local))
         lane = _Lane(page_bytes, ns, path, f, self._client_kind, info)
         log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
                  info.num_pages, page_bytes, ns)
@@ -334,10 +332,6 @@ class HF3FSStore(PageStore):
     @staticmethod
     def _write_chunk(chunk: list, lane: _Lane, deadline: float, checks: bool) -> list:
         pb = lane.page_bytes
-        if getattr(lane.file, "mmap_writes", False):
-            crcs = [crc_of(segment_views(page)) for _, page in chunk] if checks else [0] * len(chunk)
-            ok = lane.file.write_mapped_batch([(slot * pb, page) for slot, page in chunk], deadline)
-            return list(zip(ok, crcs))
         items = [(slot * pb, segment_views(page)) for slot, page in chunk]
         crcs = [crc_of(v) for _, v in items] if checks else [0] * len(items)
         ok = lane.file.write_batch(items, deadline)

@@ -32,11 +32,11 @@ class TestHF3FSLocalIndex(PageStoreConformance):
 
 
 class TestHF3FSPreadvReads(TestHF3FSLocalIndex):
-    """The same with ``os.preadv`` / ``os.pwritev`` instead of the file mapping (what the
-    POSIX client does on network and FUSE file systems)."""
+    """The same with ``os.preadv`` instead of the file mapping (what the POSIX client does on
+    network and FUSE file systems)."""
 
     def store_options(self):
-        return {**super().store_options(), "posix_read": "preadv", "posix_write": "pwritev"}
+        return {**super().store_options(), "posix_read": "preadv"}
 
 
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")

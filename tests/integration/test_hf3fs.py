@@ -562,3 +562,4 @@ def test_usrbio_client_on_3fs_mount(tmp_path):
         assert ok == [True] * 16 and all(check_page(k, d) == 0 for k, d in zip(keys, data))
     finally:
         s.close()
+
