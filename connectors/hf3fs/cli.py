@@ -24,6 +24,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="journal fsync policy (default interval: every 50 ms; kill -9 never loses a "
                         "confirmed key under any policy)")
     s.add_argument("--workers", type=int, default=8, help="threads for calls that wait for fsync (--fsync always; default 8)")
+    s.add_argument("--read-lease", type=float, default=2.0,
+                   help="seconds a page returned by get is kept from reuse (default 2; slower readers re-validate)")
+    s.add_argument("--write-lease", type=float, default=30.0,
+                   help="seconds a reservation lives without confirm (default 30)")
     s.add_argument("--snapshot-interval", type=float, default=60.0, help="seconds between snapshots (default 60)")
     s.add_argument("--ready-file", help="write the bound address here once serving (scripts, tests)")
     u = sub.add_parser("usage", help="print a namespace's usage as JSON")
@@ -45,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         from connectors.hf3fs.service import serve
 
         return serve(args.host, args.port, args.data_dir, _token(args.token_file), fsync=args.fsync,
-                     workers=args.workers, snapshot_interval_s=args.snapshot_interval, ready_file=args.ready_file)
+                     workers=args.workers, snapshot_interval_s=args.snapshot_interval, ready_file=args.ready_file,
+                     read_lease_s=args.read_lease, write_lease_s=args.write_lease)
     from connectors.hf3fs.client import RemoteMetadata
 
     c = RemoteMetadata(args.address, _token(args.token_file))

@@ -43,7 +43,7 @@ NOSPACE = 3  # no page can be freed now (all reserved or leased to readers)
 
 FREE, RESERVED, CONFIRMED = 0, 1, 2
 
-DEFAULT_READ_LEASE_S = 5.0
+DEFAULT_READ_LEASE_S = 2.0
 DEFAULT_WRITE_LEASE_S = 30.0
 
 

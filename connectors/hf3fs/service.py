@@ -247,11 +247,12 @@ class MetaServer:
 
 
 def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "interval",
-          workers: int = 8, snapshot_interval_s: float = 60.0, ready_file: str | None = None) -> int:
+          workers: int = 8, snapshot_interval_s: float = 60.0, ready_file: str | None = None,
+          read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S) -> int:
     """Run until SIGTERM/SIGINT; a clean stop writes a final snapshot."""
     t0 = time.monotonic()
-    srv = MetaServer(host, port, data_dir, token, fsync=fsync, workers=workers,
-                     snapshot_interval_s=snapshot_interval_s).start()
+    srv = MetaServer(host, port, data_dir, token, fsync=fsync, workers=workers, read_lease_s=read_lease_s,
+                     write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s).start()
     log.info("hf3fs-meta listening on %s (data dir %s, fsync %s, auth %s); recovered %s in %.2fs",
              srv.address, data_dir, fsync, "token" if token else "off", srv.recovery, time.monotonic() - t0)
     print(f"hf3fs-meta ready on {srv.address}", flush=True)
