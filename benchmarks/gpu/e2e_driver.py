@@ -85,14 +85,16 @@ class Driver:
         return None
 
     def flush(self):
-        for attempt in range(8):
+        # SGLang answers 400 while write-backs are still in flight: retry for up to ~40 s
+        for attempt in range(40):
             try:
                 st, raw = http(self.base + "/flush_cache", method="POST", timeout=60)
                 if st == 200:
                     self.emit({"event": "flush", "status": st, "attempt": attempt})
                     return True
             except Exception as e:  # noqa: BLE001
-                self.emit({"event": "flush", "error": f"{type(e).__name__}: {e}", "attempt": attempt})
+                if attempt % 10 == 0:
+                    self.emit({"event": "flush", "error": f"{type(e).__name__}: {e}", "attempt": attempt})
             time.sleep(1)
         return False
 

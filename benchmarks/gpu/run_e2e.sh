@@ -80,7 +80,7 @@ store_args() {  # store, port-suffix -> prints backend args (one per line)
       mkdir -p /tmp/l3/kvc
       local meta=""; [ -f /tmp/sglogs/meta.pid ] && meta=',"metadata_server_url":"http://127.0.0.1:18000"'
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-        "{$KVC,\"store\":\"hf3fs\",\"file_path_prefix\":\"/tmp/l3/kvc/hicache\",\"file_size\":\"32gb\",\"numjobs\":16,\"entries\":16$meta,\"metrics_port\":$((9400+k))}" ;;
+        "{$KVC,\"store\":\"hf3fs\",\"file_path_prefix\":\"/tmp/l3/kvc/hicache\",\"file_size\":\"32gb\",\"numjobs\":${KVC_JOBS:-16},\"entries\":${KVC_ENTRIES:-16}$meta,\"metrics_port\":$((9400+k))}" ;;
     kvc_memory)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((9400+k))}" ;;
