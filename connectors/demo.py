@@ -597,6 +597,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--prefix-tokens", type=int, default=2048, help="tokens of each group's system prompt")
     w.add_argument("--turn-tokens", type=int, default=256, help="tokens each round adds to a conversation")
     w.add_argument("--page-size", type=int, default=64, help="tokens per KV page (SGLang --page-size)")
+    w.add_argument("--passes", type=int, default=1,
+                   help="replay the whole workload this many times on the same store (the guides' 'run it again: "
+                        "the hit rate goes up')")
     w.add_argument("--seed", type=int, default=0, help="workload seed")
     m = p.add_argument_group("engine")
     m.add_argument("--model-shape", default="tiny", choices=sorted(SHAPES),
@@ -612,7 +615,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("clients", "rounds", "groups", "page_size", "threads"):
+    for name in ("clients", "rounds", "groups", "page_size", "threads", "passes"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be >= 1, got {getattr(args, name)}")
     for name in ("prefix_tokens", "turn_tokens"):
@@ -735,30 +738,37 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
         from tqdm import tqdm
     except ImportError:  # progress bar is optional
         tqdm = None
-    total = wl.clients * wl.rounds
+    total = wl.clients * wl.rounds * args.passes
     bar = tqdm(total=total, unit="req", desc="replaying", file=sys.stderr, disable=args.no_progress,
                leave=False) if tqdm else None
     totals = Totals()
+    per_pass: list[tuple[Totals, float]] = []
     lock = threading.Lock()
     failure: BaseException | None = None
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.threads, thread_name_prefix="kvconnect-demo") as pool:
-        for r, rnd in enumerate(wl.requests()):  # barrier between rounds, like --enable-round-barrier
-            def one(i: int, rnd=rnd, r=r) -> None:
-                c = rnd[i][0]
-                t = serve_request(path, content, hashes[r][i], len(prompts[r][i]), f"client {c} round {r}")
-                with lock:
-                    totals.add(t)
-                if bar is not None:
-                    bar.update(1)
+        for n in range(args.passes):  # a later pass replays the same workload on the warm store
+            this_pass, t_pass = Totals(), time.perf_counter()
+            for r, rnd in enumerate(wl.requests()):  # barrier between rounds, like --enable-round-barrier
+                def one(i: int, rnd=rnd, r=r, n=n, this_pass=this_pass) -> None:
+                    where = f"{'pass ' + str(n + 1) + ' ' if args.passes > 1 else ''}client {rnd[i][0]} round {r}"
+                    t = serve_request(path, content, hashes[r][i], len(prompts[r][i]), where)
+                    with lock:
+                        totals.add(t)
+                        this_pass.add(t)
+                    if bar is not None:
+                        bar.update(1)
 
-            futures = [pool.submit(one, i) for i in range(len(rnd))]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            errors = [f.exception() for f in futures if f.done() and f.exception()]
-            if errors:
-                for f in futures:
-                    f.cancel()
-                failure = errors[0]
+                futures = [pool.submit(one, i) for i in range(len(rnd))]
+                wait(futures, return_when=FIRST_EXCEPTION)
+                errors = [f.exception() for f in futures if f.done() and f.exception()]
+                if errors:
+                    for f in futures:
+                        f.cancel()
+                    failure = errors[0]
+                    break
+            per_pass.append((this_pass, time.perf_counter() - t_pass))
+            if failure is not None:
                 break
     wall = time.perf_counter() - t0
     if bar is not None:
@@ -775,7 +785,7 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
         print(f"kvconnect demo: FAILED: {type(failure).__name__}: {failure}", file=sys.stderr)
         return 1
 
-    ideal = ideal_hit_pages(hashes)
+    ideal = ideal_hit_pages(hashes * args.passes)
     tp = totals
     ps = args.page_size
     loaded_b, stored_b = tp.pages_loaded * page_bytes, tp.pages_stored * page_bytes
@@ -785,7 +795,7 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
         "model_shape": shape.name, "layout": args.layout if isinstance(path, SGLangPath) else None,
         "page_size": ps, "page_bytes": page_bytes, "segments_per_page": path.segments_per_page,
         "groups": wl.groups, "clients": wl.clients, "rounds": wl.rounds, "prefix_tokens": wl.prefix_tokens,
-        "turn_tokens": wl.turn_tokens, "threads": args.threads,
+        "turn_tokens": wl.turn_tokens, "threads": args.threads, "passes_run": len(per_pass),
         "requests": tp.requests, "prompt_tokens": tp.prompt_tokens,
         "pages_looked_up": tp.pages_looked_up, "pages_exist": tp.pages_exist, "pages_loaded": tp.pages_loaded,
         "pages_verified": tp.pages_verified, "pages_prefilled": tp.pages_prefilled,
@@ -805,6 +815,11 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
         "requests_per_s": tp.requests / wall if wall else 0.0,
         "replay_seconds": wall, "setup_seconds": setup_s,
         "verify_seconds": tp.verify_seconds, "prefill_fill_seconds": tp.prefill_seconds,
+        "passes": [{"pass": i + 1, "seconds": sec, "pages_looked_up": t.pages_looked_up,
+                    "pages_loaded": t.pages_loaded, "pages_stored": t.pages_stored,
+                    "page_hit_rate": t.pages_loaded / t.pages_looked_up if t.pages_looked_up else 0.0,
+                    "token_hit_rate": t.pages_loaded * ps / t.prompt_tokens if t.prompt_tokens else 0.0}
+                   for i, (t, sec) in enumerate(per_pass)],
         "adapter_errors": path.adapter_errors(),
         "store_stats": path.store_stats(),
     }
@@ -830,6 +845,10 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
           f"- OK", file=out)
     print(f"  throughput   {f['moved_gib_per_s_wall']:.2f} GiB/s moved (both directions) over the replay's wall "
           f"time", file=out)
+    if args.passes > 1:
+        for row in f["passes"]:
+            print(f"  pass {row['pass']:<7} hit rate pages {row['page_hit_rate']:.1%} tokens {row['token_hit_rate']:.1%}, "
+                  f"{row['pages_loaded']} pages loaded, {row['pages_stored']} stored, {row['seconds']:.2f} s", file=out)
     if f["adapter_errors"]:
         print(f"  WARNING      the adapter turned {f['adapter_errors']} exceptions into misses / failed writes "
               f"(see the log; kvconnect_stats: {f['store_stats'].get('adapter_errors')})", file=out)

@@ -255,6 +255,17 @@ def test_demo_real_sglang_verifies_bytes(capsys, shape, layout):
 
 
 @needs_sglang
+def test_demo_second_pass_hits_everything(capsys):
+    """The guides' "run the same load again": on a warm store every full page is a hit."""
+    rc, doc, err = run_demo(capsys, "--passes", "2")
+    assert rc == 0, err
+    first, second = doc["passes"]
+    assert 0.4 < first["page_hit_rate"] < 1.0 and first["pages_stored"] > 0
+    assert second["page_hit_rate"] == 1.0 and second["pages_stored"] == 0
+    assert doc["pages_verified"] == first["pages_loaded"] + second["pages_loaded"]
+
+
+@needs_sglang
 @pytest.mark.parametrize("store", ["flip-byte", "foreign-page"])
 def test_demo_fails_on_a_corrupting_store_real_sglang(capsys, bad_stores, store):
     rc, _, err = run_demo(capsys, "--store", store)
