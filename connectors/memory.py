@@ -1,9 +1,9 @@
 """``memory``: the in-process reference store.
 
 Thread-safe, capacity-bounded, LRU eviction. It is the conformance reference and the
-demo's embedded default. Values are immutable once published (a new ``bytes`` object per
-write), so a reader copying outside the lock can never see a torn page: an overwrite or
-eviction swaps the dict entry, it never mutates bytes a reader holds.
+demo's embedded default. Values are never mutated once published (a new buffer per write),
+so a reader copying outside the lock can never see a torn page: an overwrite or eviction
+swaps the dict entry, it never touches bytes a reader holds.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from connectors.base import Page, PageStore, StoreUsage, page_nbytes
-from connectors.buffers import bytes_address, gather, scatter
+from connectors.buffers import buffer_address, gather, scatter
 from connectors.config import Size, StoreConfig, field_doc
 
 
@@ -36,7 +36,7 @@ class MemoryStore(PageStore):
         super().__init__()
         self.config = config or MemoryStoreConfig()
         self._lock = threading.Lock()
-        self._pages: OrderedDict[str, bytes] = OrderedDict()
+        self._pages: OrderedDict[str, bytearray] = OrderedDict()  # never mutated once stored
         self._used = 0
         self._evictions = 0
 
@@ -57,7 +57,7 @@ class MemoryStore(PageStore):
             if v is None or len(v) != page_nbytes(page):
                 out.append(False)
                 continue
-            scatter(bytes_address(v), page)
+            scatter(buffer_address(v), page)
             out.append(True)
         return out
 
@@ -74,7 +74,7 @@ class MemoryStore(PageStore):
             if n > cap:
                 out.append(False)
                 continue
-            data = bytes(gather(page))  # copy outside the lock
+            data = gather(page)  # one copy, outside the lock
             with self._lock:
                 if k in self._pages:  # a racing writer published first
                     out.append(True)
