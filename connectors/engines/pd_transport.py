@@ -30,8 +30,10 @@ import numpy as np
 
 from connectors.base import ConfigError, Page, PageStore
 from connectors.config import Size, StoreConfig, field_doc, parse_config
+from connectors.engines.common import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+_rate_limited = RateLimitedLog(logger, interval_s=10.0)  # a dead store must not flood the engine log
 
 ENV_CONFIG = "KVCONNECT_PD_CONFIG"
 TRANSPORTS = ("peer_rdma", "mooncake", "hf3fs")
@@ -63,7 +65,8 @@ class PDConfig(StoreConfig):
     retain_s: float = field(default=600.0, metadata=field_doc(
         "relay: prefill deletes a room's keys this long after publishing them if decode never took them"))
     poll_interval_s: float = field(default=0.002, metadata=field_doc("relay: decode's marker poll period"))
-    workers: int = field(default=4, metadata=field_doc("transfer threads per process"))
+    workers: int = field(default=2, metadata=field_doc(
+        "transfer threads per process (2 measured best on a 2-core host; raise with cores and NICs)"))
     max_batch: int = field(default=4096, metadata=field_doc("peer_rdma: most blocks per Transfer Engine call"))
 
     def __post_init__(self) -> None:
@@ -227,15 +230,31 @@ class PeerRdmaTransport:
                 raise TransferFailed(f"Transfer Engine could not register {len(regions)} buffers (rc={rc})")
         self._registered = [p for p, _ in regions]
 
-    def write(self, session: str, blocks: Sequence[tuple[int, int, int]]) -> None:
-        """One-sided writes ``(local_src, remote_dst, nbytes)``; raises ``TransferFailed``."""
+    def write(self, session: str, blocks: Sequence[tuple[int, int, int]], executor: Any = None) -> None:
+        """One-sided writes ``(local_src, remote_dst, nbytes)``; raises ``TransferFailed``.
+
+        With an ``executor``, large writes are cut into about ``config.workers`` parts of similar
+        size that run at once (one Transfer Engine call moves its blocks over one connection).
+        """
+        parts = split_blocks(blocks, self.config.workers, self.config.max_batch) if executor else [list(blocks)]
+        if len(parts) <= 1:
+            for part in parts:
+                self._write_part(session, part)
+            return
+        futures = [executor.submit(self._write_part, session, part) for part in parts]
+        errors = [f.exception() for f in futures]  # waits for all: no write outlives this call
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+
+    def _write_part(self, session: str, part: Sequence[tuple[int, int, int]]) -> None:
         step = self.config.max_batch
-        for i in range(0, len(blocks), step):
-            part = blocks[i:i + step]
-            srcs, dsts, lens = (list(x) for x in zip(*part))
+        for i in range(0, len(part), step):
+            piece = part[i:i + step]
+            srcs, dsts, lens = (list(x) for x in zip(*piece))
             rc = self.engine.batch_transfer_sync_write(session, srcs, dsts, lens)
             if rc != 0:
-                raise TransferFailed(f"Transfer Engine write of {len(part)} blocks "
+                raise TransferFailed(f"Transfer Engine write of {len(piece)} blocks "
                                      f"({sum(lens)} bytes) to {session} returned {rc}")
 
     def close(self) -> None:
@@ -245,6 +264,32 @@ class PeerRdmaTransport:
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
             self._registered = []
+
+
+PARALLEL_MIN_BYTES = 1 << 20  # below this one call is faster than several
+
+
+def split_blocks(blocks: Sequence[tuple[int, int, int]], ways: int, max_batch: int,
+                 piece_bytes: int = 4 << 20) -> list[list[tuple[int, int, int]]]:
+    """Cut write blocks into up to ``ways`` parts of similar byte size (big blocks are split)."""
+    total = sum(n for _, _, n in blocks)
+    if ways <= 1 or total < PARALLEL_MIN_BYTES:
+        return [list(blocks)] if blocks else []
+    target = max(piece_bytes, -(-total // ways))
+    pieces = []
+    for src, dst, n in blocks:
+        off = 0
+        while off < n:
+            step = min(n - off, target)
+            pieces.append((src + off, dst + off, step))
+            off += step
+    parts: list[list[tuple[int, int, int]]] = [[] for _ in range(ways)]
+    loads = [0] * ways
+    for piece in sorted(pieces, key=lambda b: -b[2]):
+        i = loads.index(min(loads))
+        parts[i].append(piece)
+        loads[i] += piece[2]
+    return [p for p in parts if p]
 
 
 def kv_blocks(src: BufferLayout, dst_kv_ptrs: Sequence[int], src_pages: np.ndarray,
@@ -444,7 +489,7 @@ class KeyCleaner:
                 try:
                     gone = dict(zip(names, self.store.delete(names)))
                 except Exception as e:  # noqa: BLE001 - retried below
-                    logger.warning("kvconnect PD: deleting %d relay keys failed: %r", len(names), e)
+                    _rate_limited.warning("delete", "kvconnect PD: deleting %d relay keys failed: %r", len(names), e)
                     gone = {}
                 now = time.monotonic()
                 for keys, since, _ in batch:
@@ -549,7 +594,7 @@ class StoreRelay:
             return self.store.exists(markers)
         except Exception as e:  # noqa: BLE001
             self.store_errors.append(f"exists() raised {e!r}")
-            logger.warning("kvconnect PD: store exists() failed: %r", e)
+            _rate_limited.warning("exists", "kvconnect PD: store exists() failed: %r", e)
             return [False] * len(markers)
 
     def read(self, keys: RelayKeys, room: int, dst_pages: np.ndarray, aux_row: int,

@@ -69,6 +69,9 @@ class Node:
         from sglang.srt.server_args import ServerArgs
 
         self.KVClassType, self.get_kv_class = KVClassType, get_kv_class
+        if s["backend"] == "mooncake_tcp":  # SGLang's CLI alias: mooncake with the TCP transport forced
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+            s["backend"] = "mooncake"
         self.server_args = ServerArgs(
             model_path="dummy", device="cpu", host="127.0.0.1", port=s["http_port"],
             disaggregation_mode=s["role"], disaggregation_transfer_backend=s["backend"],
@@ -141,6 +144,12 @@ class Node:
                 _view(ptr, n)[:] = UNTOUCHED
         from sglang.srt.disaggregation.utils import DisaggregationMode
 
+        if self.backend.value == "mooncake":  # the reference: SGLang's own backend needs its shared engine
+            from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+                maybe_init_shared_mooncake_transfer_engine,
+            )
+
+            maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
         mode = DisaggregationMode.PREFILL if s["role"] == "prefill" else DisaggregationMode.DECODE
         self.mgr = get_kv_class(self.backend, KVClassType.MANAGER)(kv_args, mode, self.server_args, False)
         self.rng = np.random.default_rng(s["seed"] + (7 if s["role"] == "decode" else 0))
@@ -411,18 +420,22 @@ def main(argv: list[str]) -> int:
         out["waves"] = []
         barrier = node.spec.get("barrier_dir")
         for k, rooms in enumerate(waves):
+            flag = None
             if barrier and k and node.spec["role"] == "prefill":
                 # wave k starts once decode finished wave k-1 (a relay prefill never waits otherwise)
-                flag, end = os.path.join(barrier, f"decode_done_{k - 1}"), time.monotonic() + node.spec["deadline_s"]
-                while not os.path.exists(flag) and time.monotonic() < end:
-                    time.sleep(0.02)
+                flag = os.path.join(barrier, f"decode_done_{k - 1}")
+            elif barrier and node.spec["role"] == "decode" and k in node.spec.get("decode_after_prefill", ()):
+                flag = os.path.join(barrier, f"prefill_done_{k}")  # decode arrives after prefill finished
+            end = time.monotonic() + node.spec["deadline_s"]
+            while flag and not os.path.exists(flag) and time.monotonic() < end:
+                time.sleep(0.02)
             node.reset_allocator()
             run = node.run_prefill if node.spec["role"] == "prefill" else node.run_decode
             out["waves"].append(run(rooms))
             out["rooms"] = out["waves"][0]
             _write_result(spec["result"], out)  # partial results survive a kill in a later wave
-            if barrier and node.spec["role"] == "decode":
-                open(os.path.join(barrier, f"decode_done_{k}"), "w").close()
+            if barrier:
+                open(os.path.join(barrier, f"{node.spec['role']}_done_{k}"), "w").close()
         # Let concluding messages (aborts, late statuses, janitor passes) land before counting.
         time.sleep(float(spec.get("settle_s", 0.5)))
         out["leftovers"] = node.leftovers()

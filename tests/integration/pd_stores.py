@@ -56,7 +56,8 @@ def mooncake_service(segment: str = "1gb") -> Iterator[tuple[object, dict, Calla
 
 
 @contextlib.contextmanager
-def hf3fs_service(workdir: str, ns: object | None = None) -> Iterator[tuple[object, dict, Callable[[], None]]]:
+def hf3fs_service(workdir: str, ns: object | None = None,
+                  file_size: str = "1gb") -> Iterator[tuple[object, dict, Callable[[], None]]]:
     from connectors.engines.sglang_pd_testing import loopback_netns
 
     with contextlib.ExitStack() as stack:
@@ -79,7 +80,7 @@ def hf3fs_service(workdir: str, ns: object | None = None) -> Iterator[tuple[obje
                     raise StoreUnavailable("hf3fs metadata service did not start: "
                                            + open(os.path.join(data, "meta.log")).read()[-2000:])
                 time.sleep(0.1)
-            opts = {"file_path_prefix": os.path.join(data, "pd"), "file_size": "1gb", "numjobs": 2, "entries": 16,
+            opts = {"file_path_prefix": os.path.join(data, "pd"), "file_size": file_size, "numjobs": 2, "entries": 16,
                     "metadata_server_url": f"127.0.0.1:{port}", "client": "posix", "client_timeout": 5,
                     "meta_retries": 2}
 
@@ -103,7 +104,7 @@ def store_service(name: str, workdir: str, ns: object | None = None, segment: st
         with mooncake_service(segment) as out:
             yield out
     elif name == "hf3fs":
-        with hf3fs_service(workdir, ns) as out:
+        with hf3fs_service(workdir, ns, file_size=segment) as out:
             yield out
     else:
         raise ValueError(f"no store service for {name!r}")

@@ -86,13 +86,26 @@ PLUGIN_CHECK = """
     ns = p.parse_args(["--model-path", "dummy", "--disaggregation-mode", "prefill",
                        "--disaggregation-transfer-backend", "kvconnect"])
     out["cli_value"] = ns.disaggregation_transfer_backend
+    import os
+    for role in ("prefill", "decode"):  # examples/pd/*.sh as SGLang's own parser reads them
+        ns = p.parse_args(json.loads(os.environ["KVC_EXAMPLE_" + role.upper()]))
+        out["example_" + role] = [ns.disaggregation_mode, ns.disaggregation_transfer_backend]
     print(json.dumps(out))
 """
 
 
+def example_argv(script: str) -> list[str]:
+    """The ``sglang.launch_server`` arguments of an examples/pd script ($MODEL -> a dummy path)."""
+    text = open(os.path.join(ROOT, "examples", "pd", script)).read()
+    tail = text.split("sglang.launch_server", 1)[1]
+    words = tail.replace("\\\n", " ").split()
+    return [w.strip('"').replace("$MODEL", "dummy") for w in words if w != "\\"]
+
+
 def test_plugin_loader_registers_kvconnect(plugin_path):
     """The real ``load_plugins()`` makes ``kvconnect`` a CLI choice, an enum member and a get_kv_class key."""
-    env = pdt.node_env(None, plugin_path)
+    env = pdt.node_env(None, plugin_path, KVC_EXAMPLE_PREFILL=json.dumps(example_argv("prefill.sh")),
+                       KVC_EXAMPLE_DECODE=json.dumps(example_argv("decode.sh")))
     out = _run_python(PLUGIN_CHECK, env)
     assert "kvconnect" in out["choices"]
     assert out["member"] == "KVCONNECT" and out["mooncake_is_member"]
@@ -105,6 +118,8 @@ def test_plugin_loader_registers_kvconnect(plugin_path):
     assert out["bound_elsewhere"] == [True] * 3
     assert out["mooncake_sender"] == "MooncakeKVSender"
     assert out["cli_value"] == "kvconnect"
+    assert out["example_prefill"] == ["prefill", "kvconnect"]
+    assert out["example_decode"] == ["decode", "kvconnect"]
 
 
 def test_without_the_plugin_kvconnect_is_rejected(plugin_path):
@@ -193,6 +208,8 @@ def run_scenario(transport: str, last_wave: str, plugin_path: str, workdir: str,
     """Wave 1: 24 rooms byte-exact. Wave 2: room mismatches. Wave 3: prefill SIGKILL or store outage."""
     waves = [byte_exact_rooms(), MISMATCH_ROOMS, SLOW_ROOMS]
     common = {**GEOMETRY, "waves": waves, "deadline_s": 120, "bootstrap_port": port, "http_port": port + 1}
+    if transport != "peer_rdma":
+        common["decode_after_prefill"] = [0]  # relay: decode's requests arrive after prefill finished wave 1
     with transport_setup(transport, workdir) as (ns, cfg, outage):
         with pdt.pair(common, {}, {}, cfg, plugin_path, ns=ns) as p:
             p.start("prefill")
@@ -242,6 +259,10 @@ def test_pages_and_aux_rows_arrive_byte_exact(scenario):
         assert d["pages_ok"] and d["aux_ok"] and d["state_ok"], (r, d)
         assert pre[str(r["room"])]["status"] == "success", pre[str(r["room"])]
     assert dec["_untouched_ok"], "a KV slot decode did not ask for was written"
+    if scenario["transport"] != "peer_rdma":  # the relay does not need decode while prefill sends
+        last_prefill = max(p["t_done"] for p in pre.values())
+        first_decode = min(d["t_send_metadata"] for k, d in dec.items() if not k.startswith("_"))
+        assert first_decode > last_prefill, "decode should have started after prefill finished"
 
 
 def test_room_mismatch_fails_within_the_bound(scenario):
