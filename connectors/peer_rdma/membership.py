@@ -56,9 +56,8 @@ class View:
     members: dict[str, Member] = field(default_factory=dict)
     changed_at: float = 0.0
 
-    @property
-    def ids(self) -> list[str]:
-        return sorted(self.members)
+    def __post_init__(self) -> None:
+        self.ids: list[str] = sorted(self.members)  # placement input, computed once per view
 
 
 class Membership:

@@ -543,8 +543,14 @@ class PeerNode:
                 self._dir_by_holder.get(e[HOLDER], set()).discard(k)
 
     # ------------------------------------------------------------------ location lookups
-    def _locate(self, keys: list[str], deadline: float, use_cache: bool = True) -> list[list | None]:
-        """Directory entries of ``keys`` (None: not found), asking owners then replicas."""
+    def _locate(self, keys: list[str], deadline: float, use_cache: bool = True,
+                ask_replicas: bool = False) -> list[list | None]:
+        """Directory entries of ``keys`` (None: not found), asking owners then replicas.
+
+        A key the primary owner does not know is asked of the next owner when the view
+        changed recently (entries may still be moving) or ``ask_replicas`` (reads: the
+        caller believes the page exists, so a second round trip for it is worth it).
+        """
         view = self.view
         out: list[list | None] = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -561,7 +567,8 @@ class PeerNode:
             todo = rest
         n = 1 + self.config.directory_replicas
         owner_lists = {i: self._dir_owners(keys[i], view) for i in todo}
-        recent = time.monotonic() - view.changed_at < 3 * self.config.heartbeat_interval + self.config.member_ttl
+        recent = ask_replicas or \
+            time.monotonic() - view.changed_at < 3 * self.config.heartbeat_interval + self.config.member_ttl
         for rank in range(n):
             if not todo:
                 break
@@ -632,8 +639,7 @@ class PeerNode:
         remote: list[int] = []
         promoted = []
         local_hits = disk_hits = 0
-        for i, k in enumerate(keys):
-            slot = self.segment.lookup(k)
+        for i, (k, slot) in enumerate(zip(keys, self.segment.lookup_many(keys))):
             if slot is None and self.disk is not None and self.disk.contains(k) is not None:
                 slot = self._promote_from_disk(k)
                 if slot is not None:
@@ -642,7 +648,7 @@ class PeerNode:
             if slot is None:
                 remote.append(i)
             elif slot.length == sizes[i]:
-                out[i] = self.segment.read_into(k, pages[i])
+                out[i] = self.segment.read_into(k, pages[i], slot)
                 local_hits += out[i]
         if promoted:  # resident again: owners point readers back at memory
             self._publish(promoted)
@@ -660,7 +666,7 @@ class PeerNode:
 
     def _get_remote(self, keys, pages, sizes, idx: list[int], out: list[bool], deadline: float,
                     retry: bool = True) -> None:
-        entries = self._locate([keys[i] for i in idx], deadline)
+        entries = self._locate([keys[i] for i in idx], deadline, ask_replicas=True)
         view = self.view
         by_holder: dict[str, list[tuple[int, list]]] = {}
         promote: dict[str, list[int]] = {}
@@ -706,25 +712,12 @@ class PeerNode:
     def _read_from(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
         """One holder's pages: one-sided reads, then checksum validation per page."""
         base = member.seg_base
-        reg = self.transport.is_registered
-        direct = [(i, e) for i, e in items if all(reg(a, n) for a, n in pages[i])]
-        bounced = [(i, e) for i, e in items if not all(reg(a, n) for a, n in pages[i])]
+        reg = self.transport.page_registered
+        direct, bounced = [], []
+        for item in items:
+            (direct if reg(pages[item[0]]) else bounced).append(item)
         if direct:
-            local, remote, lengths = [], [], []
-            for i, e in direct:
-                off = base + e[OFF]
-                for a, n in pages[i]:
-                    local.append(a)
-                    remote.append(off)
-                    lengths.append(n)
-                    off += n
-            if self._transfer(member, local, remote, lengths):
-                stale = 0
-                for i, e in direct:
-                    ok = checksum_page(pages[i]) == e[CSUM]
-                    out[i] = ok
-                    stale += not ok
-                self.count(read_stale=stale)
+            self._read_direct(member, direct, pages, out)
         if bounced:
             self.count(bounce_reads=len(bounced))
             bounce, cap = self.transport.bounce()
@@ -751,6 +744,62 @@ class PeerNode:
                             self.count(read_stale=1)
             finally:
                 self.transport.unbounce()
+
+    PIPELINE_CHUNK = 64 << 20  # bytes per async chunk when a large read is split to overlap validation
+
+    def _read_direct(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
+        """Reads straight into registered caller pages. A large batch is split into chunks that
+        are all started at once; each chunk is validated as soon as it landed, while the
+        engine moves the next ones (checksumming overlaps the transfer)."""
+        chunks: list[list[tuple[int, list]]] = [[]]
+        size = 0
+        for item in items:
+            if size >= self.PIPELINE_CHUNK:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(item)
+            size += item[1][LEN]
+        base = member.seg_base
+
+        def lists(chunk):
+            local, remote, lengths = [], [], []
+            for i, e in chunk:
+                off = base + e[OFF]
+                for a, n in pages[i]:
+                    local.append(a)
+                    remote.append(off)
+                    lengths.append(n)
+                    off += n
+            return local, remote, lengths
+
+        def validate(chunk) -> None:
+            stale = 0
+            for i, e in chunk:
+                ok = checksum_page(pages[i]) == e[CSUM]
+                out[i] = ok
+                stale += not ok
+            if stale:
+                self.count(read_stale=stale)
+
+        if len(chunks) == 1:
+            if self._transfer(member, *lists(chunks[0])):
+                validate(chunks[0])
+            return
+        t0 = time.monotonic()
+        ids = []
+        for chunk in chunks:
+            try:
+                ids.append(self.transport.read_async(member.te_name, *lists(chunk)))
+            except Exception:  # noqa: BLE001 - a data-plane error is a miss
+                ids.append(0)
+        for chunk, bid in zip(chunks, ids):  # wait for every chunk: nothing lands after we return
+            rc = self.transport.wait(bid) if bid else -1
+            if rc == 0:
+                validate(chunk)
+            elif time.monotonic() - t0 >= self.config.transfer_timeout * 0.9:
+                self.count(read_timeouts=1)
+            else:
+                self.count(read_failures=1)
 
     def _transfer(self, member: Member, local, remote, lengths, write: bool = False) -> bool:
         t0 = time.monotonic()
@@ -840,10 +889,11 @@ class PeerNode:
                 todo.append((i, n, g[0], g[1]))
         if not todo:
             return
-        reg = self.transport.is_registered
+        reg = self.transport.page_registered
         commits = []
-        direct = [t for t in todo if all(reg(a, n) for a, n in pages[t[0]])]
-        bounced = [t for t in todo if t not in direct]
+        direct, bounced = [], []
+        for t in todo:
+            (direct if reg(pages[t[0]]) else bounced).append(t)
         if direct:
             local, remote, lengths = [], [], []
             for i, n, tok, off in direct:

@@ -94,6 +94,7 @@ class Clients:
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, dict[str, Any]]] = {}
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
+        self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer-call")
 
     def _method(self, target: str, method: str):
         with self._lock:
@@ -109,40 +110,36 @@ class Clients:
             return stub
 
     def call(self, target: str, method: str, request: Any, timeout: float | None = None) -> Any:
-        return self.result(self.start(target, method, request, timeout))
-
-    def start(self, target: str, method: str, request: Any, timeout: float | None = None):
-        """An in-flight call; ``result(call)`` waits for it."""
+        """A blocking call (no thread is spawned, unlike gRPC futures); raises ``RpcError``."""
         try:
-            return (method, target, self._method(target, method).future(
-                request, timeout=timeout or self.timeout, metadata=self._metadata))
-        except ValueError as e:  # the channel was closed under us (the peer was just dropped)
-            return (method, target, RpcError(method, target, "CANCELLED", str(e)))
-
-    def result(self, call) -> Any:
-        method, target, fut = call
-        if isinstance(fut, RpcError):
-            raise fut
-        try:
-            rep = fut.result()
+            rep = self._method(target, method)(request, timeout=timeout or self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise RpcError(method, target, e.code().name if e.code() else "UNKNOWN", e.details() or "") from None
-        except (ValueError, grpc.FutureCancelledError) as e:
+        except ValueError as e:  # the channel was closed under us (the peer was just dropped)
             raise RpcError(method, target, "CANCELLED", str(e)) from None
         if self.on_reply is not None:
             self.on_reply(target)
         return rep
 
+    def _call_or_error(self, target: str, method: str, request: Any, timeout: float | None) -> Any:
+        try:
+            return self.call(target, method, request, timeout)
+        except RpcError as e:
+            return e
+
     def fan_out(self, requests: Mapping[str, Any], method: str, timeout: float | None = None
                 ) -> dict[str, Any | RpcError]:
-        """The same method to several targets at once: target -> response or RpcError."""
-        calls = {t: self.start(t, method, r, timeout) for t, r in requests.items()}
-        out: dict[str, Any] = {}
-        for t, c in calls.items():
-            try:
-                out[t] = self.result(c)
-            except RpcError as e:
-                out[t] = e
+        """The same method to several targets at once: target -> response or RpcError.
+
+        The first target is called on this thread, the others on a pool of reused threads.
+        """
+        items = list(requests.items())
+        if not items:
+            return {}
+        jobs = [(t, self._pool.submit(self._call_or_error, t, method, r, timeout)) for t, r in items[1:]]
+        out = {items[0][0]: self._call_or_error(items[0][0], method, items[0][1], timeout)}
+        for t, j in jobs:
+            out[t] = j.result()
         return out
 
     def forget(self, target: str) -> None:
@@ -152,6 +149,7 @@ class Clients:
             entry[0].close()
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False)
         with self._lock:
             chans, self._channels = list(self._channels.values()), {}
         for ch, _ in chans:

@@ -150,12 +150,22 @@ class Segment:
                 self._slots.move_to_end(key)
             return slot
 
+    def lookup_many(self, keys: list[str]) -> list[Slot | None]:
+        """``lookup`` for a batch under one lock acquisition (touches the hits)."""
+        with self._lock:
+            slots = self._slots
+            out = [slots.get(k) for k in keys]
+            for k, s in zip(keys, out):
+                if s is not None:
+                    slots.move_to_end(k)
+            return out
+
     def holds(self, key: str, seq: int) -> bool:
         return (s := self._slots.get(key)) is not None and s.seq == seq
 
-    def read_into(self, key: str, page: Page) -> bool:
+    def read_into(self, key: str, page: Page, slot: Slot | None = None) -> bool:
         """Local read with the seqlock check: True only for this key's untorn bytes."""
-        slot = self.lookup(key)
+        slot = slot or self.lookup(key)
         if slot is None or slot.length != sum(n for _, n in page):
             return False
         scatter(self.base + slot.offset, page)

@@ -36,6 +36,7 @@ class Transport:
         self.name = f"{hostname}:{self.engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []  # sorted (start, end)
+        self._last: tuple[int, int] = (0, 0)
         self._bounce_bytes = bounce_bytes
         self._bounce = None
         self._bounce_base = 0
@@ -52,9 +53,18 @@ class Transport:
             bisect.insort(self._regions, (address, address + nbytes))
 
     def is_registered(self, address: int, nbytes: int) -> bool:
+        last = self._last  # pages of one batch nearly always lie in one region
+        if last[0] <= address and address + nbytes <= last[1]:
+            return True
         regions = self._regions
         i = bisect.bisect_right(regions, (address, float("inf"))) - 1
-        return i >= 0 and regions[i][0] <= address and address + nbytes <= regions[i][1]
+        if i >= 0 and regions[i][0] <= address and address + nbytes <= regions[i][1]:
+            self._last = regions[i]
+            return True
+        return False
+
+    def page_registered(self, page) -> bool:
+        return all(self.is_registered(a, n) for a, n in page)
 
     def bounce(self) -> tuple[int, int]:
         """Borrow the registered bounce buffer (address, size); give it back with ``unbounce``."""
@@ -69,13 +79,42 @@ class Transport:
         self._bounce_free.release()
 
     # -- transfers ------------------------------------------------------------------
+    MERGE_MAX = 2 << 20  # the engine runs the transfers of a batch in parallel: keep several
+
+    @staticmethod
+    def merge(local: list[int], remote: list[int], lengths: list[int]):
+        """Coalesce transfers that are adjacent on both sides (pages written in one batch sit
+        back to back in the holder's segment; a fresh host-pool range is contiguous too): one
+        large transfer costs far less than many small ones, over TCP above all."""
+        ml, mr, mn = [local[0]], [remote[0]], [lengths[0]]
+        cap = Transport.MERGE_MAX
+        for lo, re, n in zip(local[1:], remote[1:], lengths[1:]):
+            if ml[-1] + mn[-1] == lo and mr[-1] + mn[-1] == re and mn[-1] + n <= cap:
+                mn[-1] += n
+            else:
+                ml.append(lo)
+                mr.append(re)
+                mn.append(n)
+        return ml, mr, mn
+
     def read(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
         """One batch of one-sided reads from ``target``; 0 when every transfer completed."""
+        local, remote, lengths = self.merge(local, remote, lengths)
         if len(local) == 1:
             return self.engine.transfer_sync_read(target, local[0], remote[0], lengths[0])
         return self.engine.batch_transfer_sync_read(target, local, remote, lengths)
 
+    def read_async(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+        """Start a batch of reads; a batch id (0: could not start). ``wait`` for it."""
+        local, remote, lengths = self.merge(local, remote, lengths)
+        return self.engine.batch_transfer_async_read(target, local, remote, lengths)
+
+    def wait(self, batch_id: int) -> int:
+        """Block until the batch completed (0) or failed / timed out (< 0)."""
+        return self.engine.get_batch_transfer_status([batch_id])
+
     def write(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+        local, remote, lengths = self.merge(local, remote, lengths)
         if len(local) == 1:
             return self.engine.transfer_sync_write(target, local[0], remote[0], lengths[0])
         return self.engine.batch_transfer_sync_write(target, local, remote, lengths)
@@ -88,3 +127,4 @@ class Transport:
                 except Exception:  # noqa: BLE001 - shutting down
                     pass
             self._regions.clear()
+            self._last = (0, 0)

@@ -186,9 +186,9 @@ def test_kill9_under_load_then_rejoin(cluster):
     cluster.converge(range(4), 4, TTL + 10 * INTERVAL)
     fresh = cluster.write(victim, "rejoin")
     for i in survivors:
-        assert all(cluster.read(i, fresh)["ok"])
+        _assert_readable(cluster, i, fresh, "the rejoined node's pages")
     before = cluster.workers[victim].call("metrics")["read_remote_hits"]
-    assert all(cluster.read(victim, [k for k, o in cluster.owner.items() if o == 0][:32])["ok"])
+    _assert_readable(cluster, victim, [k for k, o in cluster.owner.items() if o == 0][:32], "node0's pages")
     assert cluster.workers[victim].call("metrics")["read_remote_hits"] >= before + 32
 
 
