@@ -563,3 +563,49 @@ def test_usrbio_client_on_3fs_mount(tmp_path):
     finally:
         s.close()
 
+
+
+def test_mla_ranks_share_the_writer_ranks_file(tmp_path, meta):
+    """MLA (rank-replicated KV): every rank uses file .0.bin and namespace 0:kv; only the
+    writer rank writes, the others read its pages. Without a service and TP > 1 it is refused."""
+    opts = store_opts(tmp_path, meta)
+    writer = create_store("hf3fs", opts, rank=0, is_mla=True, tp_size=2, page_bytes=PAGE)
+    reader = create_store("hf3fs", opts, rank=1, is_mla=True, tp_size=2, page_bytes=PAGE)
+    try:
+        assert writer.path == reader.path and writer.path.endswith("hicache.0.bin")
+        assert not reader.is_writer and writer.is_writer
+        keys = keyset(8)
+        assert write_pages(reader, keys) == [True] * 8  # the writer rank stores these bytes
+        assert reader.exists(keys) == [False] * 8  # ... so nothing was written by rank 1
+        assert write_pages(writer, keys) == [True] * 8
+        ok, data = read_pages(reader, keys)
+        assert ok == [True] * 8 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 8
+    finally:
+        writer.close()
+        reader.close()
+    with pytest.raises(ConfigError, match="metadata_server_url"):
+        create_store("hf3fs", store_opts(tmp_path / "local"), rank=1, is_mla=True, tp_size=2)
+
+
+def test_second_page_size_gets_its_own_file_and_is_found_by_other_processes(tmp_path, meta):
+    """A hybrid model's side pool through the same store: pages of another size go to
+    .bin.p<bytes> under namespace 0:kv:p<bytes>; a fresh store (another engine) finds both."""
+    opts = store_opts(tmp_path, meta, file_size=64 * PAGE)
+    a = create_store("hf3fs", opts)
+    try:
+        kv, side = keyset(4, "kv"), keyset(4, "side")
+        assert write_pages(a, kv) == [True] * 4
+        assert write_pages(a, side, size=PAGE // 4) == [True] * 4
+        assert sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.endswith(".lock")) == [
+            "hicache.0.bin", f"hicache.0.bin.p{PAGE // 4}"]
+        b = create_store("hf3fs", opts)  # never wrote anything
+        try:
+            assert b.exists(kv + side) == [True] * 8
+            ok, data = read_pages(b, side, size=PAGE // 4)
+            assert ok == [True] * 4 and [check_page(k, d) for k, d in zip(side, data)] == [0] * 4
+            ok, _ = read_pages(b, kv, size=PAGE // 2)  # a size nobody stored: a miss
+            assert ok == [False] * 4
+        finally:
+            b.close()
+    finally:
+        a.close()
