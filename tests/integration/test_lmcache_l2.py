@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import select
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -44,18 +41,18 @@ from connectors.base import ConfigError  # noqa: E402
 from connectors.engines.lmcache_l2 import KVConnectL2Adapter, ObjectKeyMapper  # noqa: E402
 from connectors.memory import MemoryStore  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-LMCACHE_BIN = str(Path(sys.executable).with_name("lmcache"))
-ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1",
-           PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-MODULE = "connectors.engines.lmcache_l2"
+from tests.integration.lmcache_support import (  # noqa: E402
+    ENV,
+    LMCACHE_BIN,
+    ROOT,
+    EngineClient,
+    Server,
+    plugin_json,
+    wait_for,
+)
+
 CHUNK = 64 * 1024
 WAIT_S = 20.0
-
-
-def plugin_json(params: dict) -> str:
-    return json.dumps({"type": "plugin", "module_path": MODULE, "class_name": "KVConnectL2Adapter",
-                       "adapter_params": params})
 
 
 # ---------------------------------------------------------------------------------
@@ -517,139 +514,6 @@ def test_lmcache_bench_l2_failing_store_completes_with_failures():
 # ---------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``lmcache server`` on 127.0.0.1 (random free ports) with one kvconnect L2 adapter."""
-
-    def __init__(self, params: dict, log_path: Path, *extra: str):
-        self.port, self.http_port = free_port(), free_port()
-        self.log_path = log_path
-        self._interrupted = False
-        cmd = [LMCACHE_BIN, "server", "--host", "127.0.0.1", "--port", str(self.port), "--l1-size-gb", "0.25",
-               "--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-               "--disable-metrics", "--l2-adapter", plugin_json(params), *extra]
-        self.proc = subprocess.Popen(cmd, env=ENV, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                                     cwd=ROOT, start_new_session=True)
-
-    @property
-    def rpc_url(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def status(self, timeout: float = 10) -> dict:
-        with urllib.request.urlopen(f"{self.http_url}/status", timeout=timeout) as r:
-            return json.load(r)
-
-    def adapter_status(self) -> dict:
-        (adapter,) = self.status()["storage_manager"]["l2_adapters"]
-        return adapter
-
-    def wait_healthy(self, timeout: float = 150) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"lmcache server exited:\n{self.log()[-4000:]}"
-            try:
-                st = self.status(timeout=2)
-                if st.get("is_healthy"):
-                    return st
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise AssertionError(f"lmcache server not healthy in {timeout}s:\n{self.log()[-4000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def interrupt(self) -> None:
-        """SIGINT once (LMCache's clean shutdown); a second one would cut it short."""
-        if self.proc.poll() is None and not self._interrupted:
-            self._interrupted = True
-            self.proc.send_signal(signal.SIGINT)
-
-    def stop(self, timeout: float = 30) -> int | None:
-        self.interrupt()
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-                return None
-        return self.proc.returncode
-
-
-class EngineClient:
-    """LMCache's own engine-side client (``lmcache bench server``'s), CPU KV tensors shared
-    with the server over POSIX SHM: LOOKUP, STORE, RETRIEVE, END_SESSION."""
-
-    SHAPE = "(2,64,16,2,64):float16:4"  # 4 layers, 64 blocks of 16 tokens: 512 KiB per 256-token chunk
-
-    def __init__(self, server: Server, num_tokens: int = 512):
-        from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
-        from lmcache.cli.commands.bench.server_bench.config import BenchConfig
-
-        cfg = BenchConfig(rpc_url=server.rpc_url, http_url=server.http_url, mode="cpu",
-                          transfer_mode="lmcache_driven", tp_size=1, use_mla=False, num_tokens=num_tokens,
-                          kvcache_shape_spec=self.SHAPE, num_blocks=64, block_size=16)
-        self.client = ServerBenchClient(cfg, log=lambda msg: None)
-        self.client.start()
-
-    def request(self, seq: int, tag: str):
-        return self.client.create_request(seq, request_id=f"req-{seq}-{tag}-{time.monotonic_ns()}",
-                                          request_kind=tag)
-
-    def store_sequence(self, seq: int) -> list[str]:
-        """Cold path: lookup (must miss), checksum the KV, STORE it; returns the checksums."""
-        req = self.request(seq, "cold")
-        res = self.client.lookup(req)
-        assert res.succeeded and res.hit_chunks == 0, res
-        sums = self.client.compute_checksums(req, 0, req.num_full_tokens)
-        stored = self.client.store(req, 0, req.num_full_tokens)
-        assert stored is not None and stored.succeeded, stored
-        self.client.end_session(req)
-        return sums
-
-    def hit_chunks(self, seq: int) -> tuple[int, int]:
-        req = self.request(seq, "probe")
-        res = self.client.lookup(req)
-        self.client.end_session(req)
-        assert res.succeeded, res
-        return res.hit_chunks, res.total_chunks
-
-    def retrieve_sequence(self, seq: int) -> list[str]:
-        """Warm path: lookup (must fully hit), zero the KV, RETRIEVE, checksum what arrived."""
-        req = self.request(seq, "warm")
-        res = self.client.lookup(req)
-        assert res.is_full_hit, res
-        self.client.zero_destination(req, 0, req.num_full_tokens)
-        got = self.client.retrieve(req, 0, req.num_full_tokens)
-        assert got is not None and got.succeeded, got
-        sums = self.client.compute_checksums(req, 0, req.num_full_tokens)
-        self.client.end_session(req)
-        return sums
-
-    def close(self) -> None:
-        self.client.close()
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two servers sharing one HF3FS file through a real metadata service (A drops L1
@@ -765,6 +629,28 @@ def test_dead_metadata_service_gives_misses_not_a_hung_server(servers):
         c.close()
     # and the server still shuts down cleanly on SIGINT
     assert a.stop() is not None
+
+
+@pytest.mark.skipif(not _module_exists("connectors.mooncake.store"), reason="connectors/mooncake not written yet")
+def test_two_servers_share_one_mooncake_cluster(tmp_path):
+    """Two ``lmcache server`` processes over one Mooncake cluster (real ``mooncake_master``,
+    TCP) in a loopback-only namespace: what A stores (``skip_l1``), B finds and retrieves
+    checksum-exact. The engine client runs in the namespace too (lmcache_support share)."""
+    with store_env("mooncake", tmp_path) as (params, prefix):
+        out = tmp_path / "share.json"
+        p = subprocess.run(prefix + [sys.executable, "-m", "tests.integration.lmcache_support", "share",
+                                     "--params", json.dumps(params), "--out", str(out)],
+                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=240)
+        doc = json.loads(out.read_text()) if out.exists() else {"error": (p.stdout + p.stderr)[-3000:]}
+    assert "error" not in doc, doc.get("error")
+    assert p.returncode == 0
+    for seq, sums in doc["stored"].items():
+        assert sums and doc["retrieved"][seq] == sums
+        assert doc["b_hits"][seq] == [2, 2]
+    a, b = doc["a_status"], doc["b_status"]
+    assert a["store"] == "mooncake" and a["errors"] == {} and a["store_stats"]["put_written"] >= 4
+    assert b["store_stats"]["get_hits"] >= 4 and b["errors"] == {}
+    assert None not in doc["exit_codes"]  # both stopped cleanly on SIGINT
 
 
 def test_benchmark_quick_writes_ratios(tmp_path):

@@ -1,0 +1,212 @@
+"""Real ``lmcache server`` processes with the kvconnect L2 plugin, and LMCache's own engine
+client, for tests/integration/test_lmcache_l2.py.
+
+Also runnable inside a network namespace (Mooncake listens on every interface, so its
+servers live in a loopback-only namespace the test made, where the test process cannot
+reach them): ``python -m tests.integration.lmcache_support share --params JSON --out FILE``
+starts two servers on one store, stores on the first, retrieves from the second and
+writes what it saw as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LMCACHE_BIN = str(Path(sys.executable).with_name("lmcache"))
+ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1",
+           PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+MODULE = "connectors.engines.lmcache_l2"
+
+
+def plugin_json(params: dict) -> str:
+    return json.dumps({"type": "plugin", "module_path": MODULE, "class_name": "KVConnectL2Adapter",
+                       "adapter_params": params})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``lmcache server`` on 127.0.0.1 (random free ports) with one kvconnect L2 adapter."""
+
+    def __init__(self, params: dict, log_path: Path, *extra: str):
+        self.port, self.http_port = free_port(), free_port()
+        self.log_path = log_path
+        self._interrupted = False
+        cmd = [LMCACHE_BIN, "server", "--host", "127.0.0.1", "--port", str(self.port), "--l1-size-gb", "0.25",
+               "--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
+               "--disable-metrics", "--l2-adapter", plugin_json(params), *extra]
+        self.proc = subprocess.Popen(cmd, env=ENV, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                                     cwd=ROOT, start_new_session=True)
+
+    @property
+    def rpc_url(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def status(self, timeout: float = 10) -> dict:
+        with urllib.request.urlopen(f"{self.http_url}/status", timeout=timeout) as r:
+            return json.load(r)
+
+    def adapter_status(self) -> dict:
+        (adapter,) = self.status()["storage_manager"]["l2_adapters"]
+        return adapter
+
+    def wait_healthy(self, timeout: float = 150) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"lmcache server exited:\n{self.log()[-4000:]}"
+            try:
+                st = self.status(timeout=2)
+                if st.get("is_healthy"):
+                    return st
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"lmcache server not healthy in {timeout}s:\n{self.log()[-4000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def interrupt(self) -> None:
+        """SIGINT once (LMCache's clean shutdown); a second one would cut it short."""
+        if self.proc.poll() is None and not self._interrupted:
+            self._interrupted = True
+            self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, timeout: float = 30) -> int | None:
+        self.interrupt()
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                return None
+        return self.proc.returncode
+
+
+class EngineClient:
+    """LMCache's own engine-side client (``lmcache bench server``'s), CPU KV tensors shared
+    with the server over POSIX SHM: LOOKUP, STORE, RETRIEVE, END_SESSION."""
+
+    SHAPE = "(2,64,16,2,64):float16:4"  # 4 layers, 64 blocks of 16 tokens: 512 KiB per 256-token chunk
+
+    def __init__(self, server: Server, num_tokens: int = 512):
+        from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
+        from lmcache.cli.commands.bench.server_bench.config import BenchConfig
+
+        cfg = BenchConfig(rpc_url=server.rpc_url, http_url=server.http_url, mode="cpu",
+                          transfer_mode="lmcache_driven", tp_size=1, use_mla=False, num_tokens=num_tokens,
+                          kvcache_shape_spec=self.SHAPE, num_blocks=64, block_size=16)
+        self.client = ServerBenchClient(cfg, log=lambda msg: None)
+        self.client.start()
+
+    def request(self, seq: int, tag: str):
+        return self.client.create_request(seq, request_id=f"req-{seq}-{tag}-{time.monotonic_ns()}",
+                                          request_kind=tag)
+
+    def store_sequence(self, seq: int) -> list[str]:
+        """Cold path: lookup (must miss), checksum the KV, STORE it; returns the checksums."""
+        req = self.request(seq, "cold")
+        res = self.client.lookup(req)
+        assert res.succeeded and res.hit_chunks == 0, res
+        sums = self.client.compute_checksums(req, 0, req.num_full_tokens)
+        stored = self.client.store(req, 0, req.num_full_tokens)
+        assert stored is not None and stored.succeeded, stored
+        self.client.end_session(req)
+        return sums
+
+    def hit_chunks(self, seq: int) -> tuple[int, int]:
+        req = self.request(seq, "probe")
+        res = self.client.lookup(req)
+        self.client.end_session(req)
+        assert res.succeeded, res
+        return res.hit_chunks, res.total_chunks
+
+    def retrieve_sequence(self, seq: int) -> list[str]:
+        """Warm path: lookup (must fully hit), zero the KV, RETRIEVE, checksum what arrived."""
+        req = self.request(seq, "warm")
+        res = self.client.lookup(req)
+        assert res.is_full_hit, res
+        self.client.zero_destination(req, 0, req.num_full_tokens)
+        got = self.client.retrieve(req, 0, req.num_full_tokens)
+        assert got is not None and got.succeeded, got
+        sums = self.client.compute_checksums(req, 0, req.num_full_tokens)
+        self.client.end_session(req)
+        return sums
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def share(params: dict, workdir: Path, seqs: int = 2) -> dict:
+    """Server A (``skip_l1``) stores ``seqs`` sequences; server B, another process over the
+    same store, retrieves them. Returns checksums and both adapters' status."""
+    a = Server(params, workdir / "a.log", "--l2-store-policy", "skip_l1")
+    b = Server(params, workdir / "b.log")
+    out: dict = {}
+    ca = cb = None
+    try:
+        a.wait_healthy()
+        b.wait_healthy()
+        ca, cb = EngineClient(a), EngineClient(b)
+        out["stored"] = {seq: ca.store_sequence(seq) for seq in range(seqs)}
+        wait_for(lambda: a.adapter_status()["store_stats"]["put_written"] >= 2 * seqs, 30, "A's L2 stores")
+        out["b_hits"] = {seq: list(cb.hit_chunks(seq)) for seq in range(seqs)}
+        out["retrieved"] = {seq: cb.retrieve_sequence(seq) for seq in range(seqs)}
+        out["a_status"], out["b_status"] = a.adapter_status(), b.adapter_status()
+    finally:
+        for c in (ca, cb):
+            if c is not None:
+                c.close()
+        for s in (a, b):
+            s.interrupt()
+        out["exit_codes"] = [a.stop(), b.stop()]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sh = sub.add_parser("share")
+    sh.add_argument("--params", required=True, help="adapter_params JSON")
+    sh.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    out_path = Path(args.out)
+    try:
+        result = share(json.loads(args.params), out_path.parent)
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result = {"error": f"{type(e).__name__}: {e}"}
+    out_path.write_text(json.dumps(result))
+    return 0 if "error" not in result else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
