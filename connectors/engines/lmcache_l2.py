@@ -93,7 +93,7 @@ ENGINE_KEYS = ("num_workers", "per_op_workers", "lookup_timeout_s")
 LMCACHE_KEYS = ("type", "eviction", "serde", "persist_enabled", "shared", "affinity_tag")
 
 DEFAULT_WORKERS = {"store": 2, "lookup": 1, "load": 2}
-DEFAULT_LOOKUP_TIMEOUT_S = 10.0
+DEFAULT_LOOKUP_TIMEOUT_S = 5.0  # a request waits at most this long on a stuck backend; a miss is a recompute
 
 
 def _store_result(ok: bool, nbytes: int) -> Any:
@@ -150,7 +150,7 @@ class KVConnectL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,valid-
       * ``model_fingerprint``: weights revision, to tell fine-tunes served under one name apart;
       * ``num_workers`` (int, default store 2 / lookup 1 / load 2): threads per task family;
       * ``per_op_workers`` (``{"store": n, "lookup": n, "load": n}``): per-family override;
-      * ``lookup_timeout_s`` (default 10): a lookup slower than this reports all misses;
+      * ``lookup_timeout_s`` (default 5): a lookup slower than this reports all misses;
       * ``metrics_port``: serve the store's Prometheus ``/metrics`` (127.0.0.1) on this port.
 
     Store options are checked by the store's typed config when the adapter builds it.
