@@ -42,7 +42,7 @@ COUNTERS = ("write_requests", "writes_stored", "write_failures", "bytes_written"
             "read_hits", "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses",
             "read_failures", "read_timeouts", "read_stale", "bytes_read", "exists_requests",
             "exists_hits", "evictions", "promotes", "directory_republishes", "publish_failures",
-            "rpc_failures", "bounce_reads")
+            "rpc_failures", "bounce_reads", "write_timeouts", "write_transfer_failures")
 
 
 class Latency:
@@ -903,8 +903,18 @@ class PeerNode:
                     remote.append(r)
                     lengths.append(sz)
                     r += sz
-            ok = self._transfer(member, local, remote, lengths, write=True)
-            commits += [[tok, checksum_page(pages[i]) if ok else None] for i, n, tok, off in direct]
+            # the checksums are computed while the engine moves the bytes
+            t0 = time.monotonic()
+            try:
+                bid = self.transport.write_async(member.te_name, local, remote, lengths)
+            except Exception:  # noqa: BLE001 - a data-plane error is a failed write
+                bid = 0
+            sums = [checksum_page(pages[i]) for i, n, tok, off in direct] if bid else []
+            rc = self.transport.wait(bid) if bid else -1
+            if rc != 0:
+                self.count(**{"write_timeouts" if time.monotonic() - t0 >= self.config.transfer_timeout * 0.9
+                              else "write_transfer_failures": 1})
+            commits += [[tok, sums[j] if rc == 0 else None] for j, (i, n, tok, off) in enumerate(direct)]
         if bounced:
             bounce, cap = self.transport.bounce()
             try:

@@ -113,6 +113,10 @@ class Transport:
         """Block until the batch completed (0) or failed / timed out (< 0)."""
         return self.engine.get_batch_transfer_status([batch_id])
 
+    def write_async(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
+        local, remote, lengths = self.merge(local, remote, lengths)
+        return self.engine.batch_transfer_async_write(target, local, remote, lengths)
+
     def write(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> int:
         local, remote, lengths = self.merge(local, remote, lengths)
         if len(local) == 1:
