@@ -209,7 +209,21 @@ class PageStore(ABC):
         from connectors.config import parse_config
 
         config = parse_config(cls.config_class, options or {}, where=f"store {cls.name!r}")
-        return cls(config, **context)  # type: ignore[call-arg]
+        return cls(config, **cls._accepted_context(context))  # type: ignore[call-arg]
+
+    @classmethod
+    def _accepted_context(cls, context: Mapping[str, Any]) -> dict[str, Any]:
+        """The engine facts (rank, pool, ...) this store's constructor takes.
+
+        Adapters pass the same context to every store; a store that has no use for a fact
+        (the in-process store and the rank, say) simply does not declare it.
+        """
+        import inspect
+
+        params = inspect.signature(cls.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return dict(context)
+        return {k: v for k, v in context.items() if k in params}
 
     # -- public API (final) -------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
