@@ -122,7 +122,8 @@ def role_ours_bench(args) -> None:
     def read_all():
         for b in batches:
             ok = store.get_into([final[i] for i in b], [[(dst + j * page, page)] for j in range(len(b))])
-            assert all(ok), f"remote read missed {ok.count(False)} pages"
+            assert all(ok), (f"remote read missed {ok.count(False)} pages: "
+                             f"{ {k: v for k, v in store.node.metrics().items() if 'read' in k or 'rpc' in k} }")
 
     read_all()
     for j, i in enumerate(batches[-1]):  # byte-exact check of the last batch
@@ -143,6 +144,14 @@ def role_ours_bench(args) -> None:
             assert rc == 0, rc
 
     te_all()
+
+    def te_write_all():  # the same bytes back into the same slots: the stored pages stay valid
+        for b in batches:
+            rc = te.batch_transfer_sync_write(holder.te_name, [src + i * page for i in b], [remote[i] for i in b],
+                                              [page] * len(b))
+            assert rc == 0, rc
+
+    t_te_write = _timed(te_write_all, args.repeats)
 
     def cached_read_all():  # SGLang's pattern: batch_exists first, then the read reuses its locations
         t = 0.0
@@ -171,6 +180,7 @@ def role_ours_bench(args) -> None:
     assert m["read_remote_hits"] > 0 and m["read_local_hits"] == 0
     store.close()
     _emit({"write_s": t_write, "read_s": t_read, "te_read_s": t_te, "cached_read_s": t_cached, "bytes": n * page,
+           "te_write_s": t_te_write,
            "read_stale": m["read_stale"], "read_failures": m["read_failures"]})
 
 
@@ -390,6 +400,7 @@ def measure_size(r: Runner, page: int, pages: int, repeats: int, port: int) -> d
         "peercache_read_gib_s": gib_per_s(nbytes, pcr["read_s"]),
         "peercache_write_gib_s": gib_per_s(nbytes, pc_w["write_s"]),
         "te_batch_read_gib_s": gib_per_s(nbytes, ours["te_read_s"]),
+        "te_batch_write_gib_s": gib_per_s(nbytes, ours["te_write_s"]),
         "ours_read_after_exists_gib_s": gib_per_s(nbytes, ours["cached_read_s"]),
         "ours_read_stale": ours["read_stale"], "ours_read_failures": ours["read_failures"],
     })
@@ -436,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
                       fig["peercache_read_gib_s"], "PeerCache 0.8.4 batch_get_v1 (TCP fallback)")
             res.ratio(f"read_gib_s_{label}_vs_raw_te", fig["ours_remote_read_gib_s"], fig["te_batch_read_gib_s"],
                       "Mooncake TE batch_transfer_sync_read, same bytes")
+            res.ratio(f"remote_write_gib_s_{label}_vs_raw_te_write", fig["ours_remote_write_gib_s"],
+                      fig["te_batch_write_gib_s"], "Mooncake TE batch_transfer_sync_write, same bytes")
             res.ratio(f"remote_write_gib_s_{label}_vs_peercache_write", fig["ours_remote_write_gib_s"],
                       fig["peercache_write_gib_s"], "PeerCache 0.8.4 batch_set_v1 (local pool + directory)")
             res.ratio(f"local_placement_write_gib_s_{label}_vs_peercache_write",

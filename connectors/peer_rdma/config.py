@@ -25,6 +25,8 @@ class PeerRdmaConfig(StoreConfig):
         "control (gRPC) port; -1: the discovery_addr port if it is free here, else any; 0: any"))
     global_segment_size: Size = field(default=4 << 30, metadata=field_doc(
         "memory this node lends to the pool ('16gb' style); 0: store no pages"))
+    populate_segment: bool = field(default=True, metadata=field_doc(
+        "fault the segment in at start (remote writes into untouched pages are several times slower)"))
     placement: Literal["local", "owner"] = field(default="local", metadata=field_doc(
         "where a written page lives: 'local' = the writer's own segment (writes are memcpy), "
         "'owner' = the key's owner node (one-sided remote write)"))

@@ -106,7 +106,7 @@ class PeerNode:
 
         from connectors.peer_rdma.transport import Transport
 
-        self.segment = Segment(c.global_segment_size, on_evict=self._on_evict)
+        self.segment = Segment(c.global_segment_size, on_evict=self._on_evict, populate=c.populate_segment)
         self.transport = Transport(self.hostname, c.protocol, c.devices, c.transfer_timeout, c.bounce_buffer_size)
         if c.global_segment_size:
             self.transport.register(self.segment.base, c.global_segment_size)

@@ -131,9 +131,15 @@ class Segment:
     capacity pressure pushed out, so the node can unpublish or demote it to disk.
     """
 
-    def __init__(self, size: int, on_evict: Callable[[str, Slot], None] | None = None):
+    def __init__(self, size: int, on_evict: Callable[[str, Slot], None] | None = None, populate: bool = True):
         self.size = size
-        self._mem = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        if populate:
+            # Fault the lent memory in now: a remote write into never-touched pages pays a page
+            # fault (and zeroing) per 4 KiB on the receiving node, several times the transfer
+            # itself. RDMA registration pins it anyway.
+            flags |= getattr(mmap, "MAP_POPULATE", 0)
+        self._mem = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=flags)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
         self._alloc = Allocator(size)
         self._slots: OrderedDict[str, Slot] = OrderedDict()
