@@ -43,8 +43,12 @@ class PeerRdmaConfig(StoreConfig):
         "shared secret on every RPC (default: $KVCONNECT_PEER_TOKEN)"))
     metrics_port: int = field(default=-1, metadata=field_doc("Prometheus port (-1: no endpoint, 0: any)"))
     metrics_bind_host: str = field(default="127.0.0.1", metadata=field_doc("Prometheus bind address"))
-    bounce_buffer_size: Size = field(default=64 << 20, metadata=field_doc(
-        "registered staging memory for pages in unregistered caller memory"))
+    bounce_buffer_size: Size = field(default=256 << 20, metadata=field_doc(
+        "registered staging memory for remote reads (and writes from unregistered memory), "
+        "in chunks of up to 64 MiB made on first use"))
+    direct_reads: bool = field(default=False, metadata=field_doc(
+        "read straight into registered caller pages (zero-copy); off: stage, validate, copy, so "
+        "that a transfer that timed out and lands late can never write into caller memory"))
     location_cache_ttl: float = field(default=2.0, metadata=field_doc(
         "seconds a location found by exists() is reused by the next read (0: off)"))
     join_timeout: float = field(default=5.0, metadata=field_doc("seconds to wait for a seed at start"))

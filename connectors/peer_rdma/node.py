@@ -42,7 +42,7 @@ COUNTERS = ("write_requests", "writes_stored", "write_failures", "bytes_written"
             "read_hits", "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses",
             "read_failures", "read_timeouts", "read_stale", "bytes_read", "exists_requests",
             "exists_hits", "evictions", "promotes", "directory_republishes", "publish_failures",
-            "rpc_failures", "bounce_reads", "write_timeouts", "write_transfer_failures")
+            "rpc_failures", "bounce_reads", "staged_reads", "write_timeouts", "write_transfer_failures")
 
 
 class Latency:
@@ -92,12 +92,14 @@ class PeerNode:
         self._dir_by_holder: dict[str, set[str]] = {}
         self._dlock = threading.Lock()
         self._reservations: dict[int, tuple[str, int, int, float]] = {}  # token -> key, off, len, deadline
+        self._quarantined: deque[tuple[float, int, int]] = deque()  # (release at, offset, length)
         self._rlock = threading.Lock()
         self._next_token = 0
         self._loc_cache: OrderedDict[str, tuple[list, float]] = OrderedDict()
         self._lclock = threading.Lock()
         self._outbox: deque[tuple[str, str, list]] = deque()  # (op, key, payload): evictions to announce
         self._outbox_event = threading.Event()
+        self._announce_lock = threading.Lock()
         self._rehome_event = threading.Event()
         self._gone: dict[str, float] = {}  # member -> when it left the view
         self._swept_version = 0
@@ -230,11 +232,14 @@ class PeerNode:
         """Reserve blocks for one-sided writes: [token, offset] per key, True if held, None if full."""
         out = []
         now = time.monotonic()
-        with self._rlock:  # expire reservations whose writer vanished
+        with self._rlock:  # expire reservations whose writer vanished (its write may still land)
             for tok, (_, off, n, dl) in list(self._reservations.items()):
                 if dl < now:
                     del self._reservations[tok]
-                    self.segment.release(off, n)
+                    self._quarantine(off, n)
+            while self._quarantined and self._quarantined[0][0] < now:
+                _, off, n = self._quarantined.popleft()
+                self.segment.release(off, n)
         held = []
         for key, n in items:
             slot = self.segment.lookup(key, touch=False)
@@ -256,6 +261,10 @@ class PeerNode:
         self._flush_outbox()
         return out
 
+    def _quarantine(self, off: int, n: int) -> None:
+        """Hold a block back from reuse until any late write into it is long over (_rlock held)."""
+        self._quarantined.append((time.monotonic() + 2 * self.config.transfer_timeout + 10, off, n))
+
     def _h_commit(self, items: list) -> list:
         """Publish written blocks whose bytes hash to the writer's checksum; abort the rest."""
         out, new = [], []
@@ -267,7 +276,8 @@ class PeerNode:
                 continue
             key, off, n, _ = res
             if checksum is None or checksum_at(self.segment.base + off, n) != checksum:
-                self.segment.release(off, n)
+                with self._rlock:
+                    self._quarantine(off, n)  # a write that failed or timed out may still land
                 out.append(False)
                 continue
             slot = self.segment.commit(key, off, n, checksum)
@@ -406,7 +416,12 @@ class PeerNode:
 
     def _flush_outbox(self) -> None:
         """Tell the owners about evictions now (a write that evicted returns after this,
-        so ``exists`` never reports a page this node already dropped)."""
+        so ``exists`` never reports a page this node already dropped). Serialised: a caller
+        also waits for an announcement the background thread has in flight."""
+        with self._announce_lock:
+            self._flush_outbox_locked()
+
+    def _flush_outbox_locked(self) -> None:
         while self._outbox:
             items = []
             while self._outbox and len(items) < 4096:
@@ -710,42 +725,83 @@ class PeerNode:
                 self._get_remote(keys, pages, sizes, again, out, deadline, retry=False)
 
     def _read_from(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
-        """One holder's pages: one-sided reads, then checksum validation per page."""
-        base = member.seg_base
-        reg = self.transport.page_registered
-        direct, bounced = [], []
-        for item in items:
-            (direct if reg(pages[item[0]]) else bounced).append(item)
-        if direct:
-            self._read_direct(member, direct, pages, out)
-        if bounced:
-            self.count(bounce_reads=len(bounced))
-            bounce, cap = self.transport.bounce()
-            try:
-                start = 0
-                while start < len(bounced):
-                    chunk, used = [], 0
-                    while start < len(bounced) and used + bounced[start][1][LEN] <= cap:
-                        chunk.append((bounced[start], used))
-                        used += bounced[start][1][LEN]
-                        start += 1
-                    if not chunk:  # a page larger than the bounce buffer
-                        start += 1
-                        continue
-                    ok = self._transfer(member, [bounce + o for _, o in chunk],
-                                        [base + e[OFF] for (_, e), _ in chunk], [e[LEN] for (_, e), _ in chunk])
-                    if not ok:
-                        continue
-                    for (i, e), o in chunk:
-                        if checksum_at(bounce + o, e[LEN]) == e[CSUM]:
-                            scatter(bounce + o, pages[i])
-                            out[i] = True
-                        else:
-                            self.count(read_stale=1)
-            finally:
-                self.transport.unbounce()
+        """One holder's pages: one-sided reads, then checksum validation per page.
 
-    PIPELINE_CHUNK = 64 << 20  # bytes per async chunk when a large read is split to overlap validation
+        By default the engine reads into registered staging chunks and a page is copied into
+        the caller's memory only after it validated. A transfer that failed or timed out may
+        still land later (a blackholed peer's data arrives after the engine gave up): its
+        chunk is retired, so late bytes can never reach memory the caller reuses.
+        ``direct_reads`` reads straight into registered caller pages instead (zero-copy,
+        without that guarantee).
+        """
+        if self.config.direct_reads:
+            reg = self.transport.page_registered
+            direct = [it for it in items if reg(pages[it[0]])]
+            if direct:
+                self._read_direct(member, direct, pages, out)
+            items = [it for it in items if not reg(pages[it[0]])]
+            if not items:
+                return
+            self.count(bounce_reads=len(items))
+        self._read_staged(member, items, pages, out)
+
+    def _read_staged(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
+        staging = self.transport.staging
+        self.count(staged_reads=len(items))
+        cap = staging.chunk_bytes
+        groups: list[list[tuple[tuple[int, list], int]]] = []
+        used = cap
+        for item in items:
+            n = item[1][LEN]
+            if n > cap:
+                continue  # larger than a staging chunk: a miss
+            if used + n > cap:
+                groups.append([])
+                used = 0
+            groups[-1].append((item, used))
+            used += n
+        base = member.seg_base
+        deadline = time.monotonic() + self.config.transfer_timeout
+        g = 0
+        while g < len(groups):
+            # start as many chunks as we can borrow (all of them when the pool is idle) ...
+            wave = []
+            while g < len(groups):
+                addr = staging.borrow(timeout=0 if wave else max(0.0, deadline - time.monotonic()))
+                if addr is None:
+                    break
+                grp = groups[g]
+                g += 1
+                local = [addr + o for _, o in grp]
+                remote = [base + e[OFF] for (_, e), _ in grp]
+                lengths = [e[LEN] for (_, e), _ in grp]
+                try:
+                    bid = self.transport.read_async(member.te_name, local, remote, lengths)
+                except Exception:  # noqa: BLE001 - a data-plane error is a miss
+                    bid = 0
+                wave.append((grp, addr, bid, time.monotonic()))
+            if not wave:
+                return  # no staging memory within the deadline: misses
+            # ... then validate each as it lands, while the engine moves the next ones
+            for grp, addr, bid, t0 in wave:
+                rc = self.transport.wait(bid) if bid else -1
+                if rc != 0:
+                    staging.retire(addr)
+                    self.count(**{"read_timeouts" if time.monotonic() - t0 >= self.config.transfer_timeout * 0.9
+                                  else "read_failures": 1})
+                    continue
+                stale = 0
+                for (i, e), o in grp:
+                    if checksum_at(addr + o, e[LEN]) == e[CSUM]:
+                        scatter(addr + o, pages[i])
+                        out[i] = True
+                    else:
+                        stale += 1
+                staging.give_back(addr)
+                if stale:
+                    self.count(read_stale=stale)
+
+    PIPELINE_CHUNK = 64 << 20  # direct reads: bytes per async chunk (validation overlaps the next ones)
 
     def _read_direct(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
         """Reads straight into registered caller pages. A large batch is split into chunks that
@@ -841,6 +897,8 @@ class PeerNode:
                 new.append((j, keys[i], slot))
                 self._write_through(keys[i], slot)
         self._flush_outbox()
+        # a page this batch stored may already have been evicted by a later one of it
+        new = [(j, k, sl) for j, k, sl in new if self.segment.holds(k, sl.seq)]
         if new:
             self.count(writes_stored=len(new))
             published = self._publish([(k, s) for _, k, s in new])
@@ -916,7 +974,10 @@ class PeerNode:
                               else "write_transfer_failures": 1})
             commits += [[tok, sums[j] if rc == 0 else None] for j, (i, n, tok, off) in enumerate(direct)]
         if bounced:
-            bounce, cap = self.transport.bounce()
+            bounce = self.transport.staging.borrow(timeout=max(0.0, deadline - time.monotonic()))
+            cap = self.transport.staging.chunk_bytes
+            if bounce is None:
+                bounced = []
             try:
                 start = 0
                 while start < len(bounced):
@@ -936,7 +997,8 @@ class PeerNode:
                                         write=True)
                     commits += [[t[2], checksum_at(bounce + o, t[1]) if ok else None] for t, o in chunk]
             finally:
-                self.transport.unbounce()
+                if bounce is not None:
+                    self.transport.staging.give_back(bounce)
         try:
             results = self.clients.call(member.node_id, "Commit", commits,
                                         min(2 * self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))

@@ -22,6 +22,60 @@ import threading
 log = logging.getLogger(__name__)
 
 
+class Staging:
+    """Registered staging memory, in chunks of up to 64 MiB, made on first use.
+
+    A chunk whose transfer failed or timed out is *retired*: never handed out again (the
+    engine may still write into it), and a fresh chunk may replace it.
+    """
+
+    def __init__(self, transport: "Transport", total_bytes: int):
+        self.transport = transport
+        self.chunk_bytes = max(1 << 20, min(64 << 20, total_bytes))
+        self.max_chunks = max(1, total_bytes // self.chunk_bytes)
+        self._cond = threading.Condition()
+        self._free: list[int] = []
+        self._live = 0
+        self._maps: list[mmap.mmap] = []
+        self.retired = 0
+
+    def borrow(self, timeout: float | None) -> int | None:
+        """A chunk address; None if none is free within ``timeout`` seconds (0: do not wait)."""
+        with self._cond:
+            while True:
+                if self._free:
+                    return self._free.pop()
+                if self._live < self.max_chunks:
+                    self._live += 1
+                    break
+                if timeout == 0 or not self._cond.wait(timeout):
+                    return None
+        try:
+            m = mmap.mmap(-1, self.chunk_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                          | getattr(mmap, "MAP_POPULATE", 0))
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            self.transport.register(addr, self.chunk_bytes)
+        except BaseException:
+            with self._cond:
+                self._live -= 1
+                self._cond.notify()
+            raise
+        with self._cond:
+            self._maps.append(m)  # kept for the life of the process (retired ones too)
+        return addr
+
+    def give_back(self, addr: int) -> None:
+        with self._cond:
+            self._free.append(addr)
+            self._cond.notify()
+
+    def retire(self, addr: int) -> None:
+        with self._cond:
+            self._live -= 1  # room for a replacement; this one is never reused
+            self.retired += 1
+            self._cond.notify()
+
+
 class Transport:
     def __init__(self, hostname: str, protocol: str, device: str, transfer_timeout_s: float,
                  bounce_bytes: int):
@@ -37,10 +91,7 @@ class Transport:
         self._lock = threading.Lock()
         self._regions: list[tuple[int, int]] = []  # sorted (start, end)
         self._last: tuple[int, int] = (0, 0)
-        self._bounce_bytes = bounce_bytes
-        self._bounce = None
-        self._bounce_base = 0
-        self._bounce_free = threading.Semaphore(1)
+        self.staging = Staging(self, bounce_bytes)
 
     # -- registration ---------------------------------------------------------------
     def register(self, address: int, nbytes: int) -> None:
@@ -65,18 +116,6 @@ class Transport:
 
     def page_registered(self, page) -> bool:
         return all(self.is_registered(a, n) for a, n in page)
-
-    def bounce(self) -> tuple[int, int]:
-        """Borrow the registered bounce buffer (address, size); give it back with ``unbounce``."""
-        self._bounce_free.acquire()
-        if self._bounce is None:
-            self._bounce = mmap.mmap(-1, self._bounce_bytes)
-            self._bounce_base = ctypes.addressof(ctypes.c_char.from_buffer(self._bounce))
-            self.register(self._bounce_base, self._bounce_bytes)
-        return self._bounce_base, self._bounce_bytes
-
-    def unbounce(self) -> None:
-        self._bounce_free.release()
 
     # -- transfers ------------------------------------------------------------------
     MERGE_MAX = 2 << 20  # the engine runs the transfers of a batch in parallel: keep several

@@ -121,14 +121,24 @@ else:
             assert m["read_remote_hits"] > 0 and m["read_local_hits"] > 0, m
             assert m["pool_keys"] < 48  # the others hold the rest
 
-        def test_unregistered_caller_memory_goes_through_the_bounce_buffer(self, store):
+        def test_remote_reads_are_staged_and_validated_before_the_copy(self, store):
             keys = self.keys(16)
             assert self.write(store, keys) == [True] * 16
             ok, b = self.read(store, keys)  # HostBuffer memory is never registered here
             assert ok == [True] * 16
-            assert store.node.metrics()["bounce_reads"] > 0
+            assert all(b.read(i) == page_bytes(k) for i, k in enumerate(keys))
+            assert store.node.metrics()["staged_reads"] > 0
 
-        def test_registered_caller_memory_is_read_and_written_directly(self, store):
+        def test_direct_reads_into_registered_caller_memory(self):
+            from connectors.registry import create_store
+
+            store = create_store("peer_rdma", {**self.store_options(), "direct_reads": True})
+            try:
+                self._direct(store)
+            finally:
+                store.close()
+
+        def _direct(self, store):
             keys = self.keys(16)
             src, dst = self.buf(16), self.buf(16)
             store.register_memory(src.address, len(src.raw))
@@ -140,7 +150,7 @@ else:
             assert store.get_into(keys, [dst.page(i) for i in range(16)]) == [True] * 16
             assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
             m = store.node.metrics()
-            assert m["bounce_reads"] == before and m["read_remote_hits"] > 0
+            assert m["bounce_reads"] == before and m["staged_reads"] == 0 and m["read_remote_hits"] > 0
 
     class TestPeerRdmaDiskTier:
         """The write-through disk tier: pages the segment evicted come back on demand."""
