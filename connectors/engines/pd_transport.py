@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(logger, interval_s=10.0)  # a dead store must not flood the engine log
 
 ENV_CONFIG = "KVCONNECT_PD_CONFIG"
+ENV_TOKEN = "KVCONNECT_PD_TOKEN"
 TRANSPORTS = ("peer_rdma", "mooncake", "hf3fs")
 
 
@@ -68,6 +69,9 @@ class PDConfig(StoreConfig):
     workers: int = field(default=2, metadata=field_doc(
         "transfer threads per process (2 measured best on a 2-core host; raise with cores and NICs)"))
     max_batch: int = field(default=4096, metadata=field_doc("peer_rdma: most blocks per Transfer Engine call"))
+    auth_token: Optional[str] = field(default=None, metadata=field_doc(
+        "shared secret decode's control messages must carry (default: $KVCONNECT_PD_TOKEN); "
+        "prefill drops registrations and destinations without it"))
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and self.timeout_s <= 0:
@@ -91,7 +95,7 @@ def load_pd_config(raw: str | Mapping[str, Any] | None) -> PDConfig:
 
     where = ENV_CONFIG
     if raw is None or (isinstance(raw, str) and not raw.strip()):
-        return PDConfig()
+        raw = {}
     if isinstance(raw, str):
         text = raw.strip()
         if not text.startswith("{"):
@@ -103,7 +107,19 @@ def load_pd_config(raw: str | Mapping[str, Any] | None) -> PDConfig:
             raw = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError("<root>", f"invalid JSON: {e}", None, where) from e
-    return parse_config(PDConfig, raw, where=where)
+    config = parse_config(PDConfig, raw, where=where)
+    if config.auth_token is None and os.environ.get(ENV_TOKEN):
+        config = dataclasses.replace(config, auth_token=os.environ[ENV_TOKEN])
+    return config
+
+
+def token_matches(expected: Optional[str], got: Any) -> bool:
+    """Constant-time check of a control message's token (no token configured: accept all)."""
+    import hmac
+
+    if not expected:
+        return True
+    return isinstance(got, str) and hmac.compare_digest(expected.encode(), got.encode())
 
 
 # ---------------------------------------------------------------------------------

@@ -63,9 +63,12 @@ from connectors.engines.pd_transport import (
     load_pd_config,
     room_namespace,
     state_blocks,
+    token_matches,
 )
+from connectors.engines.common import RateLimitedLog
 
 logger = logging.getLogger(__name__)
+_rate_limited = RateLimitedLog(logger, interval_s=10.0)
 
 REG_TAG = b"KVC_REG"  # decode -> prefill: a decode rank's buffers (once per prefill rank)
 META_TAG = b"KVC_META"  # decode -> prefill: one room's destination pages and aux row
@@ -216,6 +219,7 @@ class KVConnectKVManager(CommonKVManager):
             "state_ptrs": [list(c) for c in layout.state_ptrs],
             "state_item_lens": [list(c) for c in layout.state_item_lens],
             "tp_rank": int(self.kv_args.engine_rank), "attn_tp_size": int(self.attn_tp_size),
+            "token": self.pd_config.auth_token or "",
         })]
 
     def build_receiver_metadata_message(self, *, bootstrap_room: int, required_dst_info_num: int,
@@ -229,7 +233,7 @@ class KVConnectKVManager(CommonKVManager):
             "state": [] if is_dummy or not state_indices else [
                 None if s is None else [int(x) for x in np.asarray(s).ravel()] for s in state_indices],
             "required": int(required_dst_info_num), "prefix": int(decode_prefix_len or 0),
-            "dummy": bool(is_dummy),
+            "dummy": bool(is_dummy), "token": self.pd_config.auth_token or "",
         })]
 
     # =============================================================================
@@ -244,10 +248,13 @@ class KVConnectKVManager(CommonKVManager):
             try:
                 if msg[0] == ABORT_TAG:
                     self._on_abort(msg)
-                elif msg[0] == REG_TAG:
-                    self._on_registration(_decode(msg[1]))
-                elif msg[0] == META_TAG:
-                    self._on_metadata(_decode(msg[1]))
+                elif msg[0] in (REG_TAG, META_TAG):
+                    d = _decode(msg[1])
+                    if not token_matches(self.pd_config.auth_token, d.get("token")):
+                        _rate_limited.warning("auth", "kvconnect PD: rejected a %s message from %s:%s: wrong or "
+                                              "missing auth_token", msg[0].decode(), d.get("endpoint"), d.get("port"))
+                        continue
+                    (self._on_registration if msg[0] == REG_TAG else self._on_metadata)(d)
                 elif msg[0] == TAKEN_TAG:
                     self._relay_deadlines.pop(int(msg[1]))
                 else:

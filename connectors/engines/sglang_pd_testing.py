@@ -443,6 +443,11 @@ def main(argv: list[str]) -> int:
             end = time.monotonic() + node.spec["deadline_s"]
             while not node._stop_requested() and time.monotonic() < end:  # keep /route up for decode
                 time.sleep(0.05)
+            m = node.mgr
+            if getattr(m, "_relay_deadlines", None) is not None:  # unread relay rooms expire after retain_s
+                end = time.monotonic() + m.pd_config.retain_s + 5
+                while m._relay_deadlines.entries and time.monotonic() < end:
+                    time.sleep(0.1)
             out["leftovers_at_stop"] = node.leftovers()
     except Exception as e:  # noqa: BLE001 - reported to the parent
         import traceback
@@ -537,6 +542,7 @@ class Pair:
             self.specs[role] = spec
         self.procs: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, str] = {}
+        self.role_env: dict[str, dict[str, str]] = {}  # per-role environment overrides
 
     def start(self, role: str, delay_s: float = 0.0) -> None:
         path = os.path.join(self.workdir, f"{role}.spec.json")
@@ -544,8 +550,9 @@ class Pair:
             json.dump(self.specs[role], f)
         self.logs[role] = os.path.join(self.workdir, f"{role}.log")
         cmd = self.ns.exec_prefix() + [sys.executable, "-m", "connectors.engines.sglang_pd_testing", path]
+        env = {**self.env, **self.role_env.get(role, {})}
         with open(self.logs[role], "w") as log:
-            self.procs[role] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.procs[role] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                                 start_new_session=True)
 
     def kill(self, role: str) -> None:

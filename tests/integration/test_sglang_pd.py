@@ -192,7 +192,7 @@ SLOW_ROOMS = [{"room": BASE + 100 + i, "npages": 40, "chunk_pages": 2, "chunk_sl
 @contextlib.contextmanager
 def transport_setup(transport: str, workdir: str):
     """(netns, KVCONNECT_PD_CONFIG, outage) for a transport; relay stores are really started."""
-    cfg = {"transport": transport, "timeout_s": TIMEOUT_S, "retain_s": 3.0}
+    cfg = {"transport": transport, "timeout_s": TIMEOUT_S, "retain_s": 15.0}
     if transport == "peer_rdma":
         cfg["protocol"] = "tcp"
         with pdt.loopback_netns() as ns:
@@ -305,3 +305,23 @@ def test_nothing_leaks(scenario):
     if scenario["last_wave"] == "outage":  # prefill survived: its tables must be empty too
         pleft = scenario["pre"]["leftovers_at_stop"]
         assert all(v == 0 for v in pleft.values()), pleft
+
+
+def test_control_messages_need_the_shared_token(plugin_path):
+    """With auth_token set, prefill ignores a decode that does not present it: no write, both sides Failed."""
+    rooms = [{"room": BASE + 500 + i, "npages": 4, "chunk_pages": 2} for i in range(2)]
+    common = {**GEOMETRY, "rooms": rooms, "deadline_s": 60, "bootstrap_port": 19071, "http_port": 19072}
+    cfg = {"transport": "peer_rdma", "protocol": "tcp", "timeout_s": 4}
+    with pdt.pair(common, {}, {}, cfg, plugin_path) as p:
+        p.role_env = {"prefill": {"KVCONNECT_PD_TOKEN": "s3cret"}, "decode": {"KVCONNECT_PD_TOKEN": "guess"}}
+        p.start("prefill")
+        p.start("decode")
+        dec = p.wait("decode", 90)
+        p.stop()
+        pre = p.wait("prefill", 30)
+        log = p.tail("prefill", 200_000)
+    for r in rooms:
+        assert dec["rooms"][str(r["room"])]["status"] == "failed", dec["rooms"]
+        assert pre["rooms"][str(r["room"])]["status"] == "failed", pre["rooms"]
+    assert "wrong or missing auth_token" in log
+    assert dec["rooms"]["_untouched_ok"], "prefill wrote into decode memory without the token"
