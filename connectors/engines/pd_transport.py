@@ -65,7 +65,8 @@ class PDConfig(StoreConfig):
         "(its files hold pages of one size per lane)"))
     retain_s: float = field(default=600.0, metadata=field_doc(
         "relay: prefill deletes a room's keys this long after publishing them if decode never took them"))
-    poll_interval_s: float = field(default=0.002, metadata=field_doc("relay: decode's marker poll period"))
+    poll_interval_s: float = field(default=0.01, metadata=field_doc(
+        "relay: decode's marker poll period (a prefill Success message wakes it at once)"))
     workers: int = field(default=2, metadata=field_doc(
         "transfer threads per process (2 measured best on a 2-core host; raise with cores and NICs)"))
     max_batch: int = field(default=4096, metadata=field_doc("peer_rdma: most blocks per Transfer Engine call"))
