@@ -90,6 +90,7 @@ class PeerNode:
         # directory shard: key -> entry, and holder -> keys (to drop a departed holder at once)
         self._dir: dict[str, list] = {}
         self._dir_by_holder: dict[str, set[str]] = {}
+        self._tombs: OrderedDict[tuple[str, int], None] = OrderedDict()  # dropped (holder, seq)
         self._dlock = threading.Lock()
         self._reservations: dict[int, tuple[str, int, int, float]] = {}  # token -> key, off, len, deadline
         self._quarantined: deque[tuple[float, int, int]] = deque()  # (release at, offset, length)
@@ -185,6 +186,8 @@ class PeerNode:
     # ------------------------------------------------------------------ directory shard
     def _dir_set(self, key: str, entry: list, if_absent: bool, view: View) -> bool:
         with self._dlock:
+            if (entry[HOLDER], entry[SEQ]) in self._tombs:
+                return False  # its holder already dropped this very slot (a re-publish raced it)
             cur = self._dir.get(key)
             if cur is not None and if_absent and cur[HOLDER] != entry[HOLDER] and \
                     self._live_holder(cur, view) is not None:
@@ -222,6 +225,13 @@ class PeerNode:
         return out
 
     def _h_dir_drop(self, items: list) -> list:
+        if any(s is not None for _, _, s in items):
+            with self._dlock:
+                for _, h, s in items:
+                    if s is not None:
+                        self._tombs[(h, s)] = None
+                while len(self._tombs) > 262144:  # slot generations are never reused: old ones are moot
+                    self._tombs.popitem(last=False)
         return [self._dir_pop(k, h, s) is not None for k, h, s in items]
 
     def _h_dir_delete(self, keys: list) -> list:
@@ -638,6 +648,8 @@ class PeerNode:
             deadline = time.monotonic() + self.config.timeout
             sub = [keys[i] for i in todo]
             found = self._locate(sub, deadline, use_cache=False)
+            # an entry naming this node for a page it no longer holds is stale
+            found = [None if e is not None and e[HOLDER] == self.node_id else e for e in found]
             self._cache_locations(sub, found)
             for i, e in zip(todo, found):
                 out[i] = e is not None

@@ -181,3 +181,31 @@ else:
                 assert store.node.metrics()["read_disk_hits"] >= 32
             finally:
                 store.close()
+
+    def test_every_rpc_checks_the_token(tmp_path):
+        """A node with a token refuses calls without it (or with another) before any handler runs."""
+        from connectors.peer_rdma.rpc import Clients, RpcError
+        from connectors.registry import create_store
+
+        store = create_store("peer_rdma", {"discovery_addr": "127.0.0.1:1", "control_port": 0, "protocol": "tcp",
+                                           "global_segment_size": 16 * PAGE, "auth_token": "right",
+                                           "join_timeout": 0.1})
+        try:
+            target = store.node.node_id
+            for token in ("", "wrong"):
+                c = Clients(token, 2.0)
+                try:
+                    for method, req in (("Stats", []), ("DirGet", ["k"]), ("Heartbeat", [store.node.me.to_wire(), []]),
+                                        ("Clear", [])):
+                        with pytest.raises(RpcError) as e:
+                            c.call(target, method, req)
+                        assert e.value.code == "UNAUTHENTICATED", (method, e.value)
+                finally:
+                    c.close()
+            c = Clients("right", 2.0)
+            try:
+                assert c.call(target, "Stats", [])["members"] == 1
+            finally:
+                c.close()
+        finally:
+            store.close()
