@@ -29,7 +29,7 @@ class PeerRdmaConfig(StoreConfig):
         "fault the segment in at start (remote writes into untouched pages are several times slower)"))
     placement: Literal["local", "owner"] = field(default="local", metadata=field_doc(
         "where a written page lives: 'local' = the writer's own segment (writes are memcpy), "
-        "'owner' = the key's owner node (one-sided remote write)"))
+        "'owner' = the key's owner node (one-sided remote write); a node lending 0 bytes uses 'owner'"))
     directory_replicas: int = field(default=1, metadata=field_doc(
         "extra nodes (besides the owner) holding each directory entry"))
     disk_path: str = field(default="", metadata=field_doc("write-through disk tier directory (empty: none)"))

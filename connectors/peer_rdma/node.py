@@ -886,8 +886,8 @@ class PeerNode:
 
     def put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
         t0 = time.perf_counter()
-        if self.config.placement == "owner":
-            out = self._put_owner(keys, pages)
+        if self.config.placement == "owner" or not self.config.global_segment_size:
+            out = self._put_owner(keys, pages)  # a node that lends nothing writes to the owners
         else:
             out = self._put_local(list(range(len(keys))), keys, pages)
         sizes = [page_nbytes(p) for p in pages]

@@ -95,6 +95,7 @@ class Clients:
         self._channels: dict[str, tuple[grpc.Channel, dict[str, Any]]] = {}
         self._metadata = ((TOKEN_HEADER, token),) if token else ()
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer-call")
+        self._member_pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-hb")
 
     def _method(self, target: str, method: str):
         with self._lock:
@@ -136,7 +137,9 @@ class Clients:
         items = list(requests.items())
         if not items:
             return {}
-        jobs = [(t, self._pool.submit(self._call_or_error, t, method, r, timeout)) for t, r in items[1:]]
+        # membership traffic has threads of its own: busy data calls must not delay heartbeats
+        pool = self._member_pool if method in ("Heartbeat", "Leave") else self._pool
+        jobs = [(t, pool.submit(self._call_or_error, t, method, r, timeout)) for t, r in items[1:]]
         out = {items[0][0]: self._call_or_error(items[0][0], method, items[0][1], timeout)}
         for t, j in jobs:
             out[t] = j.result()
@@ -150,6 +153,7 @@ class Clients:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        self._member_pool.shutdown(wait=False)
         with self._lock:
             chans, self._channels = list(self._channels.values()), {}
         for ch, _ in chans:
