@@ -392,7 +392,7 @@ class KVConnectKVManager(CommonKVManager):
                 if chunk.state_indices:
                     blocks += state_blocks(self.layout, reg.state_ptrs, chunk.state_indices, info.dst_state_indices)
             if blocks:
-                self.peer.write(info.session, blocks, self._executor)
+                self.peer.write(info.session, blocks)
             targets.append((info.endpoint, info.dst_port))
         if chunk.is_last_chunk:
             if targets:

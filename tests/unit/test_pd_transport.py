@@ -14,7 +14,6 @@ from connectors.engines.pd_transport import (
     kv_blocks,
     load_pd_config,
     page_segments,
-    split_blocks,
     token_matches,
 )
 
@@ -42,19 +41,6 @@ def test_page_segments_are_buffer_major_and_match_on_both_sides():
     b = page_segments(layout.kv_ptrs, layout.kv_item_lens, np.array([10, 40, 41]))
     assert [n for _, n in a] == [32, 16, 64, 32] and [n for _, n in b] == [16, 32, 32, 64]
     assert sum(n for _, n in a) == sum(n for _, n in b) == 3 * layout.page_bytes
-
-
-@pytest.mark.parametrize("ways", [1, 2, 3, 4])
-def test_split_blocks_keeps_every_byte_once(ways):
-    blocks = [(0, 10_000_000, 3 << 20), (5 << 20, 20_000_000, 9 << 20), (30 << 20, 40_000_000, 1000)]
-    parts = split_blocks(blocks, ways, max_batch=4096, piece_bytes=1 << 20)
-    assert 1 <= len(parts) <= ways
-    covered = sorted((s, d, n) for part in parts for s, d, n in part)
-    pos = {}
-    for s, d, n in covered:  # pieces tile each block, src and dst shifted together
-        assert d - s == next(bd - bs for bs, bd, bn in blocks if bs <= s < bs + bn)
-        pos[s] = n
-    assert sum(pos.values()) == sum(n for _, _, n in blocks)
 
 
 def test_marker_round_trip_and_rejects_garbage():
