@@ -63,7 +63,9 @@ def run_transport(name: str, pd_config: dict | None, backend: str, args: argpars
         dec = p.wait("decode", args.deadline_s * len(waves) + 120)
         p.stop()
         pre = p.wait("prefill", 60)
-    out = {"name": name, "backend": backend, "config": pd_config, "levels": []}
+    out = {"name": name, "backend": backend, "config": pd_config, "levels": [],
+           "store_stats": {"prefill": pre.get("leftovers", {}).get("store_stats"),
+                           "decode": dec.get("leftovers", {}).get("store_stats")}}
     for level, wave, dres, pres in zip(args.levels, waves[1:], dec["waves"][1:], pre["waves"][1:]):
         lat, starts, ends, failed = [], [], [], 0
         for r in wave:
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             walls = [lv["wall_seconds"] for lv in per_level if lv["wall_seconds"]]
             ref["levels"].append({**per_level[0], "wall_seconds": statistics.mean(walls) if walls else None,
                                   "wall_seconds_runs": walls})
+    for r in results:
+        if any(r.get("store_stats", {}).values()):
+            bench.notes.append(f"{r['name']} store calls (whole run, warm-up included): {json.dumps(r['store_stats'])}")
     for r in [x for x in results if x["backend"] != "mooncake_tcp"] + ([ref] if ref else []):
         bench.figures[r["name"]] = r["levels"]
         if ref is None or r is ref:

@@ -376,6 +376,10 @@ class Node:
                 out[name] = len(getattr(m, name))
         if getattr(m, "_relay_deadlines", None) is not None:
             out["relay_unread_rooms"] = len(m._relay_deadlines.entries)
+        if getattr(m, "relay", None) is not None:  # where relay time goes (benchmark diagnostics)
+            st = m.relay.store.stats()
+            out["store_stats"] = {k: getattr(st, k) for k in ("put_calls", "put_bytes", "put_seconds", "get_calls",
+                                                              "get_bytes", "get_seconds", "exists_calls")}
         if self.relay_rooms:  # every key a relayed room could have used, still in the store?
             from connectors.engines.pd_transport import room_namespace
 
