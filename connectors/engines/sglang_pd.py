@@ -156,13 +156,14 @@ class KVConnectKVManager(CommonKVManager):
         self.peer: Optional[PeerRdmaTransport] = None
         self.relay: Optional[StoreRelay] = None
         if cfg.is_relay:
+            self._check_relay_device(cfg)
             self.relay = StoreRelay(cfg, self.layout)
         else:
             self.peer = PeerRdmaTransport(cfg, self.layout, self.local_ip)
         self.session_id = self.peer.session_id if self.peer else f"{self.local_ip}:{self.rank_port}"
         self._executor = concurrent.futures.ThreadPoolExecutor(cfg.workers, thread_name_prefix="kvconnect-pd")
-        # Deleting keys can wait for a store lease (Mooncake: seconds); never on the data path.
-        self._cleanup = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvconnect-pd-cleanup")
+        # Notices that must not delay the read path (relay: "keys taken" to prefill).
+        self._cleanup = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvconnect-pd-notices")
         if disaggregation_mode == DisaggregationMode.PREFILL:
             if cfg.timeout_s is not None:
                 self.bootstrap_timeout = cfg.timeout_s
@@ -186,13 +187,34 @@ class KVConnectKVManager(CommonKVManager):
             if self.relay is not None:
                 self._spawn(self._relay_reader)
 
+    @staticmethod
+    def _check_relay_device(cfg: PDConfig) -> None:
+        """The relay hands raw KV pointers to a store: hf3fs does POSIX/usrbio I/O, which cannot
+        touch GPU memory; Mooncake can only with a CUDA build that registers device memory."""
+        try:
+            from sglang.srt.runtime_context import get_device
+
+            device = str(get_device().device or "cpu")
+        except Exception:  # noqa: BLE001 - older releases: assume the common case
+            device = "cuda"
+        if device.startswith("cpu"):
+            return
+        if cfg.transport == "hf3fs":
+            from connectors.base import ConfigError
+
+            raise ConfigError("transport", f"'hf3fs' reads and writes KV pages with file I/O, which cannot reach "
+                              f"{device} memory", ["peer_rdma", "mooncake (with a CUDA build of Mooncake)"],
+                              where=ENV_CONFIG)
+        logger.warning("kvconnect PD: the mooncake relay on %s needs a Mooncake build that registers device "
+                       "memory (the -non-cuda wheel does not)", device)
+
     def _spawn(self, fn: Any, *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvconnect-pd-{fn.__name__}")
         t.start()
         self._threads.append(t)
 
     def close(self) -> None:
-        """Stop worker threads and release the data plane (tests, role switches)."""
+        """Stop worker threads and release the data plane (tests)."""
         self._stopped = True
         for q in getattr(self, "transfer_queues", []):
             q.put(None)
