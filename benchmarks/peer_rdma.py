@@ -438,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         res.notes.append("not root: ran in the host network namespace (TE listens on all interfaces)")
     r = Runner(ns, tmp)
+    ok = False
     try:
         for k, (page, pages) in enumerate(sizes):
             fig = measure_size(r, page, pages, repeats, 32100 + 10 * k)
@@ -454,10 +455,15 @@ def main(argv: list[str] | None = None) -> int:
             res.ratio(f"local_placement_write_gib_s_{label}_vs_peercache_write",
                       fig["ours_local_placement_write_gib_s"], fig["peercache_write_gib_s"],
                       "PeerCache 0.8.4 batch_set_v1 (local pool + directory)")
+        ok = True
     finally:
         r.close()
         if ns:
             subprocess.run(["ip", "netns", "del", ns], check=False)
+    if ok:  # keep the process logs only when something failed
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
     res.print_ratios()
     res.write(Path(args.out) if args.out else None)
     return 0

@@ -42,7 +42,8 @@ COUNTERS = ("write_requests", "writes_stored", "write_failures", "bytes_written"
             "read_hits", "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses",
             "read_failures", "read_timeouts", "read_stale", "bytes_read", "exists_requests",
             "exists_hits", "evictions", "promotes", "directory_republishes", "publish_failures",
-            "rpc_failures", "bounce_reads", "staged_reads", "write_timeouts", "write_transfer_failures")
+            "rpc_failures", "bounce_reads", "staged_reads", "write_timeouts", "write_transfer_failures",
+            "write_spills")
 
 
 class Latency:
@@ -940,6 +941,13 @@ class PeerNode:
                     for o, idx in per_owner.items()]
             for j in jobs:
                 j.result()
+            # an owner that was full (blocks reserved by in-flight writes) or unreachable: keep
+            # the page in this node's own segment instead; readers find it through the directory
+            spill = [i for idx in per_owner.values() for i in idx if not out[i]]
+            if spill and self.config.global_segment_size:
+                self.count(write_spills=len(spill))
+                for i, ok in zip(spill, self._put_local(spill, keys, pages)):
+                    out[i] = ok
         return out
 
     def _write_to(self, member: Member, idx: list[int], keys, pages, out: list[bool], deadline: float) -> None:

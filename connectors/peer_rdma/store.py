@@ -15,7 +15,7 @@ PROM_COUNTERS = ("write_requests", "bytes_written", "write_failures", "read_requ
                  "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses", "read_failures",
                  "read_timeouts", "read_stale", "bytes_read", "exists_requests", "exists_hits", "evictions",
                  "promotes", "directory_republishes", "publish_failures", "rpc_failures", "bounce_reads",
-                 "write_timeouts", "write_transfer_failures", "staged_reads",
+                 "write_timeouts", "write_transfer_failures", "staged_reads", "write_spills",
                  "disk_writes", "disk_evictions")
 PROM_GAUGES = ("members", "pool_keys", "pool_bytes_used", "pool_capacity_bytes", "directory_entries",
                "disk_keys", "disk_bytes_used")

@@ -76,6 +76,9 @@ else:
         finally:
             for p in procs:
                 stop(p)
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
 
     class _PeerBase(PageStoreConformance):
         store_name = "peer_rdma"

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import tempfile
 import time
 
 import pytest
@@ -22,14 +21,14 @@ import pytest
 from tests.integration.peer_rdma_support import PY, exec_in, loopback_ns, netns_available, stop
 
 
-def test_sglang_adapter_over_the_peer_pool():
+def test_sglang_adapter_over_the_peer_pool(tmp_path):
     for mod in ("grpc", "mooncake", "sglang", "torch"):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"needs {mod} (installed by scripts/install.sh)")
     why = netns_available()
     if why:
         pytest.skip(why)
-    tmp = tempfile.mkdtemp(prefix="kvp-sgl-")
+    tmp = str(tmp_path)
     with loopback_ns() as ns:
         ready = os.path.join(tmp, "ready")
         node = exec_in(ns, [PY, "-m", "connectors.cli", "--log-level", "WARNING", "peer", "serve",
