@@ -238,6 +238,10 @@ class MetaServer:
         return self
 
     def stop(self, grace: float = 1.0) -> None:
+        """Stop serving and close the journal. Idempotent (the event loop is gone after the first)."""
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
         try:
             self._run(self.server.stop(grace), timeout=grace + 10)
         finally:
