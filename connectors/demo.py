@@ -438,30 +438,15 @@ class HostBufferPath:
     def pages(self, handle: list[int]) -> list[list[Segment]]:
         return [self.buf.page(i) for i in handle]
 
-    def exists(self, hashes: list[str], t: _Timer) -> int:
-        from namespace import count_hits
-
-        hits = 0
-        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
-            batch = hashes[s:s + STORAGE_BATCH_SIZE]
-            t0 = time.perf_counter()
-            n = count_hits(self.store.exists(self.keyspace.keys(batch)))
-            t.seconds += time.perf_counter() - t0
-            t.calls += 1
-            hits += n
-            if n < len(batch):
-                break
-        return hits
-
-    def get(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
-        from namespace import leading_hits
-
+    @staticmethod
+    def _batched(hashes: list[str], t: _Timer, call: Callable[[list[str], int], int]) -> int:
+        """``call(batch, start)`` per controller-sized batch, timed; stops at the first short batch
+        (as SGLang's controller does). Returns the pages done."""
         done = 0
         for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
             batch = hashes[s:s + STORAGE_BATCH_SIZE]
-            pages = [self.buf.page(i) for i in handle[first_page + s:first_page + s + len(batch)]]
             t0 = time.perf_counter()
-            n = leading_hits(self.store.get_into(self.keyspace.keys(batch), pages))
+            n = call(batch, s)
             t.seconds += time.perf_counter() - t0
             t.calls += 1
             done += n
@@ -469,19 +454,24 @@ class HostBufferPath:
                 break
         return done
 
+    def _pages(self, handle: list[int], first: int, count: int) -> list:
+        return [self.buf.page(i) for i in handle[first:first + count]]
+
+    def exists(self, hashes: list[str], t: _Timer) -> int:
+        from namespace import count_hits
+
+        return self._batched(hashes, t, lambda b, s: count_hits(self.store.exists(self.keyspace.keys(b))))
+
+    def get(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
+        from namespace import leading_hits
+
+        return self._batched(hashes, t, lambda b, s: leading_hits(
+            self.store.get_into(self.keyspace.keys(b), self._pages(handle, first_page + s, len(b)))))
+
     def set(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
-        done = 0
-        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
-            batch = hashes[s:s + STORAGE_BATCH_SIZE]
-            pages = [self.buf.page(i) for i in handle[first_page + s:first_page + s + len(batch)]]
-            t0 = time.perf_counter()
-            res = self.store.put_from(self.keyspace.keys(batch), pages)
-            t.seconds += time.perf_counter() - t0
-            t.calls += 1
-            if not all(res):
-                return done
-            done += len(batch)
-        return done
+        # a batch counts only if every page of it was stored (SGLang's all(batch_set_v1))
+        return self._batched(hashes, t, lambda b, s: len(b) if all(
+            self.store.put_from(self.keyspace.keys(b), self._pages(handle, first_page + s, len(b)))) else 0)
 
     def clear(self) -> None:
         self.store.clear()
