@@ -2,13 +2,18 @@
 # GPU end-to-end TTFT of SGLang HiCache with kvconnect stores vs SGLang's own L3 backends.
 # Runs ON THE DEVICE (H200) from the repository root; see benchmarks/gpu/README.md for the device calls.
 #   bash benchmarks/gpu/run_e2e.sh PHASE...
-# PHASE: diag | install1 | install2 | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE
+# PHASE: diag | install1 | install2 | install3 (Mooncake, from .gpumc/) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
 #         kvc_hf3fs (kvconnect HF3FS store, POSIX client) | kvc_memory (kvconnect in-process store)
+#         kvc_mooncake (kvconnect Mooncake store: mooncake_master + a standalone `kvconnect mooncake-store`
+#           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang
+#           server lends its own memory, as in the seed guide, plus a memory-only `kvconnect peer serve`
+#           node as the seed; Transfer Engine over TCP)
 #   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit)
 #   cross_STORE:   two servers (ports 30000/30001) sharing one store; prompts prefilled on A, read on B
-# Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384).
+# Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384),
+#      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES.
 set -u
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
@@ -19,7 +24,9 @@ OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 LOGD=/tmp/sglogs; mkdir -p "$LOGD"
 RES=$OUTD/results.jsonl
 PLAN=${PLAN:-w8192,8192,16384}
-export PYTHONPATH=/tmp/site2:/tmp/site1:$REPO:$G
+export PYTHONPATH=/tmp/site3:/tmp/site2:/tmp/site1:$REPO:$G
+# Mooncake's .so files need libibverbs.so.1 (install3 carries it for images that lack it)
+ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
 export LMCACHE_TRACK_USAGE=false
 export TVM_FFI_CACHE_DIR=/tmp/jitcache/tvm-ffi TRITON_CACHE_DIR=/tmp/jitcache/triton FLASHINFER_WORKSPACE_BASE=/tmp/jitcache
@@ -81,6 +88,12 @@ store_args() {  # store, port-suffix -> prints backend args (one per line)
       local meta=""; [ -f /tmp/sglogs/meta.pid ] && meta=',"metadata_server_url":"http://127.0.0.1:18000"'
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"hf3fs\",\"file_path_prefix\":\"/tmp/l3/kvc/hicache\",\"file_size\":\"32gb\",\"numjobs\":${KVC_JOBS:-16},\"entries\":${KVC_ENTRIES:-16}$meta,\"metrics_port\":$((9400+k))}" ;;
+    kvc_mooncake)
+      printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
+        "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:50051\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":0,\"metrics_port\":$((9400+k))}" ;;
+    kvc_peer_rdma)
+      printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
+        "{$KVC,\"store\":\"peer_rdma\",\"discovery_addr\":\"127.0.0.1:31998\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"control_port\":0,\"global_segment_size\":\"${KVC_PEER_SEGMENT:-24gb}\",\"metrics_port\":$((9400+k))}" ;;
     kvc_memory)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((9400+k))}" ;;
@@ -141,6 +154,49 @@ os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m connectors.cli hf3
     --data-dir /tmp/l3/meta > "$LOGD/meta.log" 2>&1 < /dev/null &
   echo $! > /tmp/sglogs/meta.pid; sleep 3; say "metadata service pid $(cat /tmp/sglogs/meta.pid)"
 }
+svc_start() {  # name cmd...: a detached service process, logs in $LOGD/name.log
+  local name=$1; shift
+  python3 -c 'import os, sys
+os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" > "$LOGD/$name.log" 2>&1 < /dev/null &
+  echo $! > "/tmp/sglogs/svc_$name.pid"
+}
+svc_stop_all() {
+  local f; for f in /tmp/sglogs/svc_*.pid; do [ -f "$f" ] || continue; kill -- "-$(cat "$f")" 2>/dev/null; rm -f "$f"; done
+  sleep 1
+}
+wait_port() { python3 - "$1" "$2" <<'PY'
+import socket, sys, time
+end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1])), 0.5).close(); sys.exit(0)
+    except OSError:
+        time.sleep(0.2)
+sys.exit(1)
+PY
+}
+store_services() {  # store: start what the store needs next to SGLang (all on 127.0.0.1)
+  case $1 in
+    kvc_hf3fs) meta_start ;;
+    kvc_mooncake)
+      [ -f /tmp/sglogs/svc_mc_master.pid ] && return 0
+      svc_start mc_master /tmp/site3/mooncake/mooncake_master --rpc_address=127.0.0.1 --rpc_port=50051 \
+        --metrics_host=127.0.0.1 --metrics_port=9003
+      wait_port 50051 20 || { say "mooncake_master did not start"; tail -5 "$LOGD/mc_master.log"; return 1; }
+      svc_start mc_store python3 -m connectors.cli mooncake-store --master 127.0.0.1:50051 --segment ${KVC_MC_SEGMENT:-40gb} \
+        -o protocol=tcp -o local_hostname=127.0.0.1 --metrics-port 9310
+      wait_port 9310 60 || { say "mooncake-store did not start"; tail -5 "$LOGD/mc_store.log"; return 1; }
+      say "mooncake_master + store (${KVC_MC_SEGMENT:-40gb}) up" ;;
+    kvc_peer_rdma)
+      [ -f /tmp/sglogs/svc_peer_seed.pid ] && return 0
+      rm -f /tmp/sglogs/peer.ready
+      svc_start peer_seed python3 -m connectors.cli peer serve --discovery-addr 127.0.0.1:31998 --bind-host 127.0.0.1 \
+        --local-hostname 127.0.0.1 --protocol tcp --global-segment-size 1gb --ready-file /tmp/sglogs/peer.ready
+      for _ in $(seq 1 60); do [ -s /tmp/sglogs/peer.ready ] && break; sleep 0.5; done
+      [ -s /tmp/sglogs/peer.ready ] || { say "peer seed did not start"; tail -5 "$LOGD/peer_seed.log"; return 1; }
+      say "peer seed node up" ;;
+  esac
+}
 meta_stop() { [ -f /tmp/sglogs/meta.pid ] && kill -- "-$(cat /tmp/sglogs/meta.pid)" 2>/dev/null; rm -f /tmp/sglogs/meta.pid; }
 
 drive() {  # arch store tag port k extra...
@@ -159,13 +215,19 @@ pipi() {
 }
 phase_install1() { pipi .gpuwheels1 /tmp/site1; load_jitcache; }
 phase_install2() { pipi .gpuwheels2 /tmp/site2; load_jitcache; find /tmp/site1 /tmp/site2 -exec touch -h -d 2000-01-01 {} + 2>/dev/null; }
-phase_stop() { stop_all; meta_stop; }
+phase_install3() {  # Mooncake (non-CUDA wheel, cp312) unpacked: mooncake/, its .libs, libibverbs for bare images
+  local t=$(date +%s); mkdir -p /tmp/site3
+  tar xJf .gpumc/mc312.tar.xz -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
+  python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake import failed"; return 1; }
+  say "installed mooncake into /tmp/site3 in $(( $(date +%s) - t ))s"
+}
+phase_stop() { stop_all; meta_stop; svc_stop_all; }
 
 run_store() {  # arch store
   local arch=$1 store=$2
   need 150 "$arch:$store" || return 1
-  stop_all; meta_stop; rm -rf /tmp/l3/file /tmp/l3/hf3fsref /tmp/l3/kvc /tmp/l3/meta; mkdir -p /tmp/l3/file
-  [ "$store" = kvc_hf3fs ] && meta_start   # durable page index: survives the restart phase
+  stop_all; meta_stop; svc_stop_all; rm -rf /tmp/l3/file /tmp/l3/hf3fsref /tmp/l3/kvc /tmp/l3/meta; mkdir -p /tmp/l3/file
+  store_services "$store" || return 1   # they outlive the server: the restart phase finds the pages
   launch "${arch}_$store" "$arch" 30000 "$store" || return 1
   wait_up "${arch}_$store" 30000 "$(( $(left) - 60 ))" || return 1
   rm -f "/tmp/l3/prompts_${arch}_$store.jsonl"
@@ -185,7 +247,7 @@ run_restart() {  # arch store: relaunch with the store's data kept, replay recor
 run_cross() {  # arch store: A prefills, B (another server process) hits through the shared store
   local arch=$1 store=$2
   need 200 "$arch:cross_$store" || return 1
-  stop_all; meta_stop; rm -rf /tmp/l3/kvc /tmp/l3/meta; meta_start
+  stop_all; meta_stop; svc_stop_all; rm -rf /tmp/l3/kvc /tmp/l3/meta; store_services "$store" || return 1
   launch "${arch}_${store}_A" "$arch" 30000 "$store" 0 || return 1
   launch "${arch}_${store}_B" "$arch" 30001 "$store" 1 || return 1
   wait_up "${arch}_${store}_A" 30000 "$(( $(left) - 90 ))" || return 1
@@ -197,7 +259,7 @@ run_cross() {  # arch store: A prefills, B (another server process) hits through
   python3 "$B/e2e_driver.py" replay --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_B" \
     --ids-from /tmp/l3/cross.jsonl --label L3_cross_instance --deadline $(( T0 + DEADLINE_S - 10 )) \
     --metrics http://127.0.0.1:9401/metrics
-  stop_all; meta_stop
+  stop_all; meta_stop; svc_stop_all
 }
 
 say "phases: $* (deadline ${DEADLINE_S}s, plan $PLAN)"
