@@ -57,6 +57,9 @@ class HF3FSConfig(StoreConfig):
     posix_read: Literal["auto", "mmap", "preadv"] = field(default="auto", metadata=field_doc(
         "POSIX client reads: memcpy from a shared mapping of the file, or preadv "
         "(auto: mmap on local file systems)"))
+    posix_write: Literal["auto", "direct", "staged"] = field(default="auto", metadata=field_doc(
+        "POSIX client writes: pwritev straight from the pages, or staged through a small "
+        "per-worker buffer (auto: staged with two or more workers and cores)"))
     page_bytes: Size | None = field(default=None, metadata=field_doc(
         "bytes per page; default: the engine's page size (or the first page written)"))
     meta_retries: int = field(default=3, metadata=field_doc("metadata RPC attempts before a miss"))

@@ -37,7 +37,8 @@ from typing import Any, Mapping
 from connectors.base import BackendUnavailable, ConfigError, Page, PageStore, StoreUsage
 from connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
-from connectors.hf3fs.files import PosixFile, UsrbioFile, crc_of, on_3fs_mount, on_local_fs, segment_views
+from connectors.buffers import page_checksum
+from connectors.hf3fs.files import STAGE_BYTES, PosixFile, UsrbioFile, on_3fs_mount, on_local_fs, usable_cpus
 from connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
 
 log = logging.getLogger("kvconnect.hf3fs")
@@ -231,7 +232,9 @@ class HF3FSStore(PageStore):
         else:
             local = on_local_fs(path)
             cfg = self.config
-            f = PosixFile(path, size, mmap_reads=cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local))
+            staged = cfg.posix_write == "staged" or (cfg.posix_write == "auto" and cfg.numjobs >= 2 and usable_cpus() >= 2)
+            f = PosixFile(path, size, mmap_reads=cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local),
+                          stage_bytes=STAGE_BYTES if staged else 0)
         lane = _Lane(page_bytes, ns, path, f, self._client_kind, info)
         log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
                  info.num_pages, page_bytes, ns)
@@ -317,24 +320,16 @@ class HF3FSStore(PageStore):
     @staticmethod
     def _read_chunk(chunk: list, lane: _Lane, checks: bool) -> list[bool]:
         pb = lane.page_bytes
-        f = lane.file
-        if getattr(f, "_map", None) is not None:
-            ok = [f.read_mapped(slot * pb, page) for slot, page, _ in chunk]
-            if checks:
-                ok = [o and crc_of(segment_views(page)) == crc for o, (_, page, crc) in zip(ok, chunk)]
-            return ok
-        items = [(slot * pb, segment_views(page)) for slot, page, _ in chunk]
-        ok = f.read_batch(items)
+        ok = lane.file.read_batch([(slot * pb, page) for slot, page, _ in chunk])
         if checks:
-            ok = [o and crc_of(v) == crc for o, (_, v), (_, _, crc) in zip(ok, items, chunk)]
+            ok = [o and page_checksum(page) == crc for o, (_, page, crc) in zip(ok, chunk)]
         return ok
 
     @staticmethod
     def _write_chunk(chunk: list, lane: _Lane, deadline: float, checks: bool) -> list:
         pb = lane.page_bytes
-        items = [(slot * pb, segment_views(page)) for slot, page in chunk]
-        crcs = [crc_of(v) for _, v in items] if checks else [0] * len(items)
-        ok = lane.file.write_batch(items, deadline)
+        crcs = [page_checksum(page) for _, page in chunk] if checks else [0] * len(chunk)
+        ok = lane.file.write_batch([(slot * pb, page) for slot, page in chunk], deadline)
         return list(zip(ok, crcs))
 
     # ------------------------------------------------------------------ primitives

@@ -1,5 +1,5 @@
 """Conformance: the HF3FS store (POSIX file client; reads from the file mapping, and with
-``preadv``) with the in-process index and with the gRPC metadata service (a real
+``preadv``; writes staged and direct) with the in-process index and with the gRPC metadata service (a real
 ``MetaServer`` on 127.0.0.1 with a durable journal and a token).
 
 The usrbio client needs a 3FS mount; none exists here, so it is not exercised (see
@@ -37,6 +37,21 @@ class TestHF3FSPreadvReads(TestHF3FSLocalIndex):
 
     def store_options(self):
         return {**super().store_options(), "posix_read": "preadv"}
+
+
+class TestHF3FSDirectWrites(TestHF3FSLocalIndex):
+    """Writes with ``pwritev`` straight from the pages (the default has staged writes when
+    it has two or more workers and cores, as here)."""
+
+    def store_options(self):
+        return {**super().store_options(), "posix_write": "direct"}
+
+
+class TestHF3FSStagedWrites(TestHF3FSLocalIndex):
+    """Writes staged through per-worker buffers, also where ``auto`` would not stage."""
+
+    def store_options(self):
+        return {**super().store_options(), "posix_write": "staged"}
 
 
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")

@@ -609,3 +609,131 @@ def test_second_page_size_gets_its_own_file_and_is_found_by_other_processes(tmp_
             b.close()
     finally:
         a.close()
+
+
+# ---------------------------------------------------------------- POSIX file client paths
+
+
+def _pages_with_segments(nbytes: int, count: int, segments: int, seed: int):
+    """``count`` pages of ``segments`` segments each, in separate host regions (as K and V),
+    filled with distinct random bytes; returns (buffers kept alive, pages, expected bytes)."""
+    rng = random.Random(seed)
+    seg = nbytes // segments
+    bufs = [HostBuffer(count, seg, 1) for _ in range(segments)]
+    pages, want = [], []
+    for i in range(count):
+        page, data = [], b""
+        for b in bufs:
+            chunk = rng.randbytes(seg)
+            b.fill(i, chunk)
+            page.append(b.page(i)[0])
+            data += chunk
+        pages.append(page)
+        want.append(data)
+    return bufs, pages, want
+
+
+def _page_bytes(page) -> bytes:
+    import ctypes
+
+    return b"".join(ctypes.string_at(addr, n) for addr, n in page)
+
+
+@pytest.mark.parametrize("stage_bytes", [0, 3000, 64 * 1024])
+@pytest.mark.parametrize("mmap_reads", [True, False])
+def test_posix_file_batches_are_byte_exact(tmp_path, stage_bytes, mmap_reads):
+    """Pages of two segments at adjacent and scattered slots, given in shuffled order:
+    runs of adjacent slots become single vectored calls (direct) or pass through a staging
+    buffer whose size divides neither the segments nor the pages; every page reads back
+    exactly, through the mapping and through preadv."""
+    from connectors.hf3fs.files import PosixFile
+
+    pb, n = 24 * 1024, 24
+    _keep, pages, want = _pages_with_segments(pb, n, 2, seed=stage_bytes)
+    slots = list(range(3, 13)) + [20, 22, 23, 24, 40, 41, 42, 60, 61, 62, 63, 0, 1, 2]
+    order = list(range(n))
+    random.Random(7).shuffle(order)
+    f = PosixFile(str(tmp_path / "d.bin"), 64 * pb, mmap_reads=mmap_reads, stage_bytes=stage_bytes)
+    try:
+        assert f.write_batch([(slots[i] * pb, pages[i]) for i in order]) == [True] * n
+        _keep2, back, _ = _pages_with_segments(pb, n, 2, seed=99)  # other bytes until read
+        random.Random(8).shuffle(order)
+        assert f.read_batch([(slots[i] * pb, back[i]) for i in order]) == [True] * n
+        assert [_page_bytes(p) for p in back] == want
+        with open(tmp_path / "d.bin", "rb") as raw:
+            for i in range(n):
+                raw.seek(slots[i] * pb)
+                assert raw.read(pb) == want[i]
+    finally:
+        f.close()
+
+
+def test_posix_file_more_segments_than_one_syscall_takes(tmp_path):
+    """A run of more than IOV_MAX segments is split across calls, still byte-exact."""
+    from connectors.hf3fs.files import IOV_MAX, PosixFile
+
+    seg, n = 512, IOV_MAX + 300
+    bufs = [HostBuffer(1, seg, 1) for _ in range(n)]  # separate regions: nothing merges
+    rng = random.Random(3)
+    data = [rng.randbytes(seg) for _ in range(n)]
+    for b, d in zip(bufs, data):
+        b.fill(0, d)
+    page = [b.page(0)[0] for b in bufs]
+    f = PosixFile(str(tmp_path / "d.bin"), 4 * n * seg, mmap_reads=False)
+    try:
+        assert f.write_batch([(seg * n, page)]) == [True]
+        back = [HostBuffer(1, seg, 1) for _ in range(n)]
+        assert f.read_batch([(seg * n, [b.page(0)[0] for b in back])]) == [True]
+        assert [b.read(0) for b in back] == data
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("stage_bytes", [0, 4096])
+def test_posix_file_write_after_deadline_writes_nothing(tmp_path, stage_bytes):
+    from connectors.hf3fs.files import PosixFile
+
+    pb = 16 * 1024
+    _keep, pages, _ = _pages_with_segments(pb, 4, 1, seed=1)
+    f = PosixFile(str(tmp_path / "d.bin"), 8 * pb, stage_bytes=stage_bytes)
+    try:
+        assert f.write_batch([(i * pb, p) for i, p in enumerate(pages)], deadline=time.monotonic() - 1) == [False] * 4
+        assert (tmp_path / "d.bin").read_bytes() == bytes(8 * pb)
+    finally:
+        f.close()
+
+
+def test_posix_file_failures_are_false_not_exceptions(tmp_path):
+    """A read past the mapped length and a write that the OS refuses come back False."""
+    from connectors.hf3fs.files import PosixFile
+
+    pb = 8192
+    _keep, pages, _ = _pages_with_segments(pb, 2, 1, seed=2)
+    f = PosixFile(str(tmp_path / "d.bin"), 4 * pb, mmap_reads=True, stage_bytes=4096)
+    try:
+        assert f.read_batch([(4 * pb, pages[0]), (0, pages[1])]) == [False, True]
+        ro = os.open(tmp_path / "d.bin", os.O_RDONLY)
+        os.close(f.fd)
+        f.fd = ro  # the kernel refuses writes on this descriptor (EBADF)
+        assert f.write_batch([(0, pages[0]), (2 * pb, pages[1])]) == [False, False]
+    finally:
+        f.close()
+
+
+@pytest.mark.parametrize("posix_write", ["direct", "staged"])
+def test_store_write_paths_round_trip(tmp_path, posix_write):
+    s = create_store("hf3fs", store_opts(tmp_path, posix_write=posix_write, numjobs=3, entries=5))
+    try:
+        assert s._primary is None or (s._primary.file.stage_bytes > 0) == (posix_write == "staged")
+        keys = keyset(17)
+        assert write_pages(s, keys) == [True] * 17
+        assert (s._primary.file.stage_bytes > 0) == (posix_write == "staged")
+        ok, data = read_pages(s, keys)
+        assert ok == [True] * 17 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 17
+    finally:
+        s.close()
+
+
+def test_posix_write_key_is_validated(tmp_path):
+    with pytest.raises(ConfigError, match="posix_write"):
+        create_store("hf3fs", store_opts(tmp_path, posix_write="odirect"))
