@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a page returned by get is kept from reuse (default 2; slower readers re-validate)")
     s.add_argument("--write-lease", type=float, default=30.0,
                    help="seconds a reservation lives without confirm (default 30)")
+    s.add_argument("--tcp-port", type=int, default=0,
+                   help="port of the framed TCP listener clients prefer over gRPC (default 0: any free port, "
+                        "announced over gRPC; -1: gRPC only)")
     s.add_argument("--snapshot-interval", type=float, default=60.0, help="seconds between snapshots (default 60)")
     s.add_argument("--ready-file", help="write the bound address here once serving (scripts, tests)")
     u = sub.add_parser("usage", help="print a namespace's usage as JSON")
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
         return serve(args.host, args.port, args.data_dir, _token(args.token_file), fsync=args.fsync,
                      workers=args.workers, snapshot_interval_s=args.snapshot_interval, ready_file=args.ready_file,
-                     read_lease_s=args.read_lease, write_lease_s=args.write_lease)
+                     read_lease_s=args.read_lease, write_lease_s=args.write_lease, tcp_port=args.tcp_port)
     from connectors.hf3fs.client import RemoteMetadata
 
     c = RemoteMetadata(args.address, _token(args.token_file))

@@ -4,6 +4,13 @@ Both take keys as ``bytes`` and answer in plain lists. ``RemoteMetadata`` retrie
 exponential backoff inside one deadline (``client_timeout``), never waits longer, and after
 a failed call stays "down" for a short cool-down so a dead service costs the engine a
 fast miss per batch instead of a timeout per batch.
+
+``RemoteMetadata`` talks framed TCP when the service offers it (``protocol.py``), else gRPC,
+and writes with one call per batch: ``reserve`` hands out slots the client leased ahead
+(``Lease``, one call per ~``lease_ahead`` pages) and ``commit`` stores the written keys with
+one ``Put``. A ``Put`` that finds keys already stored switches the next few batches back to
+the service's ``Reserve`` (which tells the writer to skip pages that exist) — a writer
+meeting duplicates should not write them.
 """
 
 from __future__ import annotations
@@ -14,13 +21,15 @@ import json
 import logging
 import queue
 import random
+import socket
 import threading
 import time
+from collections import deque
 from typing import Sequence
 
 from connectors.base import BackendUnavailable, ConfigError, KVStoreError
 from connectors.hf3fs import protocol as P
-from connectors.hf3fs.index import IndexError_, NamespaceInfo, PageIndex
+from connectors.hf3fs.index import EXISTS, INFLIGHT, PUT_DUP, IndexError_, NamespaceInfo, PageIndex
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -128,6 +137,57 @@ class _Session:
         self.responses.cancel()
 
 
+class _Framed:
+    """One framed TCP connection (``protocol.py``); one request at a time (its holder's)."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, host: str, port: int, secret: bytes, timeout: float):
+        self.sock = socket.create_connection((host, port), timeout=max(0.001, timeout))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            rep = self.request(bytes((P.HELLO,)) + secret, timeout)
+        except BaseException:
+            self.close()
+            raise
+        if rep[:1] != P.OK:
+            self.close()
+            code, _, message = rep[1:].decode(errors="replace").partition("\n")
+            raise _StreamError(code, message)
+
+    def request(self, msg: bytes, timeout: float) -> bytes:
+        sock = self.sock
+        sock.settimeout(max(0.001, timeout))
+        sock.sendall(P.FRAME.pack(len(msg)) + msg)
+        data = sock.recv(1 << 16)  # usually the whole reply: one syscall
+        while len(data) < 4 or len(data) < 4 + P.FRAME.unpack_from(data)[0]:
+            more = sock.recv(1 << 20)
+            if not more:
+                raise ConnectionError("hf3fs-meta closed the connection")
+            data += more
+        return data[4:]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class _Leases:
+    """A namespace's slots leased ahead (``[asked_at, slots, gens]`` chunks, oldest
+    first), those handed to writers but not yet put, and those to give back to the service
+    (too old to hand out, failed writes, keys another writer stored first)."""
+
+    __slots__ = ("chunks", "out", "stale", "reserve_credit")
+
+    def __init__(self) -> None:
+        self.chunks: deque = deque()
+        self.out: dict[int, int] = {}  # slot -> generation
+        self.stale: tuple[list[int], list[int]] = ([], [])  # to give back with the next Lease
+        self.reserve_credit = 0  # batches to send through Reserve after meeting duplicates
+
+
 class _Watchdog:
     """Cancels a session whose reply is late, so a caller blocked on it returns (never hangs)."""
 
@@ -180,33 +240,39 @@ class _Watchdog:
 class RemoteMetadata(MetadataClient):
     """Client of ``kvconnect hf3fs-meta serve``.
 
-    Calls go over ``Session`` streams (one per concurrently calling thread, kept open), or
-    as unary calls with ``streams=False``.
-
     Args:
-        address: ``host:port``.
+        address: ``host:port`` (the gRPC port).
         token: shared secret (None: no auth header).
         timeout: seconds; the deadline of one logical call including its retries.
         retries: attempts per call (transient errors only: unavailable, deadline, resource).
         cooldown: seconds during which calls fail fast after a call failed for good.
+        transport: ``auto`` (framed TCP where the service announces it, else gRPC streams),
+            ``tcp``, ``stream`` (gRPC ``Session`` streams) or ``unary`` (gRPC unary calls).
+        lease_ahead: slots leased ahead per namespace for writes (0: every write reserves).
     """
 
     RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN",
                  "CANCELLED")
+    LEASE_USE = 0.1  # hand out a leased slot only within this fraction of its lease (see reserve)
+    RESERVE_CREDIT = 8  # batches through Reserve after a Put or Reserve met duplicate keys
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0, retries: int = 3,
-                 cooldown: float = 1.0, streams: bool = True):
+                 cooldown: float = 1.0, transport: str = "auto", lease_ahead: int = 1024):
         import grpc
 
+        if transport not in ("auto", "tcp", "stream", "unary"):
+            raise ValueError(f"transport must be auto, tcp, stream or unary, got {transport!r}")
         self._grpc = grpc
         self.address = address
         self.timeout = timeout
         self.retries = max(1, retries)
         self.cooldown = cooldown
-        self.streams = streams
+        self.transport = transport
+        self.lease_ahead = lease_ahead
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._metadata = ((P.AUTH_HEADER, f"Bearer {token}"),) if token else ()
+        self._secret = token.encode() if token else b""
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
             ("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
@@ -214,7 +280,11 @@ class RemoteMetadata(MetadataClient):
         self._calls = {m: self._channel.unary_unary(P.path(m)) for m in P.METHODS}
         self._stream_call = self._channel.stream_stream(P.path(P.SESSION))
         self._idle: list[_Session] = []
-        self._watchdog = _Watchdog() if streams else None
+        self._idle_tcp: list[_Framed] = []
+        self._tcp_port: int | None = None  # None: not asked yet (or lost: ask again); 0: none offered
+        self._watchdog = _Watchdog() if transport in ("auto", "stream") else None
+        self._leases: dict[str, _Leases] = {}
+        self._ttl = 0.0  # the service's write lease (s), from Lease replies
         self._closed = False
 
     # -- plumbing -----------------------------------------------------------------------
@@ -225,6 +295,57 @@ class RemoteMetadata(MetadataClient):
         except self._grpc.FutureTimeoutError as e:
             raise BackendUnavailable("hf3fs", f"metadata service at {self.address} not reachable "
                                               f"within {self.timeout:g}s (config key 'metadata_server_url')") from e
+
+    def _grpc_call(self, method: str, payload: bytes, deadline: float) -> bytes:
+        if self.transport == "unary":
+            return self._calls[method](payload, timeout=max(0.001, deadline - time.monotonic()),
+                                       metadata=self._metadata)
+        return self._session_call(method, payload, deadline)
+
+    def _endpoint(self, deadline: float) -> int:
+        """The framed TCP port the service offers (0: none), asked over gRPC once per
+        connection of the service (it may move when the service restarts)."""
+        port = self._tcp_port
+        if port is None:
+            try:
+                port = P.U16.unpack(self._grpc_call("Endpoint", b"", deadline))[0]
+            except self._grpc.RpcError as e:
+                if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                port = 0  # a service from before framed TCP
+            except _StreamError as e:
+                if e.code_name != "INTERNAL":  # an older service: unknown method index
+                    raise
+                port = 0
+            self._tcp_port = port
+        return port
+
+    def _tcp_call(self, port: int, payload: bytes, deadline: float) -> bytes:
+        with self._lock:
+            conn = self._idle_tcp.pop() if self._idle_tcp else None
+        try:
+            if conn is None:
+                host = self.address.rsplit(":", 1)[0].strip("[]")
+                conn = _Framed(host, port, self._secret, deadline - time.monotonic())
+            rep = conn.request(payload, deadline - time.monotonic())
+        except socket.timeout as e:
+            if conn is not None:
+                conn.close()
+            raise _StreamError("DEADLINE_EXCEEDED", "no reply in time") from e
+        except OSError as e:
+            if conn is not None:
+                conn.close()
+            self._tcp_port = None  # the service may be back on another port: ask again
+            raise _StreamError("UNAVAILABLE", f"framed TCP: {e}") from e
+        with self._lock:
+            if self._closed:
+                conn.close()
+            else:
+                self._idle_tcp.append(conn)
+        if rep[:1] == P.OK:
+            return rep[1:]
+        code, _, message = rep[1:].decode(errors="replace").partition("\n")
+        raise _StreamError(code, message)
 
     def _session_call(self, method: str, payload: bytes, deadline: float) -> bytes:
         with self._lock:
@@ -267,9 +388,13 @@ class RemoteMetadata(MetadataClient):
             if remaining <= 0:
                 break
             try:
-                if self.streams:
-                    return self._session_call(method, payload, deadline)
-                return self._calls[method](payload, timeout=remaining, metadata=self._metadata)
+                if self.transport in ("auto", "tcp"):
+                    port = self._endpoint(deadline)
+                    if port:
+                        return self._tcp_call(port, bytes((P.METHOD_ID[method],)) + payload, deadline)
+                    if self.transport == "tcp":
+                        raise MetadataError(f"metadata service at {self.address} offers no framed TCP port")
+                return self._grpc_call(method, payload, deadline)
             except (self._grpc.RpcError, _StreamError) as e:
                 code = e.code().name if isinstance(e, self._grpc.RpcError) else e.code_name
                 details = e.details() if isinstance(e, self._grpc.RpcError) else e.message
@@ -301,15 +426,191 @@ class RemoteMetadata(MetadataClient):
         return NamespaceInfo(ns, n, b, rl, wl)
 
     def reserve(self, ns, keys):
+        """Slots for a batch about to be written: from this client's write leases (no call
+        unless they ran out), or the service's ``Reserve`` after meeting duplicates."""
+        pool = self._leases.get(ns)
+        if pool is None:
+            pool = self._leases.setdefault(ns, _Leases())
+        if self.lease_ahead <= 0 or pool.reserve_credit > 0:
+            status, slots, gens = self.reserve_call(ns, keys)
+            with self._lock:
+                if EXISTS in status or INFLIGHT in status:
+                    pool.reserve_credit = self.RESERVE_CREDIT
+                else:
+                    pool.reserve_credit = max(0, pool.reserve_credit - 1)
+            return status, slots, gens
+        n = len(keys)
+        if len(set(keys)) == n:
+            status = bytearray(n)  # all NEW
+            want = list(range(n))
+        else:  # the same key twice in one batch: one page
+            status, want, seen = bytearray(n), [], set()
+            for i, k in enumerate(keys):
+                if k in seen:
+                    status[i] = INFLIGHT
+                else:
+                    seen.add(k)
+                    want.append(i)
+        got_s, got_g = self._take(ns, pool, len(want))
+        m = len(got_s)
+        if m == n:
+            return bytes(status), got_s, got_g
+        if m < len(want):
+            # No free pages for the batch (leases never evict): Reserve, which tells
+            # which keys are stored already and evicts only for the others, for the next
+            # few batches too — a full file costs two calls per batch, as before leases.
+            with self._lock:
+                for sl in got_s:
+                    pool.out.pop(sl, None)
+            self._give_back(pool, got_s, got_g)
+            self._to_reserve_mode(ns, pool)
+            return self.reserve(ns, keys)
+        slots, gens = [-1] * n, [0] * n
+        for i, sl, g in zip(want, got_s, got_g):
+            slots[i] = sl
+            gens[i] = g
+        return bytes(status), slots, gens
+
+    def _take(self, ns: str, pool: _Leases, m: int) -> tuple[list[int], list[int]]:
+        """``m`` leased slots (fewer if the file has no room), leasing more when needed.
+
+        A slot is handed out only within the first ``LEASE_USE`` of its lease: the writer's
+        deadline (``store.LEASE_TRUST`` of the lease, counted from now) then still ends
+        before the service could take the slot back. Older slots go back with the next Lease."""
+        slots: list[int] = []
+        gens: list[int] = []
+        with self._lock:
+            fresh_after = time.monotonic() - self._ttl * self.LEASE_USE
+            chunks = pool.chunks
+            while chunks and len(slots) < m:
+                c = chunks[0]
+                if c[0] < fresh_after:
+                    chunks.popleft()
+                    pool.stale[0].extend(c[1])
+                    pool.stale[1].extend(c[2])
+                    continue
+                k = m - len(slots)
+                slots += c[1][:k]
+                gens += c[2][:k]
+                if k >= len(c[1]):
+                    chunks.popleft()
+                else:
+                    del c[1][:k], c[2][:k]
+            back, pool.stale = pool.stale, ([], [])
+        if len(slots) < m:
+            t0 = time.monotonic()
+            try:
+                ls, lg = self.lease(ns, m - len(slots), self.lease_ahead, back)
+            except MetadataError:
+                self._give_back(pool, slots + back[0], gens + back[1])
+                raise
+            k = m - len(slots)
+            slots += ls[:k]
+            gens += lg[:k]
+            if len(ls) > k:
+                with self._lock:
+                    pool.chunks.append([t0, ls[k:], lg[k:]])
+        elif back[0]:
+            with self._lock:
+                pool.stale[0].extend(back[0])
+                pool.stale[1].extend(back[1])
+        with self._lock:
+            pool.out.update(zip(slots, gens))
+        return slots, gens
+
+    def _give_back(self, pool: _Leases, slots, gens) -> None:
+        """Leased slots not used after all: back to the service with the next Lease (or
+        ``close``); how old they are is not tracked, so they are not handed out again."""
+        if slots:
+            with self._lock:
+                pool.stale[0].extend(slots)
+                pool.stale[1].extend(gens)
+
+    def commit(self, ns, keys, slots, gens, crcs, confirm):
+        """Written pages: leased slots are stored with one ``Put``; slots of failed writes
+        and of keys someone else stored meanwhile go back to the lease. Reserved slots
+        (the ``Reserve`` path) are confirmed or released with ``Commit``."""
+        pool = self._leases.get(ns)
+        n = len(keys)
+        if pool is None or not pool.out:
+            return self.commit_call(ns, keys, slots, gens, crcs, confirm)
+        with self._lock:
+            taken = list(map(pool.out.pop, slots, itertools.repeat(None)))
+        confirm = bytes(confirm)
+        if taken == list(gens) and 0 not in confirm:
+            st = self.put(ns, keys, slots, gens, crcs)  # the common case: every page written
+            if PUT_DUP not in st:
+                return st if 0 in st else b"\x01" * n
+            ok, put, back = bytearray(n), list(range(n)), []
+        else:
+            mine = [i for i in range(n) if taken[i] == gens[i]]
+            ok = bytearray(n)
+            if len(mine) < n:  # not from this client's leases: the Reserve path
+                ours = set(mine)
+                other = [i for i in range(n) if i not in ours]
+                rep = self.commit_call(ns, [keys[i] for i in other], [slots[i] for i in other],
+                                       [gens[i] for i in other], [crcs[i] for i in other],
+                                       bytes(confirm[i] for i in other))
+                for i, o in zip(other, rep):
+                    ok[i] = o
+            put = [i for i in mine if confirm[i]]
+            st = self.put(ns, [keys[i] for i in put], [slots[i] for i in put], [gens[i] for i in put],
+                          [crcs[i] for i in put]) if put else b""
+            back = [i for i in mine if not confirm[i]]
+        for i, x in zip(put, st):
+            ok[i] = 1 if x else 0
+            if x == PUT_DUP:
+                back.append(i)
+        for i in back:
+            ok[i] = 1  # released (failed write) or stored by another writer
+        self._give_back(pool, [slots[i] for i in back], [gens[i] for i in back])
+        if PUT_DUP in st:
+            self._to_reserve_mode(ns, pool)
+        return bytes(ok)
+
+    def _to_reserve_mode(self, ns: str, pool: _Leases) -> None:
+        """Send the next ``RESERVE_CREDIT`` batches through Reserve, giving every slot leased
+        ahead back now (best effort: else they expire): a writer that does not lease must
+        not keep pages from the others."""
+        with self._lock:
+            pool.reserve_credit = self.RESERVE_CREDIT
+            sl = pool.stale[0] + [x for c in pool.chunks for x in c[1]]
+            gn = pool.stale[1] + [x for c in pool.chunks for x in c[2]]
+            pool.chunks.clear()
+            pool.stale = ([], [])
+        if sl:
+            try:
+                self.unlease(ns, sl, gn)
+            except (MetadataError, ConfigError):
+                pass
+
+    # the service's calls, one each
+    def reserve_call(self, ns, keys):
         n = len(keys)
         rep = self._call("Reserve", P.pack_ns(ns) + P.join_keys(keys))
         return rep[:n], P.read_i64(rep, n, n), P.read_i64(rep, 9 * n, n)
 
-    def commit(self, ns, keys, slots, gens, crcs, confirm):
+    def commit_call(self, ns, keys, slots, gens, crcs, confirm):
         n = len(keys)
         req = b"".join((P.pack_ns(ns), P.pack_u32(n), P.i64s(slots), P.i64s(gens), P.u32s(crcs),
                         bytes(confirm), P.join_keys(keys)))
         return self._call("Commit", req)
+
+    def lease(self, ns, need, extra=0, give_back=((), ())):
+        m = len(give_back[0])
+        rep = self._call("Lease", b"".join((P.pack_ns(ns), P.LEASE_REQ.pack(need, extra, m), P.i64s(give_back[0]),
+                                            P.i64s(give_back[1]))))
+        ttl, n = P.LEASE_REP.unpack_from(rep)
+        self._ttl = ttl
+        off = P.LEASE_REP.size
+        return P.read_i64(rep, off, n), P.read_i64(rep, off + 8 * n, n)
+
+    def put(self, ns, keys, slots, gens, crcs):
+        return self._call("Put", b"".join((P.pack_ns(ns), P.pack_u32(len(keys)), P.i64s(slots), P.i64s(gens),
+                                           P.u32s(crcs), P.join_keys(keys))))
+
+    def unlease(self, ns, slots, gens):
+        return self._call("Unlease", b"".join((P.pack_ns(ns), P.pack_u32(len(slots)), P.i64s(slots), P.i64s(gens))))
 
     def get(self, ns, keys):
         n = len(keys)
@@ -336,11 +637,17 @@ class RemoteMetadata(MetadataClient):
         return json.loads(self._call("Spaces", prefix.encode()))
 
     def close(self):
+        """Give unused leased slots back (best effort: else they expire), close connections."""
+        for ns, pool in list(self._leases.items()):
+            self._to_reserve_mode(ns, pool)
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            idle_tcp, self._idle_tcp = self._idle_tcp, []
         for session in idle:
             session.close()
+        for conn in idle_tcp:
+            conn.close()
         if self._watchdog is not None:
             self._watchdog.close()
         self._channel.close()

@@ -20,6 +20,12 @@ Why it is safe where SGLang's ``mini_3fs_metadata_server`` is not:
   skips the ``validate`` round trip; a slower one validates.
 * **LRU eviction** happens only when no free page is left, picks the least recently used
   confirmed key whose page is not leased, and never touches reserved pages.
+* **Write leases** (the one-call write path): ``lease`` hands a writer free slots ahead of
+  time (each a fresh generation, RESERVED, no key yet); the writer writes its pages there
+  and ``put`` maps keys to them in one call. A key already stored or in flight is answered
+  ``PUT_DUP`` and its slot stays leased to the writer, so two writers of one key never
+  double-assign or leak a page; unused slots come back with ``unlease`` or when the lease
+  expires after ``write_lease_s`` (a dead writer).
 
 Every state change is described to an optional journal (``connectors.hf3fs.wal``) while the
 lock is held, so the journal order is the state order; ``replay_*`` methods rebuild state
@@ -33,6 +39,7 @@ import time
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Callable, Iterable, Sequence
 
 # reserve() statuses
@@ -41,10 +48,20 @@ EXISTS = 1  # already stored (confirmed): nothing to write
 INFLIGHT = 2  # another writer holds a live reservation for this key
 NOSPACE = 3  # no page can be freed now (all reserved or leased to readers)
 
+# put() statuses
+PUT_LOST = 0  # the slot is not (any more) this writer's lease: the key is not stored
+PUT_OK = 1  # stored (or already stored by this very put: a retried call)
+PUT_DUP = 2  # the key is stored or in flight elsewhere; the slot stays leased to the writer
+
 FREE, RESERVED, CONFIRMED = 0, 1, 2
 
 DEFAULT_READ_LEASE_S = 2.0
 DEFAULT_WRITE_LEASE_S = 30.0
+
+
+def _each(fn, *iterables) -> None:
+    """``fn`` over the items, in a C loop (no per-item bytecode): the hot paths' setters."""
+    deque(map(fn, *iterables), maxlen=0)
 
 
 class IndexError_(ValueError):
@@ -65,7 +82,7 @@ class Namespace:
 
     __slots__ = ("name", "num_pages", "page_bytes", "index", "state", "gen", "crc",
                  "read_until", "lease_end", "free", "fresh_next", "pending", "evictions", "expired", "next_sweep",
-                 "evicted")
+                 "evicted", "leased", "gen_top")
 
     def __init__(self, name: str, num_pages: int, page_bytes: int):
         self.name = name
@@ -84,6 +101,8 @@ class Namespace:
         self.expired = 0
         self.next_sweep = 0.0  # when to look for expired reservations next
         self.evicted: list[bytes] = []  # keys evicted by the reserve call in progress (journal)
+        self.leased: dict[int, int] = {}  # slot -> generation, leased to a writer without a key yet
+        self.gen_top = 0  # the highest generation handed out: a lease's slots all get the next one
 
     def rebuild_free(self) -> None:
         st = self.state
@@ -142,8 +161,8 @@ class PageIndex:
         return self.spaces.get(ns)
 
     # ------------------------------------------------------------------ allocation
-    def _alloc(self, sp: Namespace, now: float) -> int:
-        """A free slot not under a read lease, evicting the LRU key if needed; -1 if none."""
+    def _alloc(self, sp: Namespace, now: float, evict: bool = True) -> int:
+        """A free slot not under a read lease, evicting the LRU key if needed (and allowed); -1 if none."""
         if sp.fresh_next < sp.num_pages:
             s = sp.fresh_next
             sp.fresh_next += 1
@@ -155,6 +174,8 @@ class PageIndex:
             if ru[s] <= now:
                 return s
             free.append(s)
+        if not evict:
+            return -1
         # Evict the least recently used confirmed key whose page no reader holds.
         index = sp.index
         victim = None
@@ -174,6 +195,10 @@ class PageIndex:
 
     def _expire(self, sp: Namespace, now: float) -> None:
         le = sp.lease_end
+        gone = [(s, g) for s, g in sp.leased.items() if le[s] <= now]
+        if gone:
+            self._unlease(sp, [s for s, _ in gone], [g for _, g in gone])
+            sp.expired += len(gone)
         dead = [(k, v) for k, v in sp.pending.items() if le[v[0]] <= now]
         if not dead:
             return
@@ -187,7 +212,7 @@ class PageIndex:
                                 slots=[v[0] for _, v in dead], gens=[v[1] for _, v in dead])
 
     # ------------------------------------------------------------------ writers
-    def _alloc_many(self, sp: Namespace, m: int, now: float) -> list[int]:
+    def _alloc_many(self, sp: Namespace, m: int, now: float, evict: bool = True) -> list[int]:
         """Up to ``m`` slots: never-used ones first, then freed ones, then LRU evictions."""
         out: list[int] = []
         take = min(m, sp.num_pages - sp.fresh_next)
@@ -195,11 +220,139 @@ class PageIndex:
             out.extend(range(sp.fresh_next, sp.fresh_next + take))
             sp.fresh_next += take
         while len(out) < m:
-            s = self._alloc(sp, now)
+            s = self._alloc(sp, now, evict)
             if s < 0:
                 break
             out.append(s)
         return out
+
+    def _sweep(self, sp: Namespace, now: float) -> None:
+        if (sp.pending or sp.leased) and now >= sp.next_sweep:
+            self._expire(sp, now)
+            sp.next_sweep = now + 1.0
+
+    def _journal_evicted(self, sp: Namespace) -> None:
+        if sp.evicted:
+            if self.journal is not None:
+                self.journal.record("delete", sp.name, keys=sp.evicted)
+            sp.evicted = []
+
+    # ------------------------------------------------------------------ write leases
+    def lease(self, ns: str, need: int, extra: int = 0,
+              give_back: tuple[Sequence[int], Sequence[int]] = ((), ())) -> tuple[list[int], list[int]]:
+        """Lease up to ``need + extra`` free slots for writes to come (``extra`` at most
+        ``num_pages // 16``: no writer hoards a small file). Never evicts: a writer whose
+        lease comes back short of ``need`` reserves instead, which evicts only for keys
+        that are not stored yet. ``give_back`` (slots, gens) returns slots of the
+        caller's earlier leases first. Returns (slots, generations); each slot is the
+        caller's for ``write_lease_s``."""
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                raise IndexError_(f"namespace {ns!r} is not initialized")
+            if give_back[0]:
+                self._unlease_owned(sp, give_back[0], give_back[1])
+            now = self.clock()
+            self._sweep(sp, now)
+            got = self._alloc_many(sp, need + min(extra, sp.num_pages // 16), now, evict=False)
+            # one generation for the whole grant, above every one handed out before: still a
+            # new generation for each slot, and uniform values store as slices when the
+            # slots are a run (a file filling up)
+            g = sp.gen_top = sp.gen_top + 1
+            k = len(got)
+            deadline = now + self.write_lease_s
+            lo = min(got) if got else 0
+            if got and max(got) - lo + 1 == k:
+                sp.gen[lo:lo + k] = array("q", (g,)) * k
+                sp.state[lo:lo + k] = bytes((RESERVED,)) * k
+                sp.lease_end[lo:lo + k] = array("d", (deadline,)) * k
+            else:
+                _each(sp.gen.__setitem__, got, repeat(g))
+                _each(sp.state.__setitem__, got, repeat(RESERVED))
+                _each(sp.lease_end.__setitem__, got, repeat(deadline))
+            sp.leased.update(dict.fromkeys(got, g))
+            gens = [g] * k
+            if got and self.journal is not None:
+                self.journal.record("lease", ns, slots=got, gens=gens)
+        return got, gens
+
+    def _unlease(self, sp: Namespace, slots: list[int], gens: list[int]) -> None:
+        """Free leased slots (known to be leased with these generations). Lock held."""
+        leased, state, free = sp.leased, sp.state, sp.free
+        for s in slots:
+            del leased[s]
+            state[s] = FREE
+        free.extend(slots)
+        if self.journal is not None:
+            self.journal.record("unlease", sp.name, slots=slots, gens=gens)
+
+    def _unlease_owned(self, sp: Namespace, slots: Sequence[int], gens: Sequence[int]) -> bytes:
+        """Free those of (slots, gens) that are leased as named; one ok byte per item."""
+        leased = sp.leased
+        ok = bytearray(len(slots))
+        mine: dict[int, int] = {}
+        for i, (s, g) in enumerate(zip(slots, gens)):
+            if leased.get(s) == g and s not in mine:
+                mine[s] = g
+                ok[i] = 1
+        if mine:
+            self._unlease(sp, list(mine), list(mine.values()))
+        return bytes(ok)
+
+    def unlease(self, ns: str, slots: Sequence[int], gens: Sequence[int]) -> bytes:
+        """Return leased slots unused (a writer closing). One ok byte per slot."""
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                return bytes(len(slots))
+            return self._unlease_owned(sp, slots, gens)
+
+    def put(self, ns: str, keys: Sequence[bytes], slots: Sequence[int], gens: Sequence[int],
+            crcs: Sequence[int], wire: bytes | None = None) -> bytes:
+        """Store each key at a slot of the caller's lease (its page already written there).
+        Returns a ``PUT_*`` status per item (see the module docstring). ``wire``: the items
+        as the journal lays them out (i64 slots, i64 gens, u32 crcs, keys joined), if the
+        caller has them so."""
+        n = len(keys)
+        with self.lock:
+            sp = self.spaces.get(ns)
+            if sp is None:
+                raise IndexError_(f"namespace {ns!r} is not initialized")
+            index, pending, leased, state, crc = sp.index, sp.pending, sp.leased, sp.state, sp.crc
+            gens = list(gens)
+            if list(map(leased.get, slots)) == gens and index.keys().isdisjoint(keys) \
+                    and (not pending or pending.keys().isdisjoint(keys)) \
+                    and len(set(keys)) == n and len(set(slots)) == n:
+                # the common case, at C speed: new keys, each on a slot of the caller's lease
+                _each(leased.__delitem__, slots)
+                _each(state.__setitem__, slots, repeat(CONFIRMED))
+                _each(crc.__setitem__, slots, crcs)
+                index.update(zip(keys, slots))
+                if self.journal is not None:
+                    self.journal.record("put", ns, keys=keys, slots=slots, gens=gens, crcs=crcs, wire=wire)
+                return bytes((PUT_OK,)) * n
+            out = bytearray(n)
+            gen = sp.gen
+            done = []
+            for i in range(n):
+                k, s, g = keys[i], slots[i], gens[i]
+                if leased.get(s) != g:
+                    if index.get(k) == s and gen[s] == g:
+                        out[i] = PUT_OK  # stored by an earlier attempt of this call
+                    continue
+                if k in index or k in pending:
+                    out[i] = PUT_DUP
+                    continue
+                del leased[s]
+                state[s] = CONFIRMED
+                crc[s] = crcs[i]
+                index[k] = s
+                out[i] = PUT_OK
+                done.append(i)
+            if done and self.journal is not None:
+                self.journal.record("put", ns, keys=[keys[i] for i in done], slots=[slots[i] for i in done],
+                                    gens=[gens[i] for i in done], crcs=[crcs[i] for i in done])
+        return bytes(out)
 
     def reserve(self, ns: str, keys: Sequence[bytes]) -> tuple[bytes, list[int], list[int]]:
         """Reserve a page per key. Returns (statuses, slots, generations), one per key."""
@@ -212,9 +365,7 @@ class PageIndex:
             if sp is None:
                 raise IndexError_(f"namespace {ns!r} is not initialized")
             now = self.clock()
-            if sp.pending and now >= sp.next_sweep:
-                self._expire(sp, now)
-                sp.next_sweep = now + 1.0
+            self._sweep(sp, now)
             index, pending, gen = sp.index, sp.pending, sp.gen
             # C-level lookups first; the per-key Python loop only visits keys that exist,
             # are in flight or repeat (rare on the write path: writers look before they write)
@@ -259,6 +410,8 @@ class PageIndex:
             deadline = now + self.write_lease_s
             state, le = sp.state, sp.lease_end
             new_g = [gen[s] + 1 for s in got]
+            if new_g:
+                sp.gen_top = max(sp.gen_top, max(new_g))
             for s, g in zip(got, new_g):
                 gen[s] = g
                 state[s] = RESERVED
@@ -270,10 +423,7 @@ class PageIndex:
                 gens[i] = g
             for i in want[m:]:
                 status[i] = NOSPACE
-            if sp.evicted:
-                if self.journal is not None:
-                    self.journal.record("delete", ns, keys=sp.evicted)
-                sp.evicted = []
+            self._journal_evicted(sp)
             if new_k and self.journal is not None:
                 self.journal.record("reserve", ns, keys=new_k, slots=got, gens=new_g)
         return bytes(status), slots, gens
@@ -421,7 +571,7 @@ class PageIndex:
             if sp is None:
                 return {"keys": 0, "num_pages": 0, "page_bytes": 0}
             return {"keys": len(sp.index), "num_pages": sp.num_pages, "page_bytes": sp.page_bytes,
-                    "reserved": len(sp.pending), "evictions": sp.evictions, "expired": sp.expired,
+                    "reserved": len(sp.pending), "leased": len(sp.leased), "evictions": sp.evictions, "expired": sp.expired,
                     "free": len(sp.free) + sp.num_pages - sp.fresh_next}
 
     def spaces_with_prefix(self, prefix: str) -> list[list]:
@@ -472,6 +622,27 @@ class PageIndex:
                 if p is not None and p[0] == s and p[1] == g:
                     del sp.pending[k]
                     sp.state[s] = FREE
+        elif kind == "lease":
+            st, gen, leased = sp.state, sp.gen, sp.leased
+            for s, g in zip(fields["slots"], fields["gens"]):
+                gen[s] = g
+                st[s] = RESERVED
+                leased[s] = g
+            if fields["slots"]:
+                sp.fresh_next = max(sp.fresh_next, max(fields["slots"]) + 1)
+        elif kind == "unlease":
+            for s, g in zip(fields["slots"], fields["gens"]):
+                if sp.leased.get(s) == g:
+                    del sp.leased[s]
+                    sp.state[s] = FREE
+        elif kind == "put":
+            st, crc, index, leased = sp.state, sp.crc, sp.index, sp.leased
+            for k, s, g, c in zip(fields["keys"], fields["slots"], fields["gens"], fields["crcs"]):
+                if leased.get(s) == g:
+                    del leased[s]
+                    st[s] = CONFIRMED
+                    crc[s] = c
+                    index[k] = s
         elif kind == "delete":
             for k in fields["keys"]:
                 s = sp.index.pop(k, None)
@@ -493,11 +664,22 @@ class PageIndex:
         until = now + self.read_lease_s
         for sp in self.spaces.values():
             st, gen = sp.state, sp.gen
+            sp.gen_top = max(sp.gen_top, max(gen, default=0))
             sp.pending = {k: v for k, v in sp.pending.items() if st[v[0]] == RESERVED and gen[v[0]] == v[1]}
+            sp.leased = {s: g for s, g in sp.leased.items() if st[s] == RESERVED and gen[s] == g}
+            owned = {v[0] for v in sp.pending.values()}.union(sp.leased)
+            s = st.find(RESERVED)
+            while 0 <= s:  # a reserved slot nobody owns any more is free
+                if s not in owned:
+                    st[s] = FREE
+                s = st.find(RESERVED, s + 1)
             sp.rebuild_free()
             used = sp.fresh_next
             sp.read_until = array("d", [until]) * used + array("d", bytes(8 * (sp.num_pages - used)))
+            # a writer alive across the restart may still be writing its reserved or leased slots
             for s, _ in sp.pending.values():
+                sp.lease_end[s] = now + self.write_lease_s
+            for s in sp.leased:
                 sp.lease_end[s] = now + self.write_lease_s
 
     def iter_spaces(self) -> Iterable[Namespace]:

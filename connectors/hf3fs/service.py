@@ -1,7 +1,8 @@
 """``kvconnect hf3fs-meta serve``: the page index as a gRPC service.
 
-Generic gRPC handlers over raw-bytes messages (``protocol.py``), one ``PageIndex`` made
-durable by a ``Journal`` (``wal.py``), shared-secret auth on every call. Binds 127.0.0.1
+Generic gRPC handlers over raw-bytes messages (``protocol.py``) and the same messages over
+framed TCP (a second port, announced by ``Endpoint``), one ``PageIndex`` made durable by a
+``Journal`` (``wal.py``), shared-secret auth on every call or connection. Binds 127.0.0.1
 unless told otherwise.
 """
 
@@ -39,10 +40,28 @@ class MetaService:
         self.index = index
         self.journal = journal
         self._token = f"Bearer {token}".encode() if token else None
-        self.calls = 0
+        self._secret = token.encode() if token else None
+        self.tcp_port = 0  # the framed TCP listener's port, once bound (0: none)
+        self.by_id = [getattr(self, m) for m in P.METHODS]
+
+    def hello_ok(self, secret: bytes) -> bool:
+        """Framed TCP: the token a connection presented first."""
+        return self._secret is None or hmac.compare_digest(secret, self._secret)
+
+    def dispatch(self, msg: bytes) -> bytes:
+        """One ``<u8 method><request>`` message -> ``<u8 OK><reply>`` or ``<u8 ERR><code>\\n<text>``
+        (the Session stream and framed TCP share it)."""
+        try:
+            return P.OK + self.by_id[msg[0]](msg[1:])
+        except _Abort as a:
+            return P.ERR + f"{a.code.name}\n{a.message}".encode()
+        except Exception as e:  # noqa: BLE001 - a bad message must not end the stream
+            log.exception("hf3fs-meta: call failed")
+            return P.ERR + f"INTERNAL\n{type(e).__name__}: {e}".encode()
 
     # -- auth ---------------------------------------------------------------------------
     def _check(self, context: grpc.ServicerContext) -> None:
+        """gRPC: the bearer token in the call's metadata."""
         if self._token is None:
             return
         for key, value in context.invocation_metadata():
@@ -58,8 +77,7 @@ class MetaService:
             self.journal.commit()
 
     # -- methods ------------------------------------------------------------------------
-    def Initialize(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Initialize(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         num_pages, page_bytes = P.INIT_REQ.unpack_from(req, off)
         try:
@@ -69,8 +87,7 @@ class MetaService:
         self._commit()
         return P.INIT_REP.pack(info.num_pages, info.page_bytes, info.read_lease_s, info.write_lease_s)
 
-    def Reserve(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Reserve(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         keys = P.split_keys(req[off:])
         try:
@@ -80,8 +97,7 @@ class MetaService:
         self._commit()
         return status + P.i64s(slots) + P.i64s(gens)
 
-    def Commit(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Commit(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         n = P.unpack_u32(req, off)
         off += 4
@@ -102,46 +118,79 @@ class MetaService:
         self._commit()
         return ok
 
-    def Get(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Get(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         slots, gens, crcs = self.index.get(ns, P.split_keys(req[off:]))
         return P.i64s(slots) + P.i64s(gens) + P.u32s(crcs)
 
-    def Validate(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Validate(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         n = P.unpack_u32(req, off)
         off += 4
         return self.index.validate(ns, P.read_i64(req, off, n), P.read_i64(req, off + 8 * n, n))
 
-    def Exists(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Exists(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         return self.index.exists(ns, P.split_keys(req[off:]))
 
-    def Delete(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Delete(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         out = self.index.delete(ns, P.split_keys(req[off:]))
         self._commit()
         return out
 
-    def Clear(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Clear(self, req: bytes) -> bytes:
         ns, _ = P.unpack_ns(req)
         n = self.index.clear(ns)
         self._commit()
         return P.I64.pack(n)
 
-    def Usage(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Usage(self, req: bytes) -> bytes:
         ns, _ = P.unpack_ns(req)
         return json.dumps(self.index.usage(ns)).encode()
 
-    def Spaces(self, req: bytes, ctx) -> bytes:
-        self._check(ctx)
+    def Spaces(self, req: bytes) -> bytes:
         return json.dumps(self.index.spaces_with_prefix(req.decode())).encode()
+
+    def Lease(self, req: bytes) -> bytes:
+        ns, off = P.unpack_ns(req)
+        need, extra, m = P.LEASE_REQ.unpack_from(req, off)
+        off += P.LEASE_REQ.size
+        back = (P.read_i64(req, off, m), P.read_i64(req, off + 8 * m, m))
+        try:
+            slots, gens = self.index.lease(ns, need, extra, back)
+        except IndexError_ as e:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        self._commit()
+        return b"".join((P.LEASE_REP.pack(self.index.write_lease_s, len(slots)), P.i64s(slots), P.i64s(gens)))
+
+    def Put(self, req: bytes) -> bytes:
+        ns, off = P.unpack_ns(req)
+        n = P.unpack_u32(req, off)
+        off += 4
+        slots = P.read_i64(req, off, n)
+        gens = P.read_i64(req, off + 8 * n, n)
+        crcs = P.read_u32(req, off + 16 * n, n)
+        keys = P.split_keys(req[off + 20 * n:])
+        if len(keys) != n or len(crcs) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Put: {len(keys)} keys for {n} items")
+        try:
+            out = self.index.put(ns, keys, slots, gens, crcs, wire=req[off:])
+        except IndexError_ as e:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        self._commit()
+        return out
+
+    def Unlease(self, req: bytes) -> bytes:
+        ns, off = P.unpack_ns(req)
+        n = P.unpack_u32(req, off)
+        off += 4
+        out = self.index.unlease(ns, P.read_i64(req, off, n), P.read_i64(req, off + 8 * n, n))
+        self._commit()
+        return out
+
+    def Endpoint(self, req: bytes) -> bytes:
+        return P.U16.pack(self.tcp_port)
 
     def handler(self, blocking: bool) -> grpc.GenericRpcHandler:
         """Handlers for a ``grpc.aio`` server. The index calls are short and never wait, so
@@ -150,22 +199,25 @@ class MetaService:
         import asyncio
 
         def wrap(fn):
+            def call(req, ctx):
+                self._check(ctx)
+                return fn(req)
+
             if blocking:
                 async def handle(req, ctx):
                     try:
-                        return await asyncio.get_running_loop().run_in_executor(None, fn, req, ctx)
+                        return await asyncio.get_running_loop().run_in_executor(None, call, req, ctx)
                     except _Abort as a:
                         await ctx.abort(a.code, a.message)
             else:
                 async def handle(req, ctx):
                     try:
-                        return fn(req, ctx)
+                        return call(req, ctx)
                     except _Abort as a:
                         await ctx.abort(a.code, a.message)
             return grpc.unary_unary_rpc_method_handler(handle)
 
         handlers = {m: wrap(getattr(self, m)) for m in P.METHODS}
-        by_id = [getattr(self, m) for m in P.METHODS]
 
         async def session(requests, ctx):
             try:
@@ -174,18 +226,89 @@ class MetaService:
                 await ctx.abort(a.code, a.message)
             loop = asyncio.get_running_loop()
             async for msg in requests:
-                try:
-                    fn = by_id[msg[0]]
-                    rep = await loop.run_in_executor(None, fn, msg[1:], ctx) if blocking else fn(msg[1:], ctx)
-                    yield P.OK + rep
-                except _Abort as a:
-                    yield P.ERR + f"{a.code.name}\n{a.message}".encode()
-                except Exception as e:  # noqa: BLE001 - a bad message must not end the stream
-                    log.exception("hf3fs-meta: session call failed")
-                    yield P.ERR + f"INTERNAL\n{type(e).__name__}: {e}".encode()
+                yield await loop.run_in_executor(None, self.dispatch, msg) if blocking else self.dispatch(msg)
 
         handlers[P.SESSION] = grpc.stream_stream_rpc_method_handler(session)
         return grpc.method_handlers_generic_handler(P.SERVICE, handlers)
+
+
+class _Framed:
+    """One framed TCP connection (``protocol.py``): HELLO first, then one reply per message,
+    in order. Runs on the server's event loop; with ``blocking`` (fsync before answering) each
+    call runs on the executor and the connection reads nothing more until it is answered."""
+
+    def __init__(self, service: MetaService, blocking: bool):
+        self.service = service
+        self.blocking = blocking
+        self.buf = bytearray()
+        self.authed = False
+        self.busy = False
+        self.transport = None
+
+    # asyncio.Protocol
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            import socket
+
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+
+    def eof_received(self):
+        return False
+
+    def pause_writing(self) -> None:
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            self._drain()
+
+    def _drain(self) -> None:
+        buf = self.buf
+        while self.transport is not None and len(buf) >= 4:
+            (n,) = P.FRAME.unpack_from(buf)
+            if n > P.MAX_FRAME or n == 0:
+                self.transport.close()
+                return
+            if len(buf) < 4 + n:
+                return
+            msg = bytes(buf[4:4 + n])
+            del buf[:4 + n]
+            if not self.authed:
+                self.authed = msg[0] == P.HELLO and self.service.hello_ok(msg[1:])
+                self._reply(P.OK if self.authed else P.ERR + b"UNAUTHENTICATED\nhf3fs-meta: missing or wrong token")
+                if not self.authed:
+                    self.transport.close()
+                continue
+            if self.blocking:
+                import asyncio
+
+                self.busy = True
+                self.transport.pause_reading()
+                fut = asyncio.get_running_loop().run_in_executor(None, self.service.dispatch, msg)
+                fut.add_done_callback(self._done)
+                return
+            self._reply(self.service.dispatch(msg))
+
+    def _done(self, fut) -> None:
+        self.busy = False
+        if self.transport is None:
+            return
+        self._reply(fut.result())
+        self.transport.resume_reading()
+        self._drain()
+
+    def _reply(self, rep: bytes) -> None:
+        if self.transport is not None:
+            self.transport.write(P.FRAME.pack(len(rep)) + rep)
 
 
 class MetaServer:
@@ -194,7 +317,9 @@ class MetaServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 18000, data_dir: str | None = None,
                  token: str | None = None, fsync: str = "interval", workers: int = 8,
                  read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
-                 snapshot_interval_s: float = 60.0):
+                 snapshot_interval_s: float = 60.0, tcp_port: int | None = None):
+        """``tcp_port``: the framed TCP listener's port (``None`` or 0: any free port, which
+        clients learn from ``Endpoint``; -1: none, gRPC only)."""
         import asyncio
 
         self.journal = Journal(data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s) if data_dir else None
@@ -223,6 +348,21 @@ class MetaServer:
             self._shutdown_loop()
             raise OSError(f"hf3fs-meta: cannot bind {host}:{port}")
         self.address = f"{host}:{self.port}"
+        self._tcp = None
+        if tcp_port is None:
+            tcp_port = 0
+        if tcp_port >= 0:
+            async def listen():
+                loop = asyncio.get_running_loop()
+                return await loop.create_server(lambda: _Framed(self.service, fsync == "always"), host, tcp_port)
+
+            try:
+                self._tcp = self._run(listen())
+            except Exception as e:
+                self._shutdown_loop()
+                raise OSError(f"hf3fs-meta: cannot bind the framed TCP port {host}:{tcp_port} "
+                              f"(--tcp-port; -1 serves gRPC only): {e}") from e
+            self.service.tcp_port = self._tcp.sockets[0].getsockname()[1]
 
     def _run(self, coro, timeout: float = 30.0):
         import asyncio
@@ -243,6 +383,8 @@ class MetaServer:
             return
         self._stopped = True
         try:
+            if self._tcp is not None:
+                self._loop.call_soon_threadsafe(self._tcp.close)
             self._run(self.server.stop(grace), timeout=grace + 10)
         finally:
             self._shutdown_loop()
@@ -252,13 +394,14 @@ class MetaServer:
 
 def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "interval",
           workers: int = 8, snapshot_interval_s: float = 60.0, ready_file: str | None = None,
-          read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S) -> int:
+          read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
+          tcp_port: int | None = None) -> int:
     """Run until SIGTERM/SIGINT; a clean stop writes a final snapshot."""
     t0 = time.monotonic()
     srv = MetaServer(host, port, data_dir, token, fsync=fsync, workers=workers, read_lease_s=read_lease_s,
-                     write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s).start()
-    log.info("hf3fs-meta listening on %s (data dir %s, fsync %s, auth %s); recovered %s in %.2fs",
-             srv.address, data_dir, fsync, "token" if token else "off", srv.recovery, time.monotonic() - t0)
+                     write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s, tcp_port=tcp_port).start()
+    log.info("hf3fs-meta listening on %s (framed TCP port %s; data dir %s, fsync %s, auth %s); recovered %s in %.2fs",
+             srv.address, srv.service.tcp_port or "off", data_dir, fsync, "token" if token else "off", srv.recovery, time.monotonic() - t0)
     print(f"hf3fs-meta ready on {srv.address}", flush=True)
     if ready_file:
         Path(ready_file).write_text(json.dumps({"address": srv.address, "recovery": srv.recovery}))

@@ -43,7 +43,11 @@ log = logging.getLogger(__name__)
 
 _REC = struct.Struct("<II")  # payload length, crc32(payload)
 _HEAD = struct.Struct("<BHI")  # kind, namespace length, item count
-KINDS = {"init": 1, "reserve": 2, "confirm": 3, "release": 4, "delete": 5, "clear": 6}
+KINDS = {"init": 1, "reserve": 2, "confirm": 3, "release": 4, "delete": 5, "clear": 6, "lease": 7, "unlease": 8,
+         "put": 9}
+_SLOTS = ("reserve", "confirm", "release", "lease", "unlease", "put")  # kinds with slot and generation arrays
+_CRCS = ("confirm", "put")
+_KEYLESS = ("lease", "unlease")
 KIND_NAMES = {v: k for k, v in KINDS.items()}
 SNAP_MAGIC = b"KVCSNAP1"
 FSYNC_POLICIES = ("interval", "always", "never")
@@ -56,16 +60,20 @@ def _encode(kind: str, ns: str, f: dict) -> bytes:
         n = 0
     elif kind == "clear":
         body, n = b"", 0
+    elif f.get("wire") is not None:
+        # the caller holds this record's arrays and keys already laid out as below (a Put
+        # request's body): no re-encoding
+        body, n = f["wire"], len(f["keys"])
     else:
-        keys = f["keys"]
-        n = len(keys)
+        n = len(f["slots"]) if kind in _KEYLESS else len(f["keys"])
         parts = []
-        if kind in ("reserve", "confirm", "release"):
+        if kind in _SLOTS:
             parts.append(array("q", f["slots"]).tobytes())
             parts.append(array("q", f["gens"]).tobytes())
-        if kind == "confirm":
+        if kind in _CRCS:
             parts.append(array("I", f["crcs"]).tobytes())
-        parts.append(b"\n".join(keys))
+        if kind not in _KEYLESS:
+            parts.append(b"\n".join(f["keys"]))
         body = b"".join(parts)
     payload = _HEAD.pack(KINDS[kind], len(nsb), n) + nsb + body
     return _REC.pack(len(payload), zlib.crc32(payload)) + payload
@@ -83,7 +91,7 @@ def _decode(payload: bytes) -> tuple[str, str, dict]:
         return kind, ns, f
     if kind == "clear":
         return kind, ns, f
-    if kind in ("reserve", "confirm", "release"):
+    if kind in _SLOTS:
         a = array("q")
         a.frombytes(payload[off:off + 8 * n])
         f["slots"] = a.tolist()
@@ -92,12 +100,13 @@ def _decode(payload: bytes) -> tuple[str, str, dict]:
         a.frombytes(payload[off:off + 8 * n])
         f["gens"] = a.tolist()
         off += 8 * n
-    if kind == "confirm":
+    if kind in _CRCS:
         a = array("I")
         a.frombytes(payload[off:off + 4 * n])
         f["crcs"] = a.tolist()
         off += 4 * n
-    f["keys"] = payload[off:].split(b"\n") if n else []
+    if kind not in _KEYLESS:
+        f["keys"] = payload[off:].split(b"\n") if n else []
     return kind, ns, f
 
 
@@ -292,18 +301,19 @@ class Journal:
             captured = [
                 (sp.name, sp.num_pages, sp.page_bytes, sp.fresh_next, sp.gen.tobytes(), bytes(sp.state),
                  sp.crc.tobytes(), list(sp.index.keys()), array("q", sp.index.values()).tobytes(),
-                 list(sp.pending.items()))
+                 list(sp.pending.items()), array("q", sp.leased.keys()).tobytes(),
+                 array("q", sp.leased.values()).tobytes())
                 for sp in index.iter_spaces()
             ]
         self.last_snapshot = time.monotonic()
         path = self.dir / f"snapshot.{seq:08d}"
         tmp = path.with_name(path.name + ".tmp")
         header, blobs = [], []
-        for name, num_pages, page_bytes, fresh, gen, state, crc, keys, slots, pending in captured:
+        for name, num_pages, page_bytes, fresh, gen, state, crc, keys, slots, pending, ls, lg in captured:
             pk = [k for k, _ in pending]
             ps = array("q", [v[0] for _, v in pending]).tobytes()
             pg = array("q", [v[1] for _, v in pending]).tobytes()
-            parts = [gen, state, crc, slots, b"\n".join(keys), ps, pg, b"\n".join(pk)]
+            parts = [gen, state, crc, slots, b"\n".join(keys), ps, pg, b"\n".join(pk), ls, lg]
             header.append({"name": name, "num_pages": num_pages, "page_bytes": page_bytes,
                            "fresh_next": fresh, "keys": len(keys), "pending": len(pk),
                            "sizes": [len(p) for p in parts]})
@@ -347,7 +357,8 @@ class Journal:
             for size in h["sizes"]:
                 parts.append(bytes(body[off:off + size]))
                 off += size
-            gen, state, crc, slots_b, keys_b, ps_b, pg_b, pk_b = parts
+            gen, state, crc, slots_b, keys_b, ps_b, pg_b, pk_b = parts[:8]
+            ls_b, lg_b = parts[8:] or (b"", b"")  # snapshots before write leases have none
             sp = Namespace(h["name"], h["num_pages"], h["page_bytes"])
             sp.fresh_next = h["fresh_next"]
             sp.gen = array("q")
@@ -365,6 +376,10 @@ class Journal:
             pg.frombytes(pg_b)
             for k, s, g in zip(pk, ps, pg):
                 sp.pending[k] = (s, g)
+            ls, lg = array("q"), array("q")
+            ls.frombytes(ls_b)
+            lg.frombytes(lg_b)
+            sp.leased = dict(zip(ls.tolist(), lg.tolist()))
             index.spaces[sp.name] = sp
 
     def close(self) -> None:
