@@ -60,6 +60,9 @@ class HF3FSConfig(StoreConfig):
     posix_write: Literal["auto", "direct", "staged"] = field(default="auto", metadata=field_doc(
         "POSIX client writes: pwritev straight from the pages, or staged through a small "
         "per-worker buffer (auto: staged with two or more workers and cores)"))
+    posix_files: int = field(default=1, metadata=field_doc(
+        "POSIX client: data files per rank (and page size); more than 1 stripes pages over "
+        "{file}.x{n}, {file}.x{n}.1, ... so that writes to different files run in parallel"))
     page_bytes: Size | None = field(default=None, metadata=field_doc(
         "bytes per page; default: the engine's page size (or the first page written)"))
     meta_retries: int = field(default=3, metadata=field_doc("metadata RPC attempts before a miss"))
@@ -80,6 +83,8 @@ class HF3FSConfig(StoreConfig):
             raise ConfigError("entries", f"must be >= 1, got {self.entries}", None, where)
         if self.client_timeout <= 0:
             raise ConfigError("client_timeout", f"must be > 0, got {self.client_timeout}", None, where)
+        if not 1 <= self.posix_files <= 64:
+            raise ConfigError("posix_files", f"must be between 1 and 64, got {self.posix_files}", None, where)
         if self.meta_retries < 1:
             raise ConfigError("meta_retries", f"must be >= 1, got {self.meta_retries}", None, where)
         if self.page_bytes is not None and self.page_bytes <= 0:

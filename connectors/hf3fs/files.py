@@ -285,6 +285,64 @@ class PosixFile:
             self.fd = -1
 
 
+class StripedFile:
+    """Pages striped over ``stripes`` POSIX files: slot ``s`` lies in file ``s % stripes`` at
+    ``(s // stripes) * unit``. Files are ``path`` and ``path.1`` ... ``path.{stripes-1}``.
+
+    Why: a buffered write holds the file's inode lock for the whole copy (ext4, xfs, tmpfs),
+    so one file takes one writer at a time however many workers there are; writers of
+    different files copy in parallel (measured here, 512 KiB pages: two threads, one file
+    6.8 GiB/s, two files 9.7 GiB/s; on a quiet 16-core host 4.8 vs 8.7). Same interface as
+    ``PosixFile``: offsets are ``slot * unit``.
+    """
+
+    kind = "posix"
+
+    def __init__(self, path: str, size: int, unit: int, stripes: int, **posix: object):
+        self.path = path
+        self.unit = unit
+        self.stripes = stripes
+        per = -(-(size // unit) // stripes) * unit
+        self.files: list[PosixFile] = []
+        try:
+            for i in range(stripes):
+                self.files.append(PosixFile(path if i == 0 else f"{path}.{i}", per, **posix))
+        except BaseException:
+            self.close()
+            raise
+        self.stage_bytes = self.files[0].stage_bytes
+        self.mapped = self.files[0].mapped
+
+    def _split(self, items: list[tuple[int, Page]]) -> list[list[tuple[int, tuple[int, Page]]]]:
+        by: list[list] = [[] for _ in range(self.stripes)]
+        for i, (off, page) in enumerate(items):
+            slot, rem = divmod(off, self.unit)
+            by[slot % self.stripes].append((i, ((slot // self.stripes) * self.unit + rem, page)))
+        return by
+
+    def _each(self, items: list[tuple[int, Page]], op) -> list[bool]:
+        out = [False] * len(items)
+        for f, part in zip(self.files, self._split(items)):
+            if part:
+                for (i, _), ok in zip(part, op(f, [it for _, it in part])):
+                    out[i] = ok
+        return out
+
+    def read_batch(self, items: list[tuple[int, Page]]) -> list[bool]:
+        return self._each(items, lambda f, part: f.read_batch(part))
+
+    def write_batch(self, items: list[tuple[int, Page]], deadline: float | None = None) -> list[bool]:
+        return self._each(items, lambda f, part: f.write_batch(part, deadline))
+
+    def sync(self) -> None:
+        for f in self.files:
+            f.sync()
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
 def mount_fstype(path: str) -> str:
     """Filesystem type of the mount holding ``path`` (from /proc/mounts; '' if unknown)."""
     try:

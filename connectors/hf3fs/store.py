@@ -38,7 +38,8 @@ from connectors.base import BackendUnavailable, ConfigError, Page, PageStore, St
 from connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
 from connectors.buffers import page_checksum
-from connectors.hf3fs.files import STAGE_BYTES, PosixFile, UsrbioFile, on_3fs_mount, on_local_fs, usable_cpus
+from connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, on_3fs_mount, on_local_fs,
+                                   usable_cpus)
 from connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
 
 log = logging.getLogger("kvconnect.hf3fs")
@@ -134,9 +135,17 @@ class HF3FSStore(PageStore):
         self.file_rank = 0 if self.is_mla else self.rank
         self.is_writer = (not self.is_mla or self.rank == 0) if is_writer is None else bool(is_writer)
         self.pool = str(pool or "kv")
-        self.ns = f"{self.file_rank}:{self.pool}"
         suffix = "" if self.pool == "kv" else f".{self.pool}"
         self.path = f"{config.file_path_prefix}.{self.file_rank}.bin{suffix}"
+        self._client_kind = self._choose_client()
+        # Striped POSIX files get names and a namespace of their own (".x{n}"): a process
+        # striping differently never reads a slot number through another file layout.
+        self.stripes = config.posix_files if self._client_kind == "posix" else 1
+        self._stripe_tag = f"x{self.stripes}" if self.stripes > 1 else ""
+        if self._stripe_tag:
+            suffix += "." + self._stripe_tag
+            self.path += "." + self._stripe_tag
+        self.ns = self._namespace(self.file_rank)
         self._lanes: dict[int, _Lane] = {}
         self._primary: _Lane | None = None
         self._lane_lock = threading.Lock()
@@ -147,7 +156,6 @@ class HF3FSStore(PageStore):
         self._owns_meta = metadata is None
         self.validations = 0
         self.rejected_reads = 0
-        self._client_kind = self._choose_client()
 
         # Metadata first: a wrong token or a dead service fails the start, before any file.
         if metadata is not None:
@@ -206,11 +214,14 @@ class HF3FSStore(PageStore):
                 last = e
                 continue
             self.file_rank, self.path, self._local_path = n, path, path
-            self.ns = f"{n}:{self.pool}"
+            self.ns = self._namespace(n)
             return
         raise last or ConfigError("file_path_prefix", "no free data file")
 
     # ------------------------------------------------------------------ lanes
+    def _namespace(self, file_rank: int) -> str:
+        return f"{file_rank}:{self.pool}" + (f":{self._stripe_tag}" if self._stripe_tag else "")
+
     def _choose_client(self) -> str:
         client = self.config.client
         if self.config.use_mock_hf3fs_client:
@@ -233,8 +244,12 @@ class HF3FSStore(PageStore):
             local = on_local_fs(path)
             cfg = self.config
             staged = cfg.posix_write == "staged" or (cfg.posix_write == "auto" and cfg.numjobs >= 2 and usable_cpus() >= 2)
-            f = PosixFile(path, size, mmap_reads=cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local),
-                          stage_bytes=STAGE_BYTES if staged else 0)
+            posix = {"mmap_reads": cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local),
+                     "stage_bytes": STAGE_BYTES if staged else 0}
+            if self.stripes > 1:
+                f = StripedFile(path, size, page_bytes, self.stripes, **posix)
+            else:
+                f = PosixFile(path, size, **posix)
         lane = _Lane(page_bytes, ns, path, f, self._client_kind, info)
         log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
                  info.num_pages, page_bytes, ns)
@@ -446,6 +461,8 @@ class HF3FSStore(PageStore):
         if not new:
             return out
         deadline = t0 + lane.write_lease_s * LEASE_TRUST
+        if self.stripes > 1:
+            new.sort(key=lambda j: slots[j] % self.stripes)  # a worker's chunk mostly in one file
         res = self._fan_out(self._write_chunk, [(slots[j], pages[j]) for j in new], lane, deadline,
                             self.config.checksums)
         if self.config.fsync_data and any(o for o, _ in res):

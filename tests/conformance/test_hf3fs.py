@@ -54,6 +54,13 @@ class TestHF3FSStagedWrites(TestHF3FSLocalIndex):
         return {**super().store_options(), "posix_write": "staged"}
 
 
+class TestHF3FSStripedFiles(TestHF3FSLocalIndex):
+    """Pages striped over three files (``posix_files``)."""
+
+    def store_options(self):
+        return {**super().store_options(), "posix_files": 3}
+
+
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
 
 

@@ -737,3 +737,61 @@ def test_store_write_paths_round_trip(tmp_path, posix_write):
 def test_posix_write_key_is_validated(tmp_path):
     with pytest.raises(ConfigError, match="posix_write"):
         create_store("hf3fs", store_opts(tmp_path, posix_write="odirect"))
+
+
+@pytest.mark.parametrize("stage_bytes", [0, 5000])
+def test_striped_file_places_slots_round_robin_byte_exact(tmp_path, stage_bytes):
+    """Slot s lies in file s % n at (s // n) * page; batches in any order read back exactly."""
+    from connectors.hf3fs.files import StripedFile
+
+    pb, n = 16 * 1024, 20
+    _keep, pages, want = _pages_with_segments(pb, n, 2, seed=5)
+    slots = list(range(n))
+    random.Random(1).shuffle(slots)
+    f = StripedFile(str(tmp_path / "d.bin"), 40 * pb, pb, 3, mmap_reads=True, stage_bytes=stage_bytes)
+    try:
+        assert f.write_batch([(s * pb, p) for s, p in zip(slots, pages)]) == [True] * n
+        files = [tmp_path / "d.bin", tmp_path / "d.bin.1", tmp_path / "d.bin.2"]
+        assert [p.stat().st_size for p in files] == [14 * pb] * 3  # ceil(40 / 3) pages each
+        for s, d in zip(slots, want):
+            with open(files[s % 3], "rb") as raw:
+                raw.seek((s // 3) * pb)
+                assert raw.read(pb) == d
+        _keep2, back, _ = _pages_with_segments(pb, n, 2, seed=6)
+        assert f.read_batch([(s * pb, p) for s, p in zip(slots, back)]) == [True] * n
+        assert [_page_bytes(p) for p in back] == want
+    finally:
+        f.close()
+
+
+def test_striped_store_has_its_own_files_and_namespace(tmp_path, meta):
+    """posix_files=2 writes .bin.x2 and .bin.x2.1 under namespace 0:kv:x2; a store of the
+    same prefix without striping (another layout) sees none of its keys: a miss, never
+    bytes read through the wrong layout."""
+    striped = create_store("hf3fs", store_opts(tmp_path, meta, posix_files=2))
+    plain = create_store("hf3fs", store_opts(tmp_path, meta))
+    try:
+        keys = keyset(9)
+        assert write_pages(striped, keys) == [True] * 9
+        assert striped.ns == "0:kv:x2"
+        names = sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.endswith(".lock"))
+        assert "hicache.0.bin.x2" in names and "hicache.0.bin.x2.1" in names
+        ok, data = read_pages(striped, keys)
+        assert ok == [True] * 9 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 9
+        assert plain.exists(keys) == [False] * 9
+        assert read_pages(plain, keys)[0] == [False] * 9
+        again = create_store("hf3fs", store_opts(tmp_path, meta, posix_files=2))  # another engine, same layout
+        try:
+            ok, data = read_pages(again, keys)
+            assert ok == [True] * 9 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 9
+        finally:
+            again.close()
+    finally:
+        striped.close()
+        plain.close()
+
+
+@pytest.mark.parametrize("bad", [0, 65, "two"])
+def test_posix_files_key_is_validated(tmp_path, bad):
+    with pytest.raises(ConfigError, match="posix_files"):
+        create_store("hf3fs", store_opts(tmp_path, posix_files=bad))
