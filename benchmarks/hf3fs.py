@@ -88,7 +88,8 @@ def _no_process_hooks():
         signal.signal, atexit.register = sig, ae
 
 
-def bench_store(result: BenchResult, page: int, batch: int, workers: list[int], reps: int, tmp: Path) -> None:
+def bench_store(result: BenchResult, page: int, batch: int, workers: list[int], reps: int, tmp: Path,
+                options: dict[str, Any] | None = None) -> None:
     import torch
     from sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server import Hf3fsLocalMetadataClient
     from sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs import HiCacheHF3FS
@@ -116,7 +117,7 @@ def bench_store(result: BenchResult, page: int, batch: int, workers: list[int], 
     for w in workers:
         ours_dir, ref_dir = tmp / f"ours-{tag}-{w}", tmp / f"ref-{tag}-{w}"
         ours = HF3FSStore(HF3FSConfig(file_path_prefix=str(ours_dir / "hicache"), file_size=file_size,
-                                      numjobs=w, entries=max(1, batch // w)), page_bytes=page)
+                                      numjobs=w, entries=max(1, batch // w), **(options or {})), page_bytes=page)
         with _no_process_hooks():
             ref = HiCacheHF3FS(rank=0, file_path=str(ref_dir / "hicache.0.bin"), file_size=file_size, numjobs=w,
                                bytes_per_page=page, entries=8, client_timeout=5, dtype=torch.uint8,
@@ -346,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-store", action="store_true")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/hf3fs.json)")
     ap.add_argument("--dir", default=None, help="directory for data files (default: a temporary directory)")
+    ap.add_argument("--store-options", default="{}", metavar="JSON",
+                    help='extra kvconnect hf3fs options, e.g. \'{"posix_files": 2}\' (default: none, the defaults)')
     args = ap.parse_args(argv)
 
     os.environ.setdefault("SGLANG_LOG_LEVEL", "warning")
@@ -355,20 +358,24 @@ def main(argv: list[str] | None = None) -> int:
     import sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server  # noqa: F401
 
     logging.getLogger().setLevel(logging.WARNING)
+    import json
+
+    store_options = json.loads(args.store_options)
     workers = [int(w) for w in (args.workers or ("4" if args.quick else "1,4,16")).split(",")]
     page_sizes = [512 * KiB] if args.quick else [512 * KiB, 8 * MiB]
     reps = 3 if args.quick else 5
     meta_batches = args.meta_batches or (60 if args.quick else 400)
     result = BenchResult("hf3fs", params={"quick": args.quick, "page_sizes": page_sizes, "batch": args.batch,
                                           "workers": workers, "reps": reps, "meta_batches": meta_batches,
-                                          "meta_batch_keys": 128, "page_cache": "warm", "layout": "page_first"})
+                                          "meta_batch_keys": 128, "page_cache": "warm", "layout": "page_first",
+                                          "store_options": store_options})
     result.notes.append("machine shared with other engineers' work: figures move with load (see machine.loadavg); "
                         "compare ratios, which come from one run")
     tmp = Path(tempfile.mkdtemp(prefix="kvc-hf3fs-bench-", dir=args.dir))
     try:
         if not args.skip_store:
             for page in page_sizes:
-                bench_store(result, page, args.batch, workers, reps, tmp)
+                bench_store(result, page, args.batch, workers, reps, tmp, store_options)
             # headline: per page size, each system at its best worker count; then the worse page size
             ref_name = "SGLang 0.5.23 HiCacheHF3FS (mock client, local metadata), each at its best worker count"
             for op in ("set", "get"):
