@@ -282,7 +282,7 @@ class RemoteMetadata(MetadataClient):
         self._idle: list[_Session] = []
         self._idle_tcp: list[_Framed] = []
         self._tcp_port: int | None = None  # None: not asked yet (or lost: ask again); 0: none offered
-        self._watchdog = _Watchdog() if transport in ("auto", "stream") else None
+        self._watchdog = _Watchdog() if transport in ("auto", "stream") else None  # auto: a service without TCP
         self._leases: dict[str, _Leases] = {}
         self._ttl = 0.0  # the service's write lease (s), from Lease replies
         self._closed = False
@@ -308,15 +308,13 @@ class RemoteMetadata(MetadataClient):
         port = self._tcp_port
         if port is None:
             try:
-                port = P.U16.unpack(self._grpc_call("Endpoint", b"", deadline))[0]
+                rep = self._calls["Endpoint"](b"", timeout=max(0.001, deadline - time.monotonic()),
+                                              metadata=self._metadata)  # unary: no stream left open
+                port = P.U16.unpack(rep)[0]
             except self._grpc.RpcError as e:
                 if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:
                     raise
                 port = 0  # a service from before framed TCP
-            except _StreamError as e:
-                if e.code_name != "INTERNAL":  # an older service: unknown method index
-                    raise
-                port = 0
             self._tcp_port = port
         return port
 
