@@ -1,19 +1,21 @@
 """File clients: move pages between caller segments and fixed offsets of a data file.
 
-* ``PosixFile`` (any filesystem; the embedded default and what CI tests): ``os.pwritev``
-  straight from the caller's segments, one syscall per page; reads with ``os.preadv`` into
-  the segments or, by default, one ``memmove`` per segment from a shared mapping of the file.
-  No intermediate buffer either way, and the GIL is released, so a pool of workers runs
-  them in parallel.
+* ``PosixFile`` (any filesystem; the embedded default and what CI tests): a batch's pages
+  sorted by offset and merged into runs of adjacent slots; writes with ``os.pwritev``
+  straight from the caller's segments or staged through a small per-worker buffer; reads
+  with ``os.preadv`` into the segments or, by default, one ``memmove`` per run from a shared
+  mapping of the file. The GIL is released throughout, so a pool of workers runs in parallel.
+* ``StripedFile``: a lane's slots round-robin over several ``PosixFile`` s (opt-in), so
+  buffered writes are not serialized by one file's inode lock.
 * ``UsrbioFile`` (3FS mounts): the 3FS user-space ring API of ``hf3fs_fuse.io``
   (package ``hf3fs-py-usrbio``). usrbio only does I/O into memory registered with the
   mount (an iov), so pages are staged through one iov per client (one memcpy each way,
   as SGLang's client). Needs a 3FS mount: not exercised on machines without one.
 
-O_DIRECT / io_uring: not used (see docs/hf3fs.md): reads from a warm page cache are what
-HiCache L3 on local or cached file systems lives on, O_DIRECT bypasses that cache and needs
-4 KiB-aligned host segments SGLang does not guarantee, and Python has no io_uring binding in
-the standard library (3FS's own ring API is the usrbio client).
+O_DIRECT / io_uring / mapped writes / fallocate: measured and not used (docs/hf3fs.md, "File
+clients"): O_DIRECT runs at disk speed and drops the page-cache copy the next get reads;
+io_uring has no standard-library binding and its buffered writes take the same inode lock;
+mapped writes fault per 4 KiB once writeback has cleaned a page.
 """
 
 from __future__ import annotations
