@@ -254,7 +254,7 @@ run_cross() {  # arch store: A prefills, B (another server process) hits through
   wait_up "${arch}_${store}_B" 30001 "$(( $(left) - 60 ))" || return 1
   rm -f /tmp/l3/cross.jsonl
   PLAN=$(echo "$PLAN" | sed 's/w[0-9]*,\?//') drive "$arch" "$store" "${arch}:cross_${store}_A" 30000 0 --record /tmp/l3/cross.jsonl
-  python3 "$B/e2e_driver.py" run --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_Bwarm" --plan w8192 \
+  python3 "$B/e2e_driver.py" run --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_Bwarm" --plan w4096 \
     --deadline $(( T0 + DEADLINE_S - 15 ))
   python3 "$B/e2e_driver.py" replay --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_B" \
     --ids-from /tmp/l3/cross.jsonl --label L3_cross_instance --deadline $(( T0 + DEADLINE_S - 10 )) \
