@@ -14,10 +14,16 @@ run is the machine limit.
 
 Metadata (same run): ``kvconnect hf3fs-meta serve`` (durable: journal, fsync every 50 ms)
 against ``python -m sglang...mini_3fs_metadata_server`` (FastAPI, no persistence), each a
-separate process bound to 127.0.0.1, each driven by its own client (gRPC / requests) from
-this process, batches of 128 keys: reserve+confirm of new keys, then get, then exists; once
-with one client thread, once with ``--meta-threads`` (8) threads sharing the batches (several
-engine ranks calling one service). Both systems' passes are interleaved in tenths.
+separate process bound to 127.0.0.1, each driven by its own client (``RemoteMetadata``, framed
+TCP unless ``--meta-transport`` says otherwise / ``requests``) from this process, batches of
+128 keys: the metadata work of writing new keys, then get, then exists; once with one client
+thread, once with ``--meta-threads`` (8) threads sharing the batches (several engine ranks
+calling one service). Both systems' passes are interleaved in tenths. The write row
+("reserve+confirm") is, for SGLang, ``reserve_and_allocate_page_indices`` +
+``confirm_write``; for kvconnect, what ``HF3FSStore.put_from`` calls: ``reserve`` (slots from
+the client's write leases: a ``Lease`` call whenever they run out, ~1 per 33 batches, timed
+with the rest) + ``commit`` (one ``Put``, answered once journaled). Leases taken during the
+warm-up are given back before timing; the calls made are counted and recorded.
 
 Ratios (ours / SGLang's; > 1 = kvconnect faster): ``store_set/<page>`` and
 ``store_get/<page>`` compare each system at its best worker count; ``store_set`` and
@@ -42,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -205,7 +212,8 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
-def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 8) -> None:
+def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 8, transport: str = "auto",
+               lease_ahead: int = 4096) -> None:
     from sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server import Hf3fsGlobalMetadataClient
 
     from connectors.hf3fs.client import RemoteMetadata
@@ -226,8 +234,17 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
     try:
         _wait_port(ours_port, ours_p)
         _wait_port(ref_port, ref_p)
-        ours = RemoteMetadata(f"127.0.0.1:{ours_port}", token, timeout=30)
+        ours = RemoteMetadata(f"127.0.0.1:{ours_port}", token, timeout=30, transport=transport,
+                              lease_ahead=lease_ahead)
         ours.connect()
+        calls: dict[str, int] = {}
+        real_call = ours._call
+
+        def counted(method, payload):  # what our write path really sends, per batch
+            calls[method] = calls.get(method, 0) + 1
+            return real_call(method, payload)
+
+        ours._call = counted
         ref = Hf3fsGlobalMetadataClient(f"http://127.0.0.1:{ref_port}")
         ours.initialize("0:kv", num_pages, 4096)
         ref.initialize(0, num_pages)
@@ -240,6 +257,7 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
             ours.commit("0:kv", wk, sl, gn, [0] * B, b"\x01" * B)
             r = ref.reserve_and_allocate_page_indices(0, [(k.decode(), "") for k in wk])
             ref.confirm_write(0, [(k.decode(), i) for k, (_, i) in zip(wk, r)], [])
+        ours.release_leases("0:kv")  # the timed passes lease what they use
 
         def ours_rc(a, b):
             for batch in kb[a:b]:
@@ -273,6 +291,12 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
         fig: dict[str, Any] = {"batch": B, "batches": batches}
         chunk = max(1, batches // 10)
 
+        # long-lived client threads (engine ranks exist before they call): starting threads
+        # per chunk would time thread creation, not metadata calls
+        pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="meta-client")
+        barrier = threading.Barrier(concurrency)
+        list(pool.map(lambda _: barrier.wait(), range(concurrency)))  # all threads up
+
         def timed(fn, a: int, b: int, threads: int) -> float:
             """Seconds for batches [a, b) split over ``threads`` client threads."""
             if threads == 1:
@@ -280,12 +304,9 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
                 fn(a, b)
                 return time.perf_counter() - t0
             step = -(-(b - a) // threads)
-            ts = [threading.Thread(target=fn, args=(i, min(b, i + step))) for i in range(a, b, step)]
             t0 = time.perf_counter()
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
+            for f in [pool.submit(fn, i, min(b, i + step)) for i in range(a, b, step)]:
+                f.result()
             return time.perf_counter() - t0
 
         for threads in (1, concurrency):
@@ -298,22 +319,31 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
                 # interleaved in tenths, so both systems see the same machine load; server CPU
                 # time too, which the load of a shared machine does not inflate
                 to = tr = 0.0
+                calls.clear()
                 co0, cr0 = _cpu(ours_p.pid), _cpu(ref_p.pid)
                 for c in range(0, batches, chunk):
                     to += timed(o, c, min(batches, c + chunk), threads)
                     tr += timed(r, c, min(batches, c + chunk), threads)
                 co, cr = _cpu(ours_p.pid) - co0, _cpu(ref_p.pid) - cr0
+                per_batch = {m: round(v / batches, 3) for m, v in sorted(calls.items())}
                 fig[f"{op}/c{threads}"] = {"kvconnect_keys_s": n / to, "sglang_keys_s": n / tr, "client_threads": threads,
                                            "kvconnect_server_cpu_us_per_key": co / n * 1e6,
-                                           "sglang_server_cpu_us_per_key": cr / n * 1e6}
-                print(f"[meta {op}, {threads} client thread(s)] ours {n / to:,.0f} keys/s, "
+                                           "sglang_server_cpu_us_per_key": cr / n * 1e6,
+                                           "kvconnect_calls_per_batch": per_batch}
+                label = f"{op} (ours: {'+'.join(per_batch)})" if op == "reserve_confirm" else op
+                print(f"[meta {label}, {threads} client thread(s)] ours {n / to:,.0f} keys/s, "
                       f"mini_3fs_metadata_server {n / tr:,.0f} keys/s ({tr / to:.1f}x); server CPU per key "
-                      f"{co / n * 1e6:.2f} vs {cr / n * 1e6:.2f} us ({cr / co if co else 0:.1f}x)")
+                      f"{co / n * 1e6:.2f} vs {cr / n * 1e6:.2f} us ({cr / co if co else 0:.1f}x); "
+                      f"our calls per batch {per_batch}")
         fig["loadavg"] = os.getloadavg()
+        fig["kvconnect_transport"] = "framed TCP" if ours._tcp_port else f"gRPC ({transport})"
+        fig["kvconnect_lease_ahead"] = lease_ahead
         result.figures["meta"] = fig
         ref_name = "SGLang 0.5.23 mini_3fs_metadata_server (FastAPI, in-memory)"
+        ours_write = "+".join(fig["reserve_confirm/c1"]["kvconnect_calls_per_batch"])
         result.ratio("meta_ops", fig["reserve_confirm/c1"]["kvconnect_keys_s"],
-                     fig["reserve_confirm/c1"]["sglang_keys_s"], ref_name + ", reserve+confirm, 1 client thread")
+                     fig["reserve_confirm/c1"]["sglang_keys_s"],
+                     ref_name + f", reserve+confirm (ours: {ours_write}), 1 client thread")
         for op in ("get", "exists"):
             result.ratio(f"meta_ops/{op}", fig[f"{op}/c1"]["kvconnect_keys_s"], fig[f"{op}/c1"]["sglang_keys_s"],
                          ref_name + ", 1 client thread")
@@ -322,6 +352,7 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
             result.ratio(f"meta_ops/{op}/{c}", fig[f"{op}/{c}"]["kvconnect_keys_s"], fig[f"{op}/{c}"]["sglang_keys_s"],
                          ref_name + f", {concurrency} client threads")
         ours.close()
+        pool.shutdown()
     finally:
         for p in (ours_p, ref_p):
             p.terminate()
@@ -343,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--meta-batches", type=int, default=None, help="metadata batches of 128 keys (default 400)")
     ap.add_argument("--meta-threads", type=int, default=8,
                     help="client threads for the concurrent metadata pass (default 8: several engine ranks)")
+    ap.add_argument("--meta-transport", default="auto", choices=("auto", "tcp", "stream", "unary"),
+                    help="our metadata client's transport (default auto: framed TCP)")
+    ap.add_argument("--meta-lease-ahead", type=int, default=4096,
+                    help="slots our client leases ahead (default 4096, as the store; 0: Reserve+Commit per batch)")
     ap.add_argument("--skip-meta", action="store_true")
     ap.add_argument("--skip-store", action="store_true")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/hf3fs.json)")
@@ -367,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     meta_batches = args.meta_batches or (60 if args.quick else 400)
     result = BenchResult("hf3fs", params={"quick": args.quick, "page_sizes": page_sizes, "batch": args.batch,
                                           "workers": workers, "reps": reps, "meta_batches": meta_batches,
-                                          "meta_batch_keys": 128, "page_cache": "warm", "layout": "page_first",
+                                          "meta_batch_keys": 128, "meta_transport": args.meta_transport,
+                                          "meta_lease_ahead": args.meta_lease_ahead, "page_cache": "warm", "layout": "page_first",
                                           "store_options": store_options})
     result.notes.append("machine shared with other engineers' work: figures move with load (see machine.loadavg); "
                         "compare ratios, which come from one run")
@@ -392,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
                 memcpy = result.figures["memcpy_gib_s"]["8MiB"]
                 result.ratio("get_vs_memcpy/8MiB", best, memcpy, "memcpy (ctypes.memmove, 1 thread, best in this run)")
         if not args.skip_meta:
-            bench_meta(result, meta_batches, tmp, args.meta_threads)
+            bench_meta(result, meta_batches, tmp, args.meta_threads, args.meta_transport, args.meta_lease_ahead)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result.print_ratios()

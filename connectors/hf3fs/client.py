@@ -7,7 +7,7 @@ fast miss per batch instead of a timeout per batch.
 
 ``RemoteMetadata`` talks framed TCP when the service offers it (``protocol.py``), else gRPC,
 and writes with one call per batch: ``reserve`` hands out slots the client leased ahead
-(``Lease``, one call per ~``lease_ahead`` pages) and ``commit`` stores the written keys with
+(``Lease``, one call per ~``lease_ahead`` pages, at most 1/16 of the file) and ``commit`` stores the written keys with
 one ``Put``. A ``Put`` that finds keys already stored switches the next few batches back to
 the service's ``Reserve`` (which tells the writer to skip pages that exist) — a writer
 meeting duplicates should not write them.
@@ -257,7 +257,7 @@ class RemoteMetadata(MetadataClient):
     RESERVE_CREDIT = 8  # batches through Reserve after a Put or Reserve met duplicate keys
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0, retries: int = 3,
-                 cooldown: float = 1.0, transport: str = "auto", lease_ahead: int = 1024):
+                 cooldown: float = 1.0, transport: str = "auto", lease_ahead: int = 4096):
         import grpc
 
         if transport not in ("auto", "tcp", "stream", "unary"):
@@ -438,9 +438,12 @@ class RemoteMetadata(MetadataClient):
                     pool.reserve_credit = max(0, pool.reserve_credit - 1)
             return status, slots, gens
         n = len(keys)
-        if len(set(keys)) == n:
-            status = bytearray(n)  # all NEW
-            want = list(range(n))
+        if len(set(keys)) == n:  # the common case: all NEW
+            got_s, got_g = self._take(ns, pool, n)
+            if len(got_s) == n:
+                return bytes(n), got_s, got_g
+            want = range(n)
+            status = bytearray(n)
         else:  # the same key twice in one batch: one page
             status, want, seen = bytearray(n), [], set()
             for i, k in enumerate(keys):
@@ -449,10 +452,8 @@ class RemoteMetadata(MetadataClient):
                 else:
                     seen.add(k)
                     want.append(i)
-        got_s, got_g = self._take(ns, pool, len(want))
+            got_s, got_g = self._take(ns, pool, len(want))
         m = len(got_s)
-        if m == n:
-            return bytes(status), got_s, got_g
         if m < len(want):
             # No free pages for the batch (leases never evict): Reserve, which tells
             # which keys are stored already and evicts only for the others, for the next
@@ -568,10 +569,18 @@ class RemoteMetadata(MetadataClient):
 
     def _to_reserve_mode(self, ns: str, pool: _Leases) -> None:
         """Send the next ``RESERVE_CREDIT`` batches through Reserve, giving every slot leased
-        ahead back now (best effort: else they expire): a writer that does not lease must
-        not keep pages from the others."""
+        ahead back now: a writer that does not lease must not keep pages from the others."""
         with self._lock:
             pool.reserve_credit = self.RESERVE_CREDIT
+        self.release_leases(ns)
+
+    def release_leases(self, ns: str) -> None:
+        """Give back the slots leased ahead for ``ns`` and not handed out (best effort: else
+        they expire after the service's write lease)."""
+        pool = self._leases.get(ns)
+        if pool is None:
+            return
+        with self._lock:
             sl = pool.stale[0] + [x for c in pool.chunks for x in c[1]]
             gn = pool.stale[1] + [x for c in pool.chunks for x in c[2]]
             pool.chunks.clear()
@@ -636,8 +645,8 @@ class RemoteMetadata(MetadataClient):
 
     def close(self):
         """Give unused leased slots back (best effort: else they expire), close connections."""
-        for ns, pool in list(self._leases.items()):
-            self._to_reserve_mode(ns, pool)
+        for ns in list(self._leases):
+            self.release_leases(ns)
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
