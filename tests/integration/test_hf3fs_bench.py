@@ -18,5 +18,9 @@ def test_quick_benchmark_writes_ratios(tmp_path):
     for name in ("store_set", "store_get", "meta_ops", "meta_ops/get", "meta_ops/exists"):
         assert name in metrics and metrics[name]["ours"] > 0 and metrics[name]["reference"] > 0, name
     assert doc["figures"]["store"]["512KiB/w4"]["set_gib_s"]["sglang"] > 0
+    # our write path as the store runs it: one Put per batch, leases amortized, no Reserve
+    calls = doc["figures"]["meta"]["reserve_confirm/c1"]["kvconnect_calls_per_batch"]
+    assert calls["Put"] == 1.0 and 0 < calls["Lease"] < 0.5 and set(calls) == {"Lease", "Put"}, calls
+    assert "Lease+Put" in metrics["meta_ops"]["reference_system"]
     assert doc["machine"]["loadavg"]
     assert not list(tmp_path.glob("kvc-hf3fs-bench-*")), "the benchmark leaves no data files behind"
