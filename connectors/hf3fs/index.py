@@ -266,7 +266,9 @@ class PageIndex:
                 sp.gen[lo:lo + k] = array("q", (g,)) * k
                 sp.state[lo:lo + k] = bytes((RESERVED,)) * k
                 sp.lease_end[lo:lo + k] = array("d", (deadline,)) * k
+                sp.crc[lo:lo + k] = array("I", bytes(4 * k))
             else:
+                _each(sp.crc.__setitem__, got, repeat(0))  # a put without checksums skips them
                 _each(sp.gen.__setitem__, got, repeat(g))
                 _each(sp.state.__setitem__, got, repeat(RESERVED))
                 _each(sp.lease_end.__setitem__, got, repeat(deadline))
@@ -326,7 +328,8 @@ class PageIndex:
                 # the common case, at C speed: new keys, each on a slot of the caller's lease
                 _each(leased.__delitem__, slots)
                 _each(state.__setitem__, slots, repeat(CONFIRMED))
-                _each(crc.__setitem__, slots, crcs)
+                if any(crcs):  # leased slots hold crc 0 already
+                    _each(crc.__setitem__, slots, crcs)
                 index.update(zip(keys, slots))
                 if self.journal is not None:
                     self.journal.record("put", ns, keys=keys, slots=slots, gens=gens, crcs=crcs, wire=wire)
@@ -623,8 +626,9 @@ class PageIndex:
                     del sp.pending[k]
                     sp.state[s] = FREE
         elif kind == "lease":
-            st, gen, leased = sp.state, sp.gen, sp.leased
+            st, gen, leased, crc = sp.state, sp.gen, sp.leased, sp.crc
             for s, g in zip(fields["slots"], fields["gens"]):
+                crc[s] = 0
                 gen[s] = g
                 st[s] = RESERVED
                 leased[s] = g
