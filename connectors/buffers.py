@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import ctypes
 import hashlib
+import os
+import threading
 import zlib
 from typing import Sequence
 
@@ -61,6 +64,90 @@ def scatter(src: int, page: Page) -> int:
         memmove(addr, src + off, n)
         off += n
     return off
+
+
+# One core's memcpy moves ~3-10 GiB/s, and the pages of one prefix are GiBs: big batches of
+# copies are spread over a few threads (memmove releases the GIL).
+COPY_THREADS_ENV = "KVCONNECT_COPY_THREADS"
+_PARALLEL_MIN_BYTES = 8 << 20   # below this, handing work to threads costs more than it saves
+_CHUNK_BYTES = 4 << 20          # large segments are split so threads get even shares
+_copy_pool: cf.ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy_threads() -> int:
+    """Threads used by :func:`copy_many`: ``$KVCONNECT_COPY_THREADS``, else min(8, cores)."""
+    raw = os.environ.get(COPY_THREADS_ENV, "")
+    if raw.strip():
+        try:
+            return max(1, int(raw))
+        except ValueError:
+            raise ValueError(f"{COPY_THREADS_ENV} must be an integer, got {raw!r}") from None
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _pool() -> cf.ThreadPoolExecutor:
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = cf.ThreadPoolExecutor(max(1, copy_threads() - 1), thread_name_prefix="kvc-copy")
+        return _copy_pool
+
+
+def _run_moves(moves: Sequence[tuple[int, int, int]]) -> None:
+    for dst, src, n in moves:
+        memmove(dst, src, n)
+
+
+def copy_many(moves: Sequence[tuple[int, int, int]]) -> None:
+    """Do every ``(dst, src, nbytes)`` memmove; large totals are split over several threads.
+
+    Returns when all bytes are copied (the calling thread does one share itself)."""
+    total = sum(n for _, _, n in moves)
+    threads = copy_threads()
+    if threads == 1 or total < _PARALLEL_MIN_BYTES:
+        _run_moves(moves)
+        return
+    share = -(-total // threads)
+    groups: list[list[tuple[int, int, int]]] = [[]]
+    filled = 0
+    for dst, src, n in moves:
+        off = 0
+        while off < n:
+            take = min(n - off, _CHUNK_BYTES, share - filled)
+            groups[-1].append((dst + off, src + off, take))
+            off += take
+            filled += take
+            if filled >= share:
+                groups.append([])
+                filled = 0
+    groups = [g for g in groups if g]
+    futures = [_pool().submit(_run_moves, g) for g in groups[1:]]
+    _run_moves(groups[0])
+    for f in futures:
+        f.result()
+
+
+def scatter_many(srcs: Sequence[int], pages: Sequence[Page]) -> None:
+    """:func:`scatter` of ``srcs[i]`` into ``pages[i]`` for every i, in parallel."""
+    moves = []
+    for src, page in zip(srcs, pages):
+        off = 0
+        for addr, n in page:
+            moves.append((addr, src + off, n))
+            off += n
+    copy_many(moves)
+
+
+def gather_many(pages: Sequence[Page], dsts: Sequence[int]) -> None:
+    """:func:`gather_into` of ``pages[i]`` to ``dsts[i]`` for every i, in parallel."""
+    moves = []
+    for page, dst in zip(pages, dsts):
+        off = 0
+        for addr, n in page:
+            moves.append((dst + off, addr, n))
+            off += n
+    copy_many(moves)
 
 
 def page_view(page: Page) -> list[memoryview]:

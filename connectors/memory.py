@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from connectors.base import Page, PageStore, StoreUsage, page_nbytes
-from connectors.buffers import buffer_address, gather, scatter
+from connectors.buffers import buffer_address, gather_many, scatter_many
 from connectors.config import Size, StoreConfig, field_doc
 
 
@@ -52,32 +52,30 @@ class MemoryStore(PageStore):
                 if v is not None:
                     self._pages.move_to_end(k)
                 values.append(v)
-        out = []
-        for v, page in zip(values, pages):
-            if v is None or len(v) != page_nbytes(page):
-                out.append(False)
-                continue
-            scatter(buffer_address(v), page)
-            out.append(True)
+        out = [v is not None and len(v) == page_nbytes(page) for v, page in zip(values, pages)]
+        scatter_many([buffer_address(v) for v, ok in zip(values, out) if ok],
+                     [page for page, ok in zip(pages, out) if ok])
         return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        out = []
         cap = self.config.capacity
-        for k, page in zip(keys, pages):
-            with self._lock:
+        out = [False] * len(keys)
+        new: list[int] = []
+        with self._lock:
+            for i, (k, page) in enumerate(zip(keys, pages)):
                 if k in self._pages:
                     self._pages.move_to_end(k)
-                    out.append(True)
-                    continue
-            n = page_nbytes(page)
-            if n > cap:
-                out.append(False)
-                continue
-            data = gather(page)  # one copy, outside the lock
-            with self._lock:
+                    out[i] = True
+                elif page_nbytes(page) <= cap:
+                    new.append(i)
+        # copies outside the lock, all pages of the batch at once
+        datas = [bytearray(page_nbytes(pages[i])) for i in new]
+        gather_many([pages[i] for i in new], [buffer_address(d) if d else 0 for d in datas])
+        with self._lock:
+            for i, data in zip(new, datas):
+                k, n = keys[i], len(data)
+                out[i] = True
                 if k in self._pages:  # a racing writer published first
-                    out.append(True)
                     continue
                 while self._used + n > cap and self._pages:
                     _, old = self._pages.popitem(last=False)
@@ -85,7 +83,6 @@ class MemoryStore(PageStore):
                     self._evictions += 1
                 self._pages[k] = data
                 self._used += n
-            out.append(True)
         return out
 
     def _delete(self, keys: list[str]) -> list[bool]:
