@@ -6,6 +6,7 @@
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
 #         kvc_hf3fs (kvconnect HF3FS store, POSIX client) | kvc_memory (kvconnect in-process store)
+#         kvc_memory_legacy (in-process store through SGLang's legacy tensor interface, layer_first pool)
 #         kvc_mooncake (kvconnect Mooncake store: mooncake_master + a standalone `kvconnect mooncake-store`
 #           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang
 #           server lends its own memory, as in the seed guide, plus a memory-only `kvconnect peer serve`
@@ -13,6 +14,7 @@
 #   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit)
 #   cross_STORE:   two servers (ports 30000/30001) sharing one store; prompts prefilled on A, read on B
 # Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384),
+#      HICACHE_LAYOUT (--hicache-mem-layout for every server; default: SGLang's),
 #      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES.
 set -u
 T0=$(date +%s)
@@ -74,7 +76,8 @@ load_jitcache() {
 }
 
 # -- the stores ------------------------------------------------------------------------------------------
-KVC='"backend_name":"kvconnect","module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage","interface_v1":1'
+KVC_BASE='"backend_name":"kvconnect","module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage"'
+KVC="$KVC_BASE,\"interface_v1\":1"   # SGLang's zero-copy v1 batch interface
 store_args() {  # store, port-suffix -> prints backend args (one per line)
   local s=$1 k=${2:-0}
   case $s in
@@ -97,6 +100,9 @@ store_args() {  # store, port-suffix -> prints backend args (one per line)
     kvc_memory)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((9400+k))}" ;;
+    kvc_memory_legacy)  # SGLang's legacy (tensor) interface, layer-first host pool: the adapter's other path
+      printf '%s\n' --hicache-mem-layout layer_first --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
+        "{$KVC_BASE,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((9400+k))}" ;;
     *) say "unknown store $s"; return 1 ;;
   esac
 }
@@ -115,6 +121,7 @@ launch() {  # name arch port store [suffix]
   local memfrac=0.85 maxtok=65536
   [ "$arch" = llama ] && { memfrac=0.4; maxtok=65536; }
   local args=(); mapfile -t args < <(store_args "$store" "$k")
+  [ -n "${HICACHE_LAYOUT:-}" ] && args=(--hicache-mem-layout "$HICACHE_LAYOUT" "${args[@]}")
   local env=()
   [ "$store" = hf3fsref ] && env=(SGLANG_HICACHE_HF3FS_CONFIG_PATH=/tmp/l3/hf3fsref.json)
   say "launch $name: $arch store=$store port=$port"

@@ -7,6 +7,11 @@ Ratios (issue's names):
   <store>_<model>_<len>_vs_file       file-backend L3-hit TTFT / this store's L3-hit TTFT (higher is better)
 An L3 hit counts only if SGLang reports the prompt's pages as loaded from storage
 (``cached_tokens_details.storage``); otherwise it is listed under ``not_from_storage``.
+Files are given oldest first: a later file's figures replace an earlier one's for the same
+model, length, store and phase (a re-run after a change supersedes the old measurement).
+Correctness: every generation of one prompt (same model shape, length and seed: dummy weights are
+deterministic) must produce the same output token, whether its KV was computed, found on the GPU or
+loaded from L3; wrong KV bytes change the logits. Mismatches are listed and make the exit status 1.
 """
 from __future__ import annotations
 
@@ -41,8 +46,22 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_e2e.json"))
     a = p.parse_args(argv)
     recs = []
-    for f in a.results:
-        recs += [json.loads(line) for line in open(f) if line.strip()]
+    for i, f in enumerate(a.results):
+        for line in open(f):
+            if line.strip():
+                r = json.loads(line)
+                r["_src"] = i
+                recs.append(r)
+    outputs = defaultdict(lambda: defaultdict(list))  # (arch, n, seed) -> output ids -> [where]
+    for r in recs:
+        if r.get("event") == "gen" and r.get("output_ids") and ":" in r.get("tag", ""):
+            det = (r.get("meta") or {}).get("cached_tokens_details") or {}
+            src = "storage" if det.get("storage") else "device" if det.get("device") else "computed"
+            outputs[(r["tag"].split(":")[0], r["n"], r["seed"])][tuple(r["output_ids"])].append(
+                f"{r['tag']}/{r['label']}/{src}")
+    mismatches = {"|".join(map(str, k)): {str(list(o)): w for o, w in v.items()}
+                  for k, v in outputs.items() if len(v) > 1}
+    checked_l3 = sum(1 for v in outputs.values() for w in v.values() for x in w if x.endswith("/storage"))
     # figures[model][len][store][phase] = [ttft...]
     fig = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
     storage = defaultdict(list)
@@ -76,10 +95,16 @@ def main(argv=None):
             st = storage_tokens(r)
             storage[(model, n, store, phase)].append(st)
             if st < int(n) // 2:  # mostly recomputed: not an L3 hit
-                fig[model][n][store][phase + "_not_from_storage"].append(t)
+                fig[model][n][store][phase + "_not_from_storage"].append((r["_src"], t))
                 continue
-        fig[model][n][store][phase].append(t)
+        fig[model][n][store][phase].append((r["_src"], t))
 
+    for by_n in fig.values():  # keep each figure's latest source file only
+        for by_store in by_n.values():
+            for d in by_store.values():
+                for ph, vals in d.items():
+                    last = max(i for i, _ in vals)
+                    d[ph] = [t for i, t in vals if i == last]
     res = BenchResult("gpu_e2e")
     res.params = {"sources": a.results, "ttft": "server-side e2e_latency, max_new_tokens=1",
                   "machine": "one NVIDIA H200 (device tool), SGLang 0.5.17 wheels, dummy weights"}
@@ -87,7 +112,9 @@ def main(argv=None):
                    for s, d in by_store.items()} for n, by_store in by_n.items()} for m, by_n in fig.items()}
     res.figures = {"ttft": out,
                    "storage_tokens": {"|".join(k): v for k, v in storage.items()},
-                   "l3_breakdown": {"|".join(k): v for k, v in breakdown.items()}}
+                   "l3_breakdown": {"|".join(k): v for k, v in breakdown.items()},
+                   "output_check": {"prompts": len(outputs), "l3_generations_checked": checked_l3,
+                                    "mismatches": mismatches}}
     for model, by_n in fig.items():
         for n, by_store in by_n.items():
             file_l3 = by_store.get("file", {}).get("l3_hit")
@@ -105,7 +132,11 @@ def main(argv=None):
                                        "note": "TTFT: ratio = reference / ours, higher is better"})
     res.print_ratios()
     res.write(Path(a.out))
-    return 0
+    print(f"output check: {len(outputs)} prompts, {checked_l3} L3-loaded generations, "
+          f"{len(mismatches)} prompt(s) with differing outputs")
+    for k, v in mismatches.items():
+        print(f"  MISMATCH {k}: {v}")
+    return 1 if mismatches else 0
 
 
 if __name__ == "__main__":
