@@ -59,7 +59,7 @@ class HF3FSConfig(StoreConfig):
         "(auto: mmap on local file systems)"))
     posix_write: Literal["auto", "direct", "staged"] = field(default="auto", metadata=field_doc(
         "POSIX client writes: pwritev straight from the pages, or staged through a small "
-        "per-worker buffer (auto: staged with two or more workers and cores)"))
+        "per-worker buffer (auto: staged with one file, two or more workers and cores)"))
     posix_files: int = field(default=1, metadata=field_doc(
         "POSIX client: data files per rank (and page size); more than 1 stripes pages over "
         "{file}.x{n}, {file}.x{n}.1, ... so that writes to different files run in parallel"))

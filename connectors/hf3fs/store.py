@@ -243,7 +243,11 @@ class HF3FSStore(PageStore):
         else:
             local = on_local_fs(path)
             cfg = self.config
-            staged = cfg.posix_write == "staged" or (cfg.posix_write == "auto" and cfg.numjobs >= 2 and usable_cpus() >= 2)
+            # auto: stage when another worker's locked copy can overlap ours (one file, two or
+            # more workers and cores); striped files already copy in parallel, and a second
+            # copy per byte then only costs memory bandwidth (measured: docs/hf3fs.md)
+            staged = cfg.posix_write == "staged" or (cfg.posix_write == "auto" and self.stripes == 1
+                                                     and cfg.numjobs >= 2 and usable_cpus() >= 2)
             posix = {"mmap_reads": cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local),
                      "stage_bytes": STAGE_BYTES if staged else 0}
             if self.stripes > 1:

@@ -795,3 +795,18 @@ def test_striped_store_has_its_own_files_and_namespace(tmp_path, meta):
 def test_posix_files_key_is_validated(tmp_path, bad):
     with pytest.raises(ConfigError, match="posix_files"):
         create_store("hf3fs", store_opts(tmp_path, posix_files=bad))
+
+
+def test_auto_write_mode(tmp_path):
+    """auto stages with one file and two or more workers and CPUs; never when striped (the
+    files already copy in parallel) or with one worker."""
+    from connectors.hf3fs.files import usable_cpus
+
+    for i, (opts, staged) in enumerate([({"numjobs": 3}, usable_cpus() >= 2), ({"numjobs": 1}, False),
+                                        ({"numjobs": 3, "posix_files": 2}, False)]):
+        s = create_store("hf3fs", store_opts(tmp_path / str(i), **opts), page_bytes=PAGE)
+        try:
+            f = s._primary.file
+            assert all((p.stage_bytes > 0) == staged for p in getattr(f, "files", [f]))
+        finally:
+            s.close()
