@@ -325,7 +325,9 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
                     to += timed(o, c, min(batches, c + chunk), threads)
                     tr += timed(r, c, min(batches, c + chunk), threads)
                 co, cr = _cpu(ours_p.pid) - co0, _cpu(ref_p.pid) - cr0
-                per_batch = {m: round(v / batches, 3) for m, v in sorted(calls.items())}
+                order = ("Lease", "Reserve", "Put", "Commit")  # a write's calls in the order they happen
+                per_batch = {m: round(calls[m] / batches, 3)
+                             for m in sorted(calls, key=lambda m: order.index(m) if m in order else len(order))}
                 fig[f"{op}/c{threads}"] = {"kvconnect_keys_s": n / to, "sglang_keys_s": n / tr, "client_threads": threads,
                                            "kvconnect_server_cpu_us_per_key": co / n * 1e6,
                                            "sglang_server_cpu_us_per_key": cr / n * 1e6,
