@@ -795,24 +795,38 @@ class PeerNode:
                 wave.append((grp, addr, bid, time.monotonic()))
             if not wave:
                 return  # no staging memory within the deadline: misses
-            # ... then validate each as it lands, while the engine moves the next ones
+            # ... then validate and copy out each page as soon as its transfer landed, while the
+            # engine moves the next ones (only the last page's validation is not overlapped)
             for grp, addr, bid, t0 in wave:
-                rc = self.transport.wait(bid) if bid else -1
+                stale = [0]
+                rc = self.transport.wait(bid, self._stage_out(grp, addr, pages, out, stale)) if bid else -1
                 if rc != 0:
                     staging.retire(addr)
                     self.count(**{"read_timeouts" if time.monotonic() - t0 >= self.config.transfer_timeout * 0.9
                                   else "read_failures": 1})
-                    continue
-                stale = 0
-                for (i, e), o in grp:
-                    if checksum_at(addr + o, e[LEN]) == e[CSUM]:
-                        scatter(addr + o, pages[i])
-                        out[i] = True
-                    else:
-                        stale += 1
-                staging.give_back(addr)
-                if stale:
-                    self.count(read_stale=stale)
+                else:
+                    staging.give_back(addr)
+                if stale[0]:
+                    self.count(read_stale=stale[0])
+
+    @staticmethod
+    def _stage_out(grp, addr: int, pages, out: list[bool], stale: list[int]):
+        """``landed`` callback of a staging chunk: the pages a completed transfer covers (one
+        transfer = whole pages back to back) are checksummed, and copied out only if valid."""
+        at = {addr + o: k for k, (_, o) in enumerate(grp)}
+
+        def landed(lo: int, n: int) -> None:
+            k, end = at[lo], lo + n
+            while k < len(grp) and addr + grp[k][1] < end:
+                (i, e), o = grp[k]
+                if checksum_at(addr + o, e[LEN]) == e[CSUM]:
+                    scatter(addr + o, pages[i])
+                    out[i] = True
+                else:
+                    stale[0] += 1
+                k += 1
+
+        return landed
 
     PIPELINE_CHUNK = 64 << 20  # direct reads: bytes per async chunk (validation overlaps the next ones)
 

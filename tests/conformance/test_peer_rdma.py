@@ -52,6 +52,62 @@ if not INNER:
             print(output)
         assert proc.returncode == 0, output[-4000:]
         assert " passed" in output and "PASSED" in output
+
+    def test_wait_polls_each_transfer_once_finished_never_again_and_times_out():
+        """Transport.wait against a scripted engine: a finished batch id is freed by the engine,
+        so polling it again would be a use-after-free; a transfer still pending at the timeout
+        is given up (-2) and polled later only to free it."""
+        from connectors.peer_rdma.transport import Pending, Transport
+
+        class Engine:
+            def __init__(self, script):
+                self.script = {b: list(s) for b, s in script.items()}
+                self.freed = set()
+
+            def transfer_check_status(self, bid):
+                assert bid not in self.freed, f"batch {bid} polled after the engine freed it"
+                seq = self.script[bid]
+                st = seq.pop(0) if len(seq) > 1 else seq[0]
+                if st in (1, -1):
+                    self.freed.add(bid)
+                return st
+
+        t = object.__new__(Transport)
+        t.timeout, t._orphans = 0.3, []
+        import threading
+
+        t._olock = threading.Lock()
+
+        def pending(ids):
+            p = Pending(time.monotonic())
+            p.ids = list(ids)
+            p.spans = [(1000 * b, 10 * b) for b in ids]
+            return p
+
+        landed = []
+        t.engine = Engine({1: [0, 0, 1], 2: [0, 1], 3: [1]})
+        assert t.wait(pending([1, 2, 3]), lambda a, n: landed.append((a, n))) == 0
+        assert landed == [(1000, 10), (2000, 20), (3000, 30)]
+        assert t.engine.freed == {1, 2, 3}
+
+        landed.clear()
+        t.engine = Engine({1: [0, -1], 2: [0, 0, 0, 1]})
+        assert t.wait(pending([1, 2]), lambda a, n: landed.append((a, n))) == -1
+        assert landed == [(2000, 20)] and t.engine.freed == {1, 2}  # the failure waited for the rest
+
+        landed.clear()
+        t.engine = Engine({1: [1], 2: [0], 3: [0]})  # 2 and 3 never finish
+        t0 = time.monotonic()
+        assert t.wait(pending([1, 2, 3]), lambda a, n: landed.append((a, n))) == -2
+        assert 0.3 <= time.monotonic() - t0 < 0.3 + 0.1
+        assert landed == [(1000, 10)] and t._orphans == [2, 3]
+        t.engine.script[2] = [1]  # a late completion: the next wait frees it
+        assert t.wait(pending([])) == 0
+        assert t._orphans == [3] and 2 in t.engine.freed
+
+        p = pending([])
+        p.failed = True  # nothing could be started
+        assert not p and t.wait(p) == -1
 else:
     @pytest.fixture(scope="module")
     def pool():
@@ -154,6 +210,28 @@ else:
             assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
             m = store.node.metrics()
             assert m["bounce_reads"] == before and m["staged_reads"] == 0 and m["read_remote_hits"] > 0
+
+        def test_each_transfer_lands_before_it_is_reported(self, store):
+            """Transfers the engine cannot coalesce (destinations in reverse order) are each
+            waited for and reported as landed with their bytes in place."""
+            keys = self.keys(16)
+            assert self.write(store, keys) == [True] * 16
+            node = store.node
+            entries = node._locate(keys, time.monotonic() + 5)
+            dst = self.buf(16)
+            node.register_memory(dst.address, len(dst.raw))
+            for holder in {e[0] for e in entries if e[0] != node.node_id}:
+                idx = [i for i, e in enumerate(entries) if e[0] == holder]
+                member = node.view.members[holder]
+                spans = []
+                p = node.transport.read_async(member.te_name, [dst.address + (15 - i) * PAGE for i in idx],
+                                              [member.seg_base + entries[i][2] for i in idx], [PAGE] * len(idx))
+                assert len(p.ids) == len(idx)
+                assert node.transport.wait(p, lambda a, n: spans.append((a, n, dst.raw[a - dst.address:][:n]))) == 0
+                assert sorted(a for a, _, _ in spans) == sorted(dst.address + (15 - i) * PAGE for i in idx)
+                for a, n, got in spans:  # the bytes were there when the transfer was reported
+                    i = 15 - (a - dst.address) // PAGE
+                    assert n == PAGE and bytes(got) == page_bytes(keys[i])
 
     class TestPeerRdmaDiskTier:
         """The write-through disk tier: pages the segment evicted come back on demand."""
