@@ -644,7 +644,9 @@ class RemoteMetadata(MetadataClient):
         return json.loads(self._call("Spaces", prefix.encode()))
 
     def close(self):
-        """Give unused leased slots back (best effort: else they expire), close connections."""
+        """Give unused leased slots back (best effort, within 1 s: else they expire), close
+        connections."""
+        self.timeout = min(self.timeout, 1.0)
         for ns in list(self._leases):
             self.release_leases(ns)
         with self._lock:

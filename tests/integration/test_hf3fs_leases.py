@@ -195,3 +195,17 @@ def test_kill9_keeps_every_put_and_the_writers_leases(tmp_path):
         if b is not None:
             b.close()
         meta.stop()
+
+
+def test_close_with_leases_and_a_dead_service_is_fast(tmp_path):
+    meta = MetaProcess(tmp_path / "meta").start()
+    c = RemoteMetadata(f"127.0.0.1:{meta.port}", None, timeout=5)
+    try:
+        c.initialize(NS, 4096, 4096)
+        assert c.reserve(NS, keys(8, "held"))[0] == bytes(8)  # slots leased ahead, held
+        meta.kill9()
+        t0 = time.monotonic()
+        c.close()  # tries to give them back, gives up: they expire with the service's lease
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        meta.stop()
