@@ -254,7 +254,7 @@ class RemoteMetadata(MetadataClient):
     RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN",
                  "CANCELLED")
     LEASE_USE = 0.1  # hand out a leased slot only within this fraction of its lease (see reserve)
-    RESERVE_CREDIT = 8  # batches through Reserve after a Put or Reserve met duplicate keys
+    RESERVE_CREDIT = 8  # batches through Reserve after meeting stored keys or a file without free pages
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0, retries: int = 3,
                  cooldown: float = 1.0, transport: str = "auto", lease_ahead: int = 4096):
@@ -527,8 +527,9 @@ class RemoteMetadata(MetadataClient):
 
     def commit(self, ns, keys, slots, gens, crcs, confirm):
         """Written pages: leased slots are stored with one ``Put``; slots of failed writes
-        and of keys someone else stored meanwhile go back to the lease. Reserved slots
-        (the ``Reserve`` path) are confirmed or released with ``Commit``."""
+        and of keys someone else stored meanwhile go back to the service (with the next
+        ``Lease``). Reserved slots (the ``Reserve`` path) are confirmed or released with
+        ``Commit``."""
         pool = self._leases.get(ns)
         n = len(keys)
         if pool is None or not pool.out:

@@ -260,11 +260,14 @@ class _Framed:
     def eof_received(self):
         return False
 
+    # A client that sends without reading its replies stops being read (bounded buffers).
     def pause_writing(self) -> None:
-        pass
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        pass
+        if self.transport is not None and not self.busy:
+            self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
@@ -275,7 +278,7 @@ class _Framed:
         buf = self.buf
         while self.transport is not None and len(buf) >= 4:
             (n,) = P.FRAME.unpack_from(buf)
-            if n > P.MAX_FRAME or n == 0:
+            if n > (P.MAX_FRAME if self.authed else 4096) or n == 0:  # no big frames before the token
                 self.transport.close()
                 return
             if len(buf) < 4 + n:

@@ -209,3 +209,36 @@ def test_close_with_leases_and_a_dead_service_is_fast(tmp_path):
         assert time.monotonic() - t0 < 2.5
     finally:
         meta.stop()
+
+
+def test_framed_tcp_under_fsync_always_answers_in_order_from_many_threads(tmp_path):
+    """``--fsync always``: calls run on the executor, each connection one at a time."""
+    import threading
+
+    srv = MetaServer("127.0.0.1", 0, str(tmp_path / "meta"), token="t", fsync="always").start()
+    errors: list[BaseException] = []
+    try:
+        c = RemoteMetadata(srv.address, "t", timeout=10, transport="tcp")
+        c.initialize(NS, 8192, 4096)
+
+        def writer(i: int) -> None:
+            try:
+                for r in range(5):
+                    batch = keys(64, f"w{i}-{r}")
+                    assert write(c, batch, crc=i) == b"\x01" * 64
+                    slots, _, crcs = c.get(NS, batch)
+                    assert min(slots) >= 0 and crcs == [i] * 64
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        ts = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors[0]
+        assert c.usage(NS)["keys"] == 4 * 5 * 64
+        assert srv.journal.synced == srv.journal.appended > 0  # every answer waited for its fdatasync
+        c.close()
+    finally:
+        srv.stop(0)
