@@ -405,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     result = BenchResult("hf3fs", params={"quick": args.quick, "page_sizes": page_sizes, "batch": args.batch,
                                           "workers": workers, "reps": reps, "meta_batches": meta_batches,
                                           "meta_batch_keys": 128, "meta_transport": args.meta_transport,
-                                          "meta_lease_ahead": args.meta_lease_ahead, "page_cache": "warm", "layout": "page_first",
+                                          "meta_lease_ahead": args.meta_lease_ahead, "page_cache": "warm",
+                                          "layout": "page_first",
                                           "store_options": store_options})
     result.notes.append("machine shared with other engineers' work: figures move with load (see machine.loadavg); "
                         "compare ratios, which come from one run")

@@ -574,7 +574,8 @@ class PageIndex:
             if sp is None:
                 return {"keys": 0, "num_pages": 0, "page_bytes": 0}
             return {"keys": len(sp.index), "num_pages": sp.num_pages, "page_bytes": sp.page_bytes,
-                    "reserved": len(sp.pending), "leased": len(sp.leased), "evictions": sp.evictions, "expired": sp.expired,
+                    "reserved": len(sp.pending), "leased": len(sp.leased), "evictions": sp.evictions,
+                    "expired": sp.expired,
                     "free": len(sp.free) + sp.num_pages - sp.fresh_next}
 
     def spaces_with_prefix(self, prefix: str) -> list[list]:

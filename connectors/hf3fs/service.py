@@ -404,7 +404,8 @@ def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "
     srv = MetaServer(host, port, data_dir, token, fsync=fsync, workers=workers, read_lease_s=read_lease_s,
                      write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s, tcp_port=tcp_port).start()
     log.info("hf3fs-meta listening on %s (framed TCP port %s; data dir %s, fsync %s, auth %s); recovered %s in %.2fs",
-             srv.address, srv.service.tcp_port or "off", data_dir, fsync, "token" if token else "off", srv.recovery, time.monotonic() - t0)
+             srv.address, srv.service.tcp_port or "off", data_dir, fsync, "token" if token else "off", srv.recovery,
+             time.monotonic() - t0)
     print(f"hf3fs-meta ready on {srv.address}", flush=True)
     if ready_file:
         Path(ready_file).write_text(json.dumps({"address": srv.address, "recovery": srv.recovery}))
