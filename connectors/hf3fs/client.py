@@ -179,13 +179,14 @@ class _Leases:
     first), those handed to writers but not yet put, and those to give back to the service
     (too old to hand out, failed writes, keys another writer stored first)."""
 
-    __slots__ = ("chunks", "out", "stale", "reserve_credit")
+    __slots__ = ("chunks", "out", "stale", "reserve_credit", "full_credit")
 
-    def __init__(self) -> None:
+    def __init__(self, credit: int) -> None:
         self.chunks: deque = deque()
         self.out: dict[int, int] = {}  # slot -> generation
         self.stale: tuple[list[int], list[int]] = ([], [])  # to give back with the next Lease
-        self.reserve_credit = 0  # batches to send through Reserve after meeting duplicates
+        self.reserve_credit = 0  # batches to send through Reserve (stored keys met, or no free pages)
+        self.full_credit = credit  # the next reserve_credit for a file without free pages: doubles
 
 
 class _Watchdog:
@@ -428,7 +429,7 @@ class RemoteMetadata(MetadataClient):
         unless they ran out), or the service's ``Reserve`` after meeting duplicates."""
         pool = self._leases.get(ns)
         if pool is None:
-            pool = self._leases.setdefault(ns, _Leases())
+            pool = self._leases.setdefault(ns, _Leases(self.RESERVE_CREDIT))
         if self.lease_ahead <= 0 or pool.reserve_credit > 0:
             status, slots, gens = self.reserve_call(ns, keys)
             with self._lock:
@@ -457,12 +458,13 @@ class RemoteMetadata(MetadataClient):
         if m < len(want):
             # No free pages for the batch (leases never evict): Reserve, which tells
             # which keys are stored already and evicts only for the others, for the next
-            # few batches too — a full file costs two calls per batch, as before leases.
+            # few batches too (twice as many each time the file is still full): a full file
+            # costs two calls per batch, as before leases, plus a Lease now and then.
             with self._lock:
                 for sl in got_s:
                     pool.out.pop(sl, None)
             self._give_back(pool, got_s, got_g)
-            self._to_reserve_mode(ns, pool)
+            self._to_reserve_mode(ns, pool, full=True)
             return self.reserve(ns, keys)
         slots, gens = [-1] * n, [0] * n
         for i, sl, g in zip(want, got_s, got_g):
@@ -504,6 +506,8 @@ class RemoteMetadata(MetadataClient):
                 self._give_back(pool, slots + back[0], gens + back[1])
                 raise
             k = m - len(slots)
+            if len(ls) >= k:
+                pool.full_credit = self.RESERVE_CREDIT  # free pages again
             slots += ls[:k]
             gens += lg[:k]
             if len(ls) > k:
@@ -568,11 +572,17 @@ class RemoteMetadata(MetadataClient):
             self._to_reserve_mode(ns, pool)
         return bytes(ok)
 
-    def _to_reserve_mode(self, ns: str, pool: _Leases) -> None:
-        """Send the next ``RESERVE_CREDIT`` batches through Reserve, giving every slot leased
-        ahead back now: a writer that does not lease must not keep pages from the others."""
+    def _to_reserve_mode(self, ns: str, pool: _Leases, full: bool = False) -> None:
+        """Send the next batches through Reserve (``RESERVE_CREDIT`` of them; after a lease
+        came back short, twice as many as the last time, up to 256), giving every slot
+        leased ahead back now: a writer that does not lease must not keep pages from the
+        others."""
         with self._lock:
-            pool.reserve_credit = self.RESERVE_CREDIT
+            if full:
+                pool.reserve_credit = pool.full_credit
+                pool.full_credit = min(2 * pool.full_credit, 256)
+            else:
+                pool.reserve_credit = self.RESERVE_CREDIT
         self.release_leases(ns)
 
     def release_leases(self, ns: str) -> None:

@@ -141,7 +141,7 @@ def test_two_clients_writing_the_same_keys_get_one_page_each_and_leak_none(serve
     assert u["free"] == 1024 - 18
 
 
-def test_a_full_file_rewritten_evicts_nothing(server):
+def test_a_full_file_rewritten_evicts_nothing_and_new_keys_reserve(server):
     c = RemoteMetadata(server.address, "s3cret", timeout=5)
     try:
         c.initialize(NS, 32, 4096)
@@ -153,6 +153,20 @@ def test_a_full_file_rewritten_evicts_nothing(server):
         assert st == bytes([1]) * 8
         u = c.usage(NS)
         assert u["keys"] == 32 and u["evictions"] == 0
+        # new keys into the full file: Reserve (evicting) + Commit, and a Lease tried less and
+        # less often while the file stays full
+        calls: dict[str, int] = {}
+        real = c._call
+
+        def counted(method, payload):
+            calls[method] = calls.get(method, 0) + 1
+            return real(method, payload)
+
+        c._call = counted
+        for r in range(120):
+            assert write(c, keys(8, f"more{r}")) == b"\x01" * 8
+        assert calls["Reserve"] == calls["Commit"] == 120 and calls.get("Lease", 0) <= 5, calls
+        assert c.usage(NS)["keys"] == 32 and c.usage(NS)["evictions"] == 120 * 8
     finally:
         c.close()
 
