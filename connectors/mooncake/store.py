@@ -19,8 +19,12 @@ Memory paths
     unregister racing an abandoned transfer is undefined.
 
 Deadlines and failures
-  Every Mooncake call runs on one of ``io_threads`` worker threads; the calling (engine)
-  thread waits at most ``op_timeout``. A call past its deadline is *abandoned*: the
+  Every Mooncake call runs on one of ``io_threads`` persistent worker threads
+  (``connectors.mooncake.calls``); the calling (engine) thread waits at most
+  ``op_timeout``. Calls are not run on the engine thread itself: nothing would bound them
+  there (a transfer from a stopped peer blocks for more than 40 s with Mooncake's
+  defaults, and still ~3 s with its TCP progress timeout at its 1 s minimum).
+  A call past its deadline is *abandoned*: the
   caller gets misses / failed writes at once and the store turns unhealthy; while any
   abandoned call is still running, and until a health check passes (every
   ``reconnect_interval``), calls return misses without touching Mooncake. Mooncake's
@@ -45,7 +49,6 @@ path they are misses, failed writes or "already stored", never exceptions.
 from __future__ import annotations
 
 import bisect
-import concurrent.futures as cf
 import logging
 import math
 import os
@@ -59,6 +62,7 @@ from connectors.base import (BackendUnavailable, MissingDependency, Page, PageSt
 from connectors.buffers import gather_into, scatter
 from connectors.config import parse_config
 from connectors.mooncake import errors as mc_errors
+from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner
 from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
 from connectors.mooncake.staging import StagingBuffer
 
@@ -117,10 +121,9 @@ class MooncakeStore(PageStore):
         self._Client, ReplicateConfig = _import_mooncake()
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replica_num
-        self._pool = cf.ThreadPoolExecutor(config.io_threads, thread_name_prefix="kvc-mooncake")
+        self._runner = DeadlineRunner(config.io_threads, "kvc-mooncake")
         self._lock = threading.Lock()
-        self._regions: list[tuple[int, int]] = []  # registered caller memory, (start, end), sorted
-        self._abandoned: set[cf.Future] = set()
+        self._regions: tuple[tuple[int, int], ...] = ()  # registered caller memory, (start, end), sorted
         self._healthy = True
         self._next_probe = 0.0
         self._counts = {"timeouts": 0, "abandoned": 0, "unavailable": 0, "short_circuited": 0,
@@ -132,7 +135,7 @@ class MooncakeStore(PageStore):
                            self._client.register_buffer(self._staging.address, self._staging.nbytes))
         except Exception:
             self._client.close()
-            self._pool.shutdown(wait=False)
+            self._runner.close()
             raise
 
     def _connect(self):
@@ -201,75 +204,64 @@ class MooncakeStore(PageStore):
     # -- memory registration --------------------------------------------------------
     def _register_memory(self, address: int, nbytes: int) -> None:
         end = address + nbytes
-        with self._lock:
-            if any(s <= address and end <= e for s, e in self._regions):
-                return  # already covered
+        if any(s <= address and end <= e for s, e in self._regions):
+            return  # already covered
         self._check_rc("register_buffer", self._client.register_buffer(address, nbytes))
         with self._lock:
-            bisect.insort(self._regions, (address, end))
+            # replaced, never changed in place: the data path reads it without the lock
+            self._regions = tuple(sorted(self._regions + ((address, end),)))
 
-    def _registered(self, page: Page) -> bool:
+    def _split(self, pages: list[Page]) -> tuple[list[int] | None, list[int]]:
+        """(pages for the direct path, pages for the staged path); None: all direct."""
         regions = self._regions
-        for addr, n in page:
-            i = bisect.bisect_right(regions, (addr, float("inf"))) - 1
-            if i < 0 or addr + n > regions[i][1]:
-                return False
-        return True
-
-    def _split(self, pages: list[Page]) -> tuple[list[int], list[int]]:
-        """Indices of pages for the direct path and for the staged path."""
-        if self.config.io_mode == "staged" or not self._regions:
+        if self.config.io_mode == "staged" or not regions:
             return [], list(range(len(pages)))
+        if len(regions) == 1:  # the usual case (one host pool): no search
+            lo, hi = regions[0]
+            if all(lo <= a and a + n <= hi for p in pages for a, n in p):
+                return None, []
         direct, staged = [], []
-        with self._lock:
-            for i, p in enumerate(pages):
-                (direct if self._registered(p) else staged).append(i)
-        return direct, staged
+        for i, p in enumerate(pages):
+            inside = True
+            for a, n in p:
+                j = bisect.bisect_right(regions, (a, math.inf)) - 1
+                if j < 0 or a + n > regions[j][1]:
+                    inside = False
+                    break
+            (direct if inside else staged).append(i)
+        return (None if not staged else direct), staged
 
     # -- calls under a deadline ---------------------------------------------------------
     def _call(self, op: str, fn: Callable[..., Any], *args: Any,
-              on_abandoned_done: Callable[[cf.Future], None] | None = None) -> Any:
+              on_abandoned_done: Callable[[Any], None] | None = None) -> Any:
         """``fn(*args)`` on a worker within ``op_timeout``; None if it failed or timed out.
 
-        ``on_abandoned_done(future)`` runs once an abandoned call has really returned
-        (e.g. to release its staging extent or remove what it wrote).
+        ``on_abandoned_done(result)`` runs when the caller gets None and nothing of the
+        call can happen any more: at once if it failed or never ran (result None), else
+        once an abandoned call has really returned (its result; e.g. to release its
+        staging extent or remove what it wrote).
         """
         if not self._available():
             if on_abandoned_done is not None:
-                on_abandoned_done(None)  # type: ignore[arg-type]
+                on_abandoned_done(None)
             return None
-        fut = self._pool.submit(fn, *args)
-        try:
-            return fut.result(timeout=self.config.op_timeout)
-        except cf.TimeoutError:
+        status, value = self._runner.run(fn, args, self.config.op_timeout, on_abandoned_done)
+        if status == DONE:
+            return value
+        if status == RAISED:  # a binding error is a miss on the data path
+            self.record_error()
+            log.warning("mooncake %s raised %s: %s", op, type(value).__name__, value)
+        else:
             with self._lock:
                 self._counts["timeouts"] += 1
-            if fut.cancel():  # never started: nothing can happen later
-                if on_abandoned_done is not None:
-                    on_abandoned_done(None)  # type: ignore[arg-type]
-                self._mark_unhealthy(f"{op}: queued past op_timeout={self.config.op_timeout:g}s")
-                return None
-            with self._lock:
-                self._abandoned.add(fut)
-                self._counts["abandoned"] += 1
-
-            def finished(f: cf.Future) -> None:
-                try:
-                    if on_abandoned_done is not None:
-                        on_abandoned_done(f)
-                finally:
-                    with self._lock:
-                        self._abandoned.discard(f)
-
-            fut.add_done_callback(finished)
-            self._mark_unhealthy(f"{op}: no answer within op_timeout={self.config.op_timeout:g}s")
-            return None
-        except Exception as e:  # noqa: BLE001 - a binding error is a miss on the data path
-            self.record_error()
-            log.warning("mooncake %s raised %s: %s", op, type(e).__name__, e)
-            if on_abandoned_done is not None:
-                on_abandoned_done(None)  # type: ignore[arg-type]
-            return None
+                if status == ABANDONED:
+                    self._counts["abandoned"] += 1
+            self._mark_unhealthy(f"{op}: no answer within op_timeout={self.config.op_timeout:g}s"
+                                 if status == ABANDONED else
+                                 f"{op}: no free I/O thread within op_timeout={self.config.op_timeout:g}s")
+        if status != ABANDONED and on_abandoned_done is not None:
+            on_abandoned_done(None)
+        return None
 
     def _mark_unhealthy(self, why: str) -> None:
         with self._lock:
@@ -286,15 +278,13 @@ class MooncakeStore(PageStore):
             return True
         now = time.monotonic()
         with self._lock:
-            if self._abandoned or now < self._next_probe:
+            if self._runner.abandoned or now < self._next_probe:
                 self._counts["short_circuited"] += 1
                 return False
             self._next_probe = now + self.config.reconnect_interval  # one prober at a time
-        fut = self._pool.submit(self._client.health_check)
-        try:
-            ok = fut.result(timeout=self.config.op_timeout) == 0
-        except Exception:  # noqa: BLE001 - timeout or binding error: still unhealthy
-            ok = False
+        # a probe that hangs counts as abandoned: no further probe until it returned
+        status, rc = self._runner.run(self._client.health_check, (), self.config.op_timeout)
+        ok = status == DONE and rc == 0
         if ok:
             with self._lock:
                 self._healthy = True
@@ -329,7 +319,7 @@ class MooncakeStore(PageStore):
     def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
         out = [False] * len(keys)
         direct, staged = self._split(pages)
-        if direct:
+        if direct is None or direct:
             self._get_direct(keys, pages, direct, out)
         if staged:
             self._get_staged(keys, pages, staged, out)
@@ -338,38 +328,42 @@ class MooncakeStore(PageStore):
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
         out = [False] * len(keys)
         direct, staged = self._split(pages)
-        if direct:
+        if direct is None or direct:
             self._put_direct(keys, pages, direct, out)
         if staged:
             self._put_staged(keys, pages, staged, out)
         return out
 
-    def _get_direct(self, keys: list[str], pages: list[Page], idx: list[int], out: list[bool]) -> None:
-        ks = [keys[i] for i in idx]
-        ptrs = [[a for a, _ in pages[i]] for i in idx]
-        sizes = [[n for _, n in pages[i]] for i in idx]
-        res = self._call("batch_get_into_multi_buffers", self._client.batch_get_into_multi_buffers,
-                         ks, ptrs, sizes)
+    def _direct_args(self, keys: list[str], pages: list[Page],
+                     idx: list[int] | None) -> tuple[list[str], list[list[int]], list[list[int]], list[int]]:
+        """Keys, per-page segment addresses and sizes of the pages at ``idx`` (None: all),
+        and the indices themselves."""
+        if idx is None:
+            ks, ps, idx = keys, pages, list(range(len(pages)))
+        else:
+            ks, ps = [keys[i] for i in idx], [pages[i] for i in idx]
         with self._lock:
             self._counts["direct_pages"] += len(idx)
+        return ks, [[a for a, _ in p] for p in ps], [[n for _, n in p] for p in ps], idx
+
+    def _get_direct(self, keys: list[str], pages: list[Page], idx: list[int] | None, out: list[bool]) -> None:
+        ks, ptrs, sizes, idx = self._direct_args(keys, pages, idx)
+        res = self._call("batch_get_into_multi_buffers", self._client.batch_get_into_multi_buffers,
+                         ks, ptrs, sizes)
         if res is None or len(res) != len(idx):
             return
         self._note_codes(res)
         for j, i in enumerate(idx):
             # bytes read must be the whole page: a shorter object is a size mismatch (a miss)
-            out[i] = res[j] == page_nbytes(pages[i])
+            out[i] = res[j] == sum(sizes[j])
 
-    def _put_direct(self, keys: list[str], pages: list[Page], idx: list[int], out: list[bool]) -> None:
-        ks = [keys[i] for i in idx]
-        ptrs = [[a for a, _ in pages[i]] for i in idx]
-        sizes = [[n for _, n in pages[i]] for i in idx]
+    def _put_direct(self, keys: list[str], pages: list[Page], idx: list[int] | None, out: list[bool]) -> None:
+        ks, ptrs, sizes, idx = self._direct_args(keys, pages, idx)
 
-        def remove_poisoned(f: cf.Future | None) -> None:
+        def remove_poisoned(res: list[int] | None) -> None:
             # An abandoned put may have read caller memory after the caller reused it:
             # what it published cannot be trusted.
-            if f is None or f.cancelled() or f.exception() is not None:
-                return
-            written = [k for k, rc in zip(ks, f.result() or []) if rc == 0]
+            written = [k for k, rc in zip(ks, res or []) if rc == 0]
             if written:
                 try:
                     self._client.batch_remove(written, True)
@@ -380,8 +374,6 @@ class MooncakeStore(PageStore):
 
         res = self._call("batch_put_from_multi_buffers", self._client.batch_put_from_multi_buffers,
                          ks, ptrs, sizes, self._replicate, on_abandoned_done=remove_poisoned)
-        with self._lock:
-            self._counts["direct_pages"] += len(idx)
         self._put_results(res, idx, out)
 
     def _put_results(self, res: list[int] | None, idx: list[int], out: list[bool]) -> None:
@@ -417,7 +409,7 @@ class MooncakeStore(PageStore):
                 continue  # staging exhausted for the whole deadline: misses
             released = threading.Event()
 
-            def release(_f: cf.Future | None, off: int = off, released: threading.Event = released) -> None:
+            def release(_res: Any, off: int = off, released: threading.Event = released) -> None:
                 if not released.is_set():
                     released.set()
                     self._staging.release(off)
@@ -450,7 +442,7 @@ class MooncakeStore(PageStore):
                 continue
             released = threading.Event()
 
-            def release(_f: cf.Future | None, off: int = off, released: threading.Event = released) -> None:
+            def release(_res: Any, off: int = off, released: threading.Event = released) -> None:
                 if not released.is_set():
                     released.set()
                     self._staging.release(off)
@@ -507,7 +499,7 @@ class MooncakeStore(PageStore):
 
     def _usage(self) -> StoreUsage:
         with self._lock:
-            extra = dict(self._counts, healthy=self._healthy, abandoned_running=len(self._abandoned),
+            extra = dict(self._counts, healthy=self._healthy, abandoned_running=self._runner.abandoned,
                          registered_bytes=sum(e - s for s, e in self._regions),
                          staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
                          master=self.config.master_server_address)
@@ -518,15 +510,13 @@ class MooncakeStore(PageStore):
         return not self._closed and self._available()
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._runner.close()
+        busy = self._runner.abandoned
         with self._lock:
-            busy = bool(self._abandoned)
-            regions = list(self._regions)
-            self._regions.clear()
+            regions, self._regions = self._regions, ()
         if busy:
             # Closing the client under a running call is undefined in Mooncake: leak it.
-            log.warning("mooncake: %d abandoned calls still running at close; client left open",
-                        len(self._abandoned))
+            log.warning("mooncake: %d abandoned calls still running at close; client left open", busy)
             return
         try:
             for start, _ in regions:

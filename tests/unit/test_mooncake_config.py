@@ -1,5 +1,5 @@
 """Mooncake store: configuration (our keys, SGLang's MOONCAKE_* variables and config file),
-the error-code map, and the staging buffer. No master needed."""
+the error-code map, the staging buffer and the deadline runner. No master needed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
 from connectors.config import parse_config
+from connectors.mooncake import calls
 from connectors.mooncake import errors as E
 from connectors.mooncake.config import MooncakeConfig, merged_options
 from connectors.mooncake.staging import StagingBuffer
@@ -130,3 +131,82 @@ def test_staging_buffer_extents_merge_and_waits_are_bounded():
     assert sb.in_use == 0
     assert sb.acquire(1 << 20, time.monotonic() + 0.1) == 0  # free extents merged back into one
     assert sb.acquire(2 << 20, time.monotonic() + 0.1) is None  # larger than the buffer
+
+
+def test_runner_returns_results_and_errors_and_reuses_one_thread():
+    r = calls.DeadlineRunner(4, "t")
+    try:
+        assert r.run(lambda a, b: a + b, (2, 3), 1.0) == (calls.DONE, 5)
+        status, exc = r.run(lambda: 1 / 0, (), 1.0)
+        assert status == calls.RAISED and isinstance(exc, ZeroDivisionError)
+        # a caller calling in sequence always meets the same worker (LIFO)
+        idents = {r.run(threading.get_ident, (), 1.0)[1] for _ in range(50)}
+        assert len(idents) == 1 and threading.get_ident() not in idents
+    finally:
+        r.close()
+
+
+def test_runner_abandons_at_the_deadline_and_cleans_up_after_the_late_return():
+    r = calls.DeadlineRunner(2, "t")
+    gate = threading.Event()
+    late: list = []
+    try:
+        t0 = time.monotonic()
+        status, value = r.run(lambda: (gate.wait(10), "late")[1], (), 0.2, late.append)
+        took = time.monotonic() - t0
+        assert (status, value) == (calls.ABANDONED, None)
+        assert 0.15 <= took < 1.0
+        assert r.abandoned == 1 and late == []
+        # the other worker still serves; with both busy a call gets BUSY within its deadline
+        assert r.run(lambda: "ok", (), 1.0) == (calls.DONE, "ok")
+        block = threading.Event()
+        threading.Thread(target=r.run, args=(block.wait, (10,), 5.0), daemon=True).start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        assert r.run(lambda: "never", (), 0.2) == (calls.BUSY, None)
+        assert time.monotonic() - t0 < 1.0
+        block.set()
+        gate.set()
+        deadline = time.monotonic() + 5
+        while r.abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.abandoned == 0 and late == ["late"]
+        assert r.run(lambda: "again", (), 1.0) == (calls.DONE, "again")
+    finally:
+        r.close()
+
+
+def test_runner_deadline_race_cleans_up_exactly_the_abandoned_calls():
+    """Calls that end right at their deadline: each is either answered (DONE) or
+    abandoned, never both, and on_late runs once for every abandoned call only."""
+    r = calls.DeadlineRunner(3, "t")
+    late: list = []
+    outcomes = []
+    try:
+        for i in range(200):
+            timeout = (0.0005, 0.002, 0.5)[i % 3]  # mostly late, a race, in time
+            status, value = r.run(lambda i=i: (time.sleep(0.002), i)[1], (), timeout, late.append)
+            outcomes.append((i, status, value))
+        deadline = time.monotonic() + 5
+        while r.abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.abandoned == 0
+        done = [i for i, st, v in outcomes if st == calls.DONE and v == i]
+        gone = [i for i, st, v in outcomes if st == calls.ABANDONED and v is None]
+        busy = [i for i, st, v in outcomes if st == calls.BUSY and v is None]  # all workers still late
+        assert len(done) + len(gone) + len(busy) == 200
+        assert done and gone
+        assert sorted(late) == gone
+    finally:
+        r.close()
+
+
+def test_runner_close_ends_idle_workers():
+    r = calls.DeadlineRunner(2, "closing")
+    r.run(lambda: None, (), 1.0)
+    r.close()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("closing-") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(t.name.startswith("closing-") for t in threading.enumerate())
+    assert r.run(lambda: None, (), 0.1) == (calls.BUSY, None)
