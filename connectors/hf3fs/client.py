@@ -45,10 +45,11 @@ class AuthError(MetadataError):
 class _StreamError(Exception):
     """An error status carried inside a session reply (or a session that ended)."""
 
-    def __init__(self, code_name: str, message: str):
+    def __init__(self, code_name: str, message: str, connect_failed: bool = False):
         super().__init__(f"{code_name}: {message}")
         self.code_name = code_name
         self.message = message
+        self.connect_failed = connect_failed  # framed TCP: no connection could be made
 
 
 class MetadataClient:
@@ -255,6 +256,7 @@ class RemoteMetadata(MetadataClient):
     RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN",
                  "CANCELLED")
     LEASE_USE = 0.1  # hand out a leased slot only within this fraction of its lease (see reserve)
+    TCP_RETRY_S = 30.0  # auto: how long to use gRPC after the framed TCP port was unreachable
     RESERVE_CREDIT = 8  # batches through Reserve after meeting stored keys or a file without free pages
 
     def __init__(self, address: str, token: str | None = None, timeout: float = 5.0, retries: int = 3,
@@ -283,6 +285,7 @@ class RemoteMetadata(MetadataClient):
         self._idle: list[_Session] = []
         self._idle_tcp: list[_Framed] = []
         self._tcp_port: int | None = None  # None: not asked yet (or lost: ask again); 0: none offered
+        self._tcp_off_until = 0.0  # auto: gRPC until then (the TCP port was unreachable)
         self._watchdog = _Watchdog() if transport in ("auto", "stream") else None  # auto: a service without TCP
         self._leases: dict[str, _Leases] = {}
         self._ttl = 0.0  # the service's write lease (s), from Lease replies
@@ -322,20 +325,27 @@ class RemoteMetadata(MetadataClient):
     def _tcp_call(self, port: int, payload: bytes, deadline: float) -> bytes:
         with self._lock:
             conn = self._idle_tcp.pop() if self._idle_tcp else None
+        reused = conn is not None
         try:
             if conn is None:
                 host = self.address.rsplit(":", 1)[0].strip("[]")
-                conn = _Framed(host, port, self._secret, deadline - time.monotonic())
+                # at most 1 s: a port that drops packets costs one call 1 s, then gRPC serves
+                conn = _Framed(host, port, self._secret, min(1.0, deadline - time.monotonic()))
             rep = conn.request(payload, deadline - time.monotonic())
         except socket.timeout as e:
             if conn is not None:
                 conn.close()
-            raise _StreamError("DEADLINE_EXCEEDED", "no reply in time") from e
+            raise _StreamError("DEADLINE_EXCEEDED", "no reply in time", connect_failed=conn is None) from e
         except OSError as e:
             if conn is not None:
                 conn.close()
+            if reused:  # the service went away since: its other idle connections are dead too
+                with self._lock:
+                    stale, self._idle_tcp = self._idle_tcp, []
+                for c in stale:
+                    c.close()
             self._tcp_port = None  # the service may be back on another port: ask again
-            raise _StreamError("UNAVAILABLE", f"framed TCP: {e}") from e
+            raise _StreamError("UNAVAILABLE", f"framed TCP: {e}", connect_failed=conn is None) from e
         with self._lock:
             if self._closed:
                 conn.close()
@@ -387,10 +397,21 @@ class RemoteMetadata(MetadataClient):
             if remaining <= 0:
                 break
             try:
-                if self.transport in ("auto", "tcp"):
+                if self.transport == "tcp" or (self.transport == "auto" and time.monotonic() >= self._tcp_off_until):
                     port = self._endpoint(deadline)
                     if port:
-                        return self._tcp_call(port, bytes((P.METHOD_ID[method],)) + payload, deadline)
+                        try:
+                            return self._tcp_call(port, bytes((P.METHOD_ID[method],)) + payload, deadline)
+                        except _StreamError as e:
+                            if self.transport == "tcp" or not e.connect_failed:
+                                raise
+                            # gRPC answered (Endpoint) but the TCP port does not (a firewall,
+                            # a port forward of the gRPC port only): gRPC for a while
+                            rep = self._grpc_call(method, payload, deadline)
+                            self._tcp_off_until = time.monotonic() + self.TCP_RETRY_S
+                            log.warning("hf3fs-meta at %s: framed TCP port %d unreachable (%s); using gRPC "
+                                        "for %g s", self.address, port, e.message, self.TCP_RETRY_S)
+                            return rep
                     if self.transport == "tcp":
                         raise MetadataError(f"metadata service at {self.address} offers no framed TCP port")
                 return self._grpc_call(method, payload, deadline)

@@ -256,3 +256,23 @@ def test_framed_tcp_under_fsync_always_answers_in_order_from_many_threads(tmp_pa
         c.close()
     finally:
         srv.stop(0)
+
+
+def test_auto_falls_back_to_grpc_when_the_tcp_port_is_unreachable(server):
+    """A deployment that forwards only the gRPC port: calls still work (over gRPC)."""
+    c = RemoteMetadata(server.address, "s3cret", timeout=5)
+    try:
+        c.initialize(NS, 1024, 4096)
+        assert write(c, keys(8, "before")) == b"\x01" * 8 and c._tcp_port
+        server._loop.call_soon_threadsafe(server._tcp.close)  # the port stops accepting
+        for conn in c._idle_tcp:
+            conn.close()
+        c._idle_tcp.clear()
+        time.sleep(0.2)
+        batch = keys(8, "after")
+        assert write(c, batch) == b"\x01" * 8  # over gRPC
+        assert c.exists(NS, batch) == b"\x01" * 8
+        assert c._tcp_off_until > time.monotonic()
+        assert c._idle  # a gRPC Session stream carried them
+    finally:
+        c.close()
