@@ -93,12 +93,27 @@ def split_keys(blob: bytes) -> list[bytes]:
     return blob.split(b"\n") if blob else []
 
 
+_PACKERS: dict[tuple[str, int], struct.Struct] = {}
+
+
+def _packed(code: str, values) -> bytes:
+    """``values`` (a sequence of ints) as a little-endian array: one ``Struct.pack``, about
+    2.5x faster than building an ``array`` from a list (a few µs per 128-key message)."""
+    n = len(values)
+    s = _PACKERS.get((code, n))
+    if s is None:
+        if len(_PACKERS) > 256:  # batch sizes vary little; keep the cache small anyway
+            _PACKERS.clear()
+        s = _PACKERS[(code, n)] = struct.Struct(f"<{n}{code}")
+    return s.pack(*values)
+
+
 def i64s(values) -> bytes:
-    return array("q", values).tobytes()
+    return _packed("q", values)
 
 
 def u32s(values) -> bytes:
-    return array("I", values).tobytes()
+    return _packed("I", values)
 
 
 def read_i64(buf, off: int, n: int) -> list[int]:
