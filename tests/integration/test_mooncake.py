@@ -279,6 +279,7 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
         dst = HostBuffer(8, PAGE, 2)
         os.kill(holder.pid, signal.SIGSTOP)
         try:
+            _wait_stopped(holder.pid)
             t0 = time.monotonic()
             ok = s.get_into(keys, _pages(dst))
             took = time.monotonic() - t0
@@ -312,6 +313,24 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
         s.close()
         if holder.poll() is None:
             holder.kill()
+
+
+def _wait_stopped(pid: int, timeout: float = 10) -> None:
+    """Until every thread of ``pid`` is stopped: SIGSTOP is asynchronous, and a thread busy
+    on another (virtual) CPU can still answer a request until it takes the signal."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # thread ended meanwhile
+                pass
+        if states and all(st in "tT" for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout}s: {states}"
+        time.sleep(0.01)
 
 
 def _worker(cluster, *args: str) -> subprocess.Popen:
