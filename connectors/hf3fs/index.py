@@ -504,12 +504,15 @@ class PageIndex:
                 return slots, gens, crcs
             until = self.clock() + self.read_lease_s
             index, gen, crc, ru = sp.index, sp.gen, sp.crc, sp.read_until
-            get = index.get
+            found = list(map(index.get, keys))
+            if None not in found:  # all hits (a reader after exists): C loops only
+                _each(index.move_to_end, keys)
+                _each(ru.__setitem__, found, repeat(until))
+                return found, list(map(gen.__getitem__, found)), list(map(crc.__getitem__, found))
             touch = index.move_to_end
-            for i, k in enumerate(keys):
-                s = get(k)
+            for i, s in enumerate(found):
                 if s is not None:
-                    touch(k)
+                    touch(keys[i])
                     ru[s] = until
                     slots[i] = s
                     gens[i] = gen[s]
