@@ -535,7 +535,7 @@ class PageIndex:
             if sp is None:
                 return bytes(len(keys))
             index = sp.index
-            return bytes(k in index for k in keys)
+            return bytes(map(index.__contains__, keys))
 
     # ------------------------------------------------------------------ removal
     def delete(self, ns: str, keys: Sequence[bytes]) -> bytes:
