@@ -104,9 +104,6 @@ class Allocator:
         else:
             self._link(start, end - start)
 
-    def reset(self) -> None:
-        self.__init__(self.size)
-
     def _link(self, start: int, n: int) -> None:
         self.free_by_start[start] = n
         self.free_by_end[start + n] = start
@@ -235,10 +232,13 @@ class Segment:
             return slot
 
     def clear(self) -> list[str]:
+        """Drop every slot. Blocks reserved and not committed stay allocated: a one-sided
+        write into one may be in flight (or land late), so it must not be handed out again."""
         with self._lock:
             keys = list(self._slots)
+            for slot in self._slots.values():
+                self._alloc.free(slot.offset, slot.length)
             self._slots.clear()
-            self._alloc.reset()
             return keys
 
     def items(self) -> list[tuple[str, Slot]]:
