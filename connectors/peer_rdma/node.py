@@ -799,7 +799,8 @@ class PeerNode:
             # engine moves the next ones (only the last page's validation is not overlapped)
             for grp, addr, bid, t0 in wave:
                 stale = [0]
-                rc = self.transport.wait(bid, self._stage_out(grp, addr, pages, out, stale)) if bid else -1
+                landed = self._stage_out(grp, addr, pages, out, stale)
+                rc = self.transport.wait(bid, landed, deadline) if bid else -1
                 if rc != 0:
                     staging.retire(addr)
                     self.count(**{"read_timeouts" if time.monotonic() - t0 >= self.config.transfer_timeout * 0.9

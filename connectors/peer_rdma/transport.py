@@ -170,7 +170,10 @@ class Transport:
         start = self.engine.batch_transfer_async_write if write else self.engine.batch_transfer_async_read
         p = Pending(time.monotonic())
         for lo, re, n in zip(local, remote, lengths):
-            bid = start(target, [lo], [re], [n])
+            try:
+                bid = start(target, [lo], [re], [n])
+            except Exception:  # noqa: BLE001 - as a refusal: the ones started are still waited for
+                bid = 0
             if not bid:
                 p.failed = True  # the rest is not started; those already started are waited for
                 break
@@ -185,14 +188,16 @@ class Transport:
     def write_async(self, target: str, local: list[int], remote: list[int], lengths: list[int]) -> "Pending":
         return self._submit(target, local, remote, lengths, write=True)
 
-    def wait(self, pending: "Pending", landed: Callable[[int, int], None] | None = None) -> int:
+    def wait(self, pending: "Pending", landed: Callable[[int, int], None] | None = None,
+             deadline: float | None = None) -> int:
         """0: every transfer completed; -1: one failed or could not start; -2: the transfer
         timeout passed first (those transfers may still land later). Returns only once no
         transfer of ``pending`` is in flight, or at the timeout. ``landed(local, length)`` is
         called for each transfer as soon as it completed (its bytes are final), so the
-        caller can consume them while later ones are still moving."""
+        caller can consume them while later ones are still moving. ``deadline`` (monotonic)
+        can only shorten the transfer timeout."""
         check = self.engine.transfer_check_status
-        deadline = pending.t0 + self.timeout
+        deadline = min(pending.t0 + self.timeout, deadline or float("inf"))
         rc = -1 if pending.failed else 0
         ids, i, nap = pending.ids, 0, self.NAP_MIN
         while i < len(ids):
