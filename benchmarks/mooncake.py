@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvconnect bench mooncake", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small run for tests (~1 min)")
     ap.add_argument("--pages", type=int, default=None, help="pages per batch (default 64; quick 16)")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions per system (default 15; quick 6)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per system (default 30; quick 6)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     ap.add_argument("--output", default=None, help="result JSON (default benchmarks/results/mooncake.json)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         ap.error(f"unknown systems {sorted(unknown)} (accepted: {', '.join(SYSTEMS)})")
-    params = {"pages": args.pages or (16 if args.quick else 64), "reps": args.reps or (6 if args.quick else 15),
+    params = {"pages": args.pages or (16 if args.quick else 64), "reps": args.reps or (6 if args.quick else 30),
               "page_size": 64, "layers": 8, "heads": 2, "head_dim": 128, "systems": systems}
     segment = "512mb" if args.quick else "2gb"
     res = BenchResult("mooncake", params=dict(params, segment=segment, transport="tcp over loopback (netns)",
