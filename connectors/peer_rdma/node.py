@@ -349,7 +349,7 @@ class PeerNode:
         return self.metrics()
 
     def _clear_local(self) -> None:
-        self.segment.clear()
+        dropped = self.segment.clear()
         with self._dlock:
             self._dir.clear()
             self._dir_by_holder.clear()
@@ -357,6 +357,12 @@ class PeerNode:
             self._loc_cache.clear()
         if self.disk is not None:
             self.disk.clear()
+        # Owners clear their shards too, but a re-publish taken from a snapshot before this
+        # clear (re-homing after a view change) can still arrive there afterwards: a drop
+        # per slot generation leaves a tombstone that refuses it.
+        for key, slot in dropped:
+            self._outbox.append(("drop", key, [key, self.node_id, slot.seq]))
+        self._flush_outbox()
 
     # ------------------------------------------------------------------ publishing
     def _publish(self, items: list[tuple[str, Slot]]) -> list:
@@ -1083,7 +1089,8 @@ class PeerNode:
     def clear(self) -> None:
         self._clear_local()
         others = [m for m in self.view.members if m != self.node_id]
-        self.clients.fan_out({m: [] for m in others}, "Clear")
+        # each node also announces its drops to the owners: more than one control call's time
+        self.clients.fan_out({m: [] for m in others}, "Clear", self.config.timeout)
 
     def register_memory(self, address: int, nbytes: int) -> None:
         self.transport.register(address, nbytes)

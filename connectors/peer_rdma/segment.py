@@ -231,15 +231,16 @@ class Segment:
             self._alloc.free(slot.offset, slot.length)
             return slot
 
-    def clear(self) -> list[str]:
-        """Drop every slot. Blocks reserved and not committed stay allocated: a one-sided
-        write into one may be in flight (or land late), so it must not be handed out again."""
+    def clear(self) -> list[tuple[str, Slot]]:
+        """Drop every slot; returns them. Blocks reserved and not committed stay allocated: a
+        one-sided write into one may be in flight (or land late), so it must not be handed
+        out again."""
         with self._lock:
-            keys = list(self._slots)
-            for slot in self._slots.values():
+            items = list(self._slots.items())
+            for _, slot in items:
                 self._alloc.free(slot.offset, slot.length)
             self._slots.clear()
-            return keys
+            return items
 
     def items(self) -> list[tuple[str, Slot]]:
         with self._lock:

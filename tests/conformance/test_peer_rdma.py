@@ -65,7 +65,7 @@ if not INNER:
             for i in range(8):
                 off = seg.reserve(PAGE)
                 assert seg.commit(f"k{i}", off, PAGE, checksum_at(seg.base + off, PAGE)) is not None
-            assert sorted(seg.clear()) == [f"k{i}" for i in range(8)] and seg.keys == 0
+            assert sorted(k for k, _ in seg.clear()) == [f"k{i}" for i in range(8)] and seg.keys == 0
             assert seg.bytes_used == PAGE
             got = [seg.reserve(PAGE) for _ in range(15)]  # everything else is free again
             assert None not in got and reserved not in got and seg.reserve(PAGE) is None
@@ -231,6 +231,32 @@ else:
             assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
             m = store.node.metrics()
             assert m["bounce_reads"] == before and m["staged_reads"] == 0 and m["read_remote_hits"] > 0
+
+        def test_a_republish_from_before_a_clear_cannot_resurrect_entries(self, store):
+            """Holders re-home their entries from a snapshot of their slots (after a view
+            change); a snapshot taken before a clear must not bring the entries back on the
+            owners when it arrives after the clear."""
+            from connectors.peer_rdma.placement import owners
+
+            keys = self.keys(24)
+            assert self.write(store, keys) == [True] * 24
+            node = store.node
+            stale = [(k, e) for k, e in zip(keys, node._locate(keys, time.monotonic() + 5))
+                     if e is not None and e[0] != node.node_id]  # held by the other nodes
+            assert len(stale) >= 8
+            store.clear()
+            view = node.view
+            per: dict[str, list] = {}
+            for key, e in stale:
+                for t in owners(key, view.ids, 1 + node.config.directory_replicas):
+                    per.setdefault(t, []).append([key, e])
+            for t, batch in per.items():  # the late re-publish, as the holders would send it
+                if t == node.node_id:
+                    node._h_dir_put([batch, True])
+                else:
+                    node.clients.call(t, "DirPut", [batch, True])
+            assert store.exists(keys) == [False] * 24
+            assert self.read(store, keys)[0] == [False] * 24
 
         def test_each_transfer_lands_before_it_is_reported(self, store):
             """Transfers the engine cannot coalesce (destinations in reverse order) are each
