@@ -672,7 +672,8 @@ class PeerNode:
         sizes = [page_nbytes(p) for p in pages]
         remote: list[int] = []
         promoted = []
-        local_hits = disk_hits = 0
+        disk_hits = 0
+        local: list[tuple[int, Slot]] = []
         for i, (k, slot) in enumerate(zip(keys, self.segment.lookup_many(keys))):
             if slot is None and self.disk is not None and self.disk.contains(k) is not None:
                 slot = self._promote_from_disk(k)
@@ -682,8 +683,12 @@ class PeerNode:
             if slot is None:
                 remote.append(i)
             elif slot.length == sizes[i]:
-                out[i] = self.segment.read_into(k, pages[i], slot)
-                local_hits += out[i]
+                local.append((i, slot))
+        got = self.segment.read_many([keys[i] for i, _ in local], [pages[i] for i, _ in local],
+                                     [s for _, s in local])
+        for (i, _), ok in zip(local, got):
+            out[i] = ok
+        local_hits = sum(got)
         if promoted:  # resident again: owners point readers back at memory
             self._publish(promoted)
             self._flush_outbox()

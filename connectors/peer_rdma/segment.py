@@ -21,7 +21,7 @@ from typing import Callable
 import xxhash
 
 from connectors.base import Page
-from connectors.buffers import gather_into, page_view, scatter
+from connectors.buffers import gather_into, page_view, scatter_many
 
 ALIGN = 256
 
@@ -168,11 +168,16 @@ class Segment:
 
     def read_into(self, key: str, page: Page, slot: Slot | None = None) -> bool:
         """Local read with the seqlock check: True only for this key's untorn bytes."""
-        slot = slot or self.lookup(key)
-        if slot is None or slot.length != sum(n for _, n in page):
-            return False
-        scatter(self.base + slot.offset, page)
-        return self.holds(key, slot.seq)
+        return self.read_many([key], [page], [slot or self.lookup(key)])[0]
+
+    def read_many(self, keys: list[str], pages: list[Page], slots: list[Slot | None]) -> list[bool]:
+        """Local reads of a batch, copies spread over threads (a prefix is GiBs: one core's
+        memcpy is far too slow); each page is True only if its key still maps to the slot's
+        ``seq`` after the copy (seqlock), so an eviction racing the copy is a miss."""
+        ok = [s is not None and s.length == sum(n for _, n in p) for s, p in zip(slots, pages)]
+        scatter_many([self.base + s.offset for s, o in zip(slots, ok) if o],  # type: ignore[union-attr]
+                     [p for p, o in zip(pages, ok) if o])
+        return [o and self.holds(k, s.seq) for k, s, o in zip(keys, slots, ok)]  # type: ignore[union-attr]
 
     # -- writes -------------------------------------------------------------------
     def reserve(self, nbytes: int) -> int | None:
