@@ -5,6 +5,8 @@
 #              never 0.0.0.0 unless you mean it)
 #   META_DIR   journal + snapshots (default /var/lib/kvconnect/hf3fs-meta)
 #   TOKEN_FILE shared secret, same file content on every node (default /etc/kvconnect/hf3fs.token)
+# Engines reach it on two ports: 18000 (gRPC: setup, fallback) and 18001 (framed TCP: the fast path
+# clients prefer; without it they fall back to gRPC). Open both between the nodes.
 set -euo pipefail
 META_HOST="${META_HOST:-$(hostname -I | awk '{print $1}')}"
 META_DIR="${META_DIR:-/var/lib/kvconnect/hf3fs-meta}"
@@ -16,5 +18,5 @@ if [[ ! -s "$TOKEN_FILE" ]]; then
     echo "created $TOKEN_FILE: copy it to every engine node" >&2
 fi
 mkdir -p "$META_DIR"
-exec kvconnect hf3fs-meta serve --host "$META_HOST" --port 18000 --data-dir "$META_DIR" \
+exec kvconnect hf3fs-meta serve --host "$META_HOST" --port 18000 --tcp-port 18001 --data-dir "$META_DIR" \
     --token-file "$TOKEN_FILE" >>meta.out 2>&1
