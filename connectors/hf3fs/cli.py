@@ -34,9 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--snapshot-interval", type=float, default=60.0, help="seconds between snapshots (default 60)")
     s.add_argument("--ready-file", help="write the bound address here once serving (scripts, tests)")
     u = sub.add_parser("usage", help="print a namespace's usage as JSON")
-    u.add_argument("--address", default="127.0.0.1:18000")
+    u.add_argument("--address", default="127.0.0.1:18000", help="the service's gRPC host:port (default 127.0.0.1:18000)")
     u.add_argument("--namespace", default="0:kv", help="'{rank}:{pool}' (default 0:kv)")
-    u.add_argument("--token-file")
+    u.add_argument("--token-file", help="file holding the shared secret (when the service requires one)")
 
 
 def _token(path: str | None) -> str | None:

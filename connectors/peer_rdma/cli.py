@@ -10,6 +10,7 @@ Any ``PeerRdmaConfig`` key can be given as ``--set key=value`` (or ``--config JS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -21,17 +22,22 @@ _FLAGS = ("discovery_addr", "bind_host", "local_hostname", "control_port", "glob
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from connectors.peer_rdma.config import PeerRdmaConfig  # light: no grpc / mooncake import
+
+    fields = {f.name: f for f in dataclasses.fields(PeerRdmaConfig)}
     sub = p.add_subparsers(dest="peer_command", metavar="ACTION", required=True)
     s = sub.add_parser("serve", help="run a memory-only node (no engine) until SIGTERM/SIGINT")
     for key in _FLAGS:
-        s.add_argument("--" + key.replace("_", "-"), dest=key, default=None)
+        f = fields[key]  # one source of truth for option docs: the config dataclass
+        s.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
+                       help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
     s.add_argument("--config", default=None, help="JSON object of options (the SGLang extra-config form)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other option")
     s.add_argument("--ready-file", default=None, help="write the node id here once joined (scripts, tests)")
     t = sub.add_parser("status", help="print a node's members and counters as JSON")
     t.add_argument("address", help="control address host:port")
     t.add_argument("--token", default=None, help="shared token (default: $KVCONNECT_PEER_TOKEN)")
-    t.add_argument("--timeout", type=float, default=2.0)
+    t.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the node (default 2)")
 
 
 def options_from_args(args: argparse.Namespace) -> dict:

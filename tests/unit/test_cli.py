@@ -69,6 +69,29 @@ def test_every_subcommand_has_help(name):
     assert f"usage: kvconnect {name}" in r.stdout
 
 
+def _parsers(parser):
+    """A parser and every sub-parser below it."""
+    import argparse
+
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _parsers(sub)
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_option_of_every_subcommand_says_what_it_does(name):
+    from connectors.cli import build_parser
+
+    bare = []
+    for parser in _parsers(build_parser(load=name)):
+        for action in parser._actions:
+            if action.option_strings and action.help in (None, "") and action.dest != "help":
+                bare.append(f"{parser.prog} {'/'.join(action.option_strings)}")
+    assert not bare, f"options without help text: {bare}"
+
+
 def test_no_command_prints_help_and_fails():
     r = kvconnect()
     assert r.returncode == 2 and "usage: kvconnect" in r.stdout
