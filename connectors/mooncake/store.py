@@ -191,10 +191,13 @@ class MooncakeStore(PageStore):
         rc = result.get("rc", -1)
         if rc != 0:
             client.close()
+            # Mooncake reports a segment it could not allocate with the same code as an
+            # unreachable master: name both causes
             raise BackendUnavailable(
-                "mooncake", f"cannot connect to master {c.master_server_address} "
-                f"(setup returned {rc} after {time.monotonic() - t0:.1f}s; metadata {c.metadata_server}, "
-                f"protocol {c.protocol}, local_hostname {c.local_hostname})")
+                "mooncake", f"setup failed (rc {rc} after {time.monotonic() - t0:.1f}s): cannot connect to "
+                f"master {c.master_server_address}, or cannot allocate global_segment_size="
+                f"{c.global_segment_size} bytes of memory (metadata {c.metadata_server}, protocol {c.protocol}, "
+                f"local_hostname {c.local_hostname}; Mooncake's log above says which)")
         return client
 
     def _check_rc(self, what: str, rc: int) -> None:

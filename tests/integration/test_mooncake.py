@@ -141,6 +141,16 @@ def test_unreachable_master_fails_within_setup_timeout(mooncake_cluster):  # noq
     assert "127.0.0.1:1" in str(e.value)
 
 
+def test_segment_that_cannot_be_allocated_is_named_in_the_error(mooncake_cluster):  # noqa: F811
+    """Mooncake fails such a setup with the same code as an unreachable master: the error must
+    point at the segment size too, not only at the master."""
+    opts = store_options(mooncake_cluster, global_segment_size="64tb", setup_timeout=5)
+    with pytest.raises(BackendUnavailable) as e:
+        create_store("mooncake", opts)
+    msg = str(e.value)
+    assert "global_segment_size=70368744177664" in msg and mooncake_cluster.master.address in msg
+
+
 def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cluster, tmp_path):  # noqa: F811
     """Kill -9 the master while 3 threads put/get/exist; every call returns (no exception)
     within op_timeout + slack and reads miss; restart the master on the same port: the
