@@ -6,6 +6,8 @@
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
 #         kvc_hf3fs (kvconnect HF3FS store, POSIX client) | kvc_memory (kvconnect in-process store)
+#         kvc_mooncake_local (as kvc_mooncake, but each SGLang server also lends KVC_PEER_SEGMENT and keeps
+#           its own pages there: prefer_local_segment; not run on the GPU yet)
 #         kvc_memory_legacy (in-process store through SGLang's legacy tensor interface, layer_first pool)
 #         kvc_mooncake (kvconnect Mooncake store: mooncake_master + a standalone `kvconnect mooncake-store`
 #           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang
@@ -94,6 +96,9 @@ store_args() {  # store, port-suffix -> prints backend args (one per line)
     kvc_mooncake)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:50051\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":0,\"metrics_port\":$((9400+k))}" ;;
+    kvc_mooncake_local)  # SGLang lends memory too and keeps its own pages there (prefer_local_segment)
+      printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
+        "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:50051\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":\"${KVC_PEER_SEGMENT:-24gb}\",\"prefer_local_segment\":true,\"metrics_port\":$((9400+k))}" ;;
     kvc_peer_rdma)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"peer_rdma\",\"discovery_addr\":\"127.0.0.1:31998\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"control_port\":0,\"global_segment_size\":\"${KVC_PEER_SEGMENT:-24gb}\",\"metrics_port\":$((9400+k))}" ;;
@@ -185,7 +190,7 @@ PY
 store_services() {  # store: start what the store needs next to SGLang (all on 127.0.0.1)
   case $1 in
     kvc_hf3fs) meta_start ;;
-    kvc_mooncake)
+    kvc_mooncake|kvc_mooncake_local)
       [ -f /tmp/sglogs/svc_mc_master.pid ] && return 0
       svc_start mc_master /tmp/site3/mooncake/mooncake_master --rpc_address=127.0.0.1 --rpc_port=50051 \
         --metrics_host=127.0.0.1 --metrics_port=9003

@@ -77,6 +77,11 @@ class MooncakeConfig(StoreConfig):
     tenant_id: str = field(default="default", metadata=field_doc(
         "Mooncake tenant (env MOONCAKE_TENANT_ID)"))
     replica_num: int = field(default=1, metadata=field_doc("replicas per page"))
+    prefer_local_segment: bool = field(default=False, metadata=field_doc(
+        "put new pages into this process's own segment while it has room (Mooncake's "
+        "preferred_segment), so this process reads them back with a local copy instead of a "
+        "transfer; they leave the store with the process (keep replica_num > 1 or a standalone "
+        "store process for pages that must outlive it); needs global_segment_size > 0"))
     io_mode: Literal["direct", "staged"] = field(default="direct", metadata=field_doc(
         "'direct': zero-copy to/from registered caller memory (pages outside it are staged); "
         "'staged': every page goes through the store's registered staging buffer, so a call "
@@ -115,6 +120,9 @@ class MooncakeConfig(StoreConfig):
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}", None, WHERE)
         if self.replica_num < 1:
             raise ConfigError("replica_num", f"must be >= 1, got {self.replica_num}", None, WHERE)
+        if self.prefer_local_segment and self.global_segment_size <= 0:
+            raise ConfigError("prefer_local_segment", "needs a segment of this process's own "
+                              "(global_segment_size > 0)", None, WHERE)
         if self.io_threads < 1:
             raise ConfigError("io_threads", f"must be >= 1, got {self.io_threads}", None, WHERE)
         if self.staging_size < (1 << 20):

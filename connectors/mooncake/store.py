@@ -129,6 +129,8 @@ class MooncakeStore(PageStore):
         self._counts = {"timeouts": 0, "abandoned": 0, "unavailable": 0, "short_circuited": 0,
                         "direct_pages": 0, "staged_pages": 0, "poisoned_removed": 0}
         self._client = self._connect()
+        if config.prefer_local_segment:  # the segment name is known only once set up
+            self._replicate.preferred_segment = self._client.get_hostname()
         self._staging = StagingBuffer(config.staging_size)
         try:
             self._check_rc("register staging buffer",

@@ -76,6 +76,9 @@ def test_bad_config_names_key_and_accepted_values(tmp_path):
     with pytest.raises(ConfigError) as e:
         cfg({"master_server_address": "h:1", "op_timeout": 0})
     assert "op_timeout" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "h:1", "prefer_local_segment": True, "global_segment_size": 0})
+    assert "prefer_local_segment" in str(e.value) and "global_segment_size" in str(e.value)
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ConfigError) as e:
