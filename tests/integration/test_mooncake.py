@@ -151,13 +151,17 @@ def test_segment_that_cannot_be_allocated_is_named_in_the_error(mooncake_cluster
     assert "global_segment_size=70368744177664" in msg and mooncake_cluster.master.address in msg
 
 
-def test_prefer_local_segment_keeps_pages_in_the_writers_segment(mooncake_cluster):  # noqa: F811
+def test_prefer_local_segment_keeps_pages_in_the_writers_segment(mooncake_cluster, tmp_path):  # noqa: F811
     """With ``prefer_local_segment`` every page lands in the writer's own segment although a
-    bigger holder segment exists (without it Mooncake spreads them: ~80% to the holder here):
-    another process reads them byte-exact, and once the writer leaves, all of them are gone."""
-    mooncake_cluster.start_holder("256mb")
-    writer = create_store("mooncake", store_options(mooncake_cluster, prefer_local_segment=True))
-    reader = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0))
+    bigger segment exists (without it Mooncake spreads them: ~80% to the bigger one here):
+    another process reads them byte-exact, and once the writer leaves, all of them are gone.
+    Own master, so the shared cluster's placement is left as the other tests expect it."""
+    master = MasterProcess(None, rpc_port=50071, metrics_port=9023, lease_ttl_ms=500,
+                           log_path=tmp_path / "master-local.log").start()
+    opts = dict(master_server_address=master.address)
+    big = create_store("mooncake", store_options(mooncake_cluster, global_segment_size="256mb", **opts))
+    writer = create_store("mooncake", store_options(mooncake_cluster, prefer_local_segment=True, **opts))
+    reader = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, **opts))
     try:
         src, dst = HostBuffer(16, 64 << 10, 2), HostBuffer(16, 64 << 10, 2)
         for i in range(16):
@@ -172,8 +176,9 @@ def test_prefer_local_segment_keeps_pages_in_the_writers_segment(mooncake_cluste
             time.sleep(0.2)
         assert reader.exists(keys) == [False] * 16, "some pages were not in the writer's segment"
     finally:
-        writer.close()
-        reader.close()
+        for st in (writer, reader, big):
+            st.close()
+        master.kill()
 
 
 def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cluster, tmp_path):  # noqa: F811
