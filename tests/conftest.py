@@ -9,3 +9,9 @@ if str(ROOT) not in sys.path:
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+import pytest  # noqa: E402
+
+# The shared suites are plain modules imported by the test files: rewrite their asserts too,
+# so a failing check shows the values (a flaky store failure must be diagnosable from CI logs).
+pytest.register_assert_rewrite("tests.conformance.suite", "tests.mooncake_env")

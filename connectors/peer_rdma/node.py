@@ -1071,9 +1071,11 @@ class PeerNode:
         for i, k in enumerate(keys):
             for t in self._dir_owners(k, view):
                 per.setdefault(t, []).append(i)
+        # the call's whole deadline, not one control call's: an owner that answers late under
+        # load would otherwise keep the entry, and the deleted key would still be found
         answers: dict[str, Any] = self.clients.fan_out(
             {t: [keys[i] for i in idx] for t, idx in per.items() if t != self.node_id}, "DirDelete",
-            min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+            max(0.01, deadline - time.monotonic()))
         if self.node_id in per:
             answers[self.node_id] = self._h_dir_delete([keys[i] for i in per[self.node_id]])
         frees: dict[str, dict[str, list]] = {}
