@@ -52,6 +52,14 @@ class _StreamError(Exception):
         self.connect_failed = connect_failed  # framed TCP: no connection could be made
 
 
+def _reply_body(rep: bytes) -> bytes:
+    """The body of an ``<u8 OK><reply>`` message, or the ``<u8 ERR><code>\\n<text>`` it carries raised."""
+    if rep[:1] == P.OK:
+        return rep[1:]
+    code, _, message = rep[1:].decode(errors="replace").partition("\n")
+    raise _StreamError(code, message)
+
+
 class MetadataClient:
     """What ``HF3FSStore`` needs from a page index."""
 
@@ -153,8 +161,7 @@ class _Framed:
             raise
         if rep[:1] != P.OK:
             self.close()
-            code, _, message = rep[1:].decode(errors="replace").partition("\n")
-            raise _StreamError(code, message)
+            _reply_body(rep)  # raises the error the service answered with
 
     def request(self, msg: bytes, timeout: float) -> bytes:
         sock = self.sock
@@ -351,10 +358,7 @@ class RemoteMetadata(MetadataClient):
                 conn.close()
             else:
                 self._idle_tcp.append(conn)
-        if rep[:1] == P.OK:
-            return rep[1:]
-        code, _, message = rep[1:].decode(errors="replace").partition("\n")
-        raise _StreamError(code, message)
+        return _reply_body(rep)
 
     def _session_call(self, method: str, payload: bytes, deadline: float) -> bytes:
         with self._lock:
@@ -380,10 +384,7 @@ class RemoteMetadata(MetadataClient):
                         session.close()
                     else:
                         self._idle.append(session)
-        if rep[:1] == P.OK:
-            return rep[1:]
-        code, _, message = rep[1:].decode(errors="replace").partition("\n")
-        raise _StreamError(code, message)
+        return _reply_body(rep)
 
     def _call(self, method: str, payload: bytes) -> bytes:
         now = time.monotonic()

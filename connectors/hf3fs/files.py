@@ -167,7 +167,8 @@ class PosixFile:
         out = [False] * len(items)
         for off, segs, ends in _runs(items):
             try:
-                done = self._read_mapped(off, segs) if self._map is not None else self._read_run(off, segs)
+                done = (self._read_mapped(off, segs) if self._map is not None
+                        else self._vectored(os.preadv, off, segs))
             except OSError as e:
                 log.error("hf3fs: read of %s at %d failed: %s", self.path, off, e)
                 done = 0
@@ -186,16 +187,20 @@ class PosixFile:
             src += n
         return total
 
-    def _read_run(self, off: int, segs: list[tuple[int, int]]) -> int:
+    def _vectored(self, call, off: int, segs: list[tuple[int, int]], deadline: float | None = None) -> int:
+        """Bytes moved by ``call`` (``os.preadv`` / ``os.pwritev``) between the file at ``off`` and a
+        run's segments, IOV_MAX at a time; stops short at end of file or once ``deadline`` passed."""
         done = 0
         for j in range(0, len(segs), IOV_MAX):
             views = page_view(segs[j:j + IOV_MAX])
             want = sum(len(v) for v in views)
             got = 0
             while got < want:
-                n = os.preadv(self.fd, views if got == 0 else _advance(views, got), off + done + got)
+                if deadline is not None and time.monotonic() > deadline:
+                    return done + got
+                n = call(self.fd, views if got == 0 else _advance(views, got), off + done + got)
                 if n <= 0:
-                    return done + got  # end of file: never written
+                    return done + got  # reads: end of file, never written
                 got += n
             done += got
         return done
@@ -210,29 +215,13 @@ class PosixFile:
                 if self.stage_bytes:
                     done = self._write_staged(off, segs, deadline)
                 else:
-                    done = self._write_run(off, segs, deadline)
+                    done = self._vectored(os.pwritev, off, segs, deadline)
             except OSError as e:
                 log.error("hf3fs: write of %s at %d failed: %s", self.path, off, e)
                 done = 0  # how far it got is unknown to us; the whole run fails
             for i, end in ends:
                 out[i] = end <= done
         return out
-
-    def _write_run(self, off: int, segs: list[tuple[int, int]], deadline: float | None) -> int:
-        done = 0
-        for j in range(0, len(segs), IOV_MAX):
-            views = page_view(segs[j:j + IOV_MAX])
-            want = sum(len(v) for v in views)
-            got = 0
-            while got < want:
-                if deadline is not None and time.monotonic() > deadline:
-                    return done + got
-                n = os.pwritev(self.fd, views if got == 0 else _advance(views, got), off + done + got)
-                if n <= 0:
-                    return done + got
-                got += n
-            done += got
-        return done
 
     def _stage(self) -> tuple[int, memoryview]:
         st = getattr(self._tls, "stage", None)

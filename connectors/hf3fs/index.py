@@ -157,8 +157,12 @@ class PageIndex:
                     "engines sharing a file must use the same page geometry (or another file_path_prefix)")
             return NamespaceInfo(ns, space.num_pages, space.page_bytes, self.read_lease_s, self.write_lease_s)
 
-    def _space(self, ns: str) -> Namespace | None:
-        return self.spaces.get(ns)
+    def _space(self, ns: str) -> Namespace:
+        """The namespace a write-path call names; it must have been initialized."""
+        sp = self.spaces.get(ns)
+        if sp is None:
+            raise IndexError_(f"namespace {ns!r} is not initialized")
+        return sp
 
     # ------------------------------------------------------------------ allocation
     def _alloc(self, sp: Namespace, now: float, evict: bool = True) -> int:
@@ -247,9 +251,7 @@ class PageIndex:
         caller's earlier leases first. Returns (slots, generations); each slot is the
         caller's for ``write_lease_s``."""
         with self.lock:
-            sp = self.spaces.get(ns)
-            if sp is None:
-                raise IndexError_(f"namespace {ns!r} is not initialized")
+            sp = self._space(ns)
             if give_back[0]:
                 self._unlease_owned(sp, give_back[0], give_back[1])
             now = self.clock()
@@ -317,9 +319,7 @@ class PageIndex:
         caller has them so."""
         n = len(keys)
         with self.lock:
-            sp = self.spaces.get(ns)
-            if sp is None:
-                raise IndexError_(f"namespace {ns!r} is not initialized")
+            sp = self._space(ns)
             index, pending, leased, state, crc = sp.index, sp.pending, sp.leased, sp.state, sp.crc
             gens = list(gens)
             if list(map(leased.get, slots)) == gens and index.keys().isdisjoint(keys) \
@@ -364,9 +364,7 @@ class PageIndex:
         slots = [-1] * n
         gens = [0] * n
         with self.lock:
-            sp = self.spaces.get(ns)
-            if sp is None:
-                raise IndexError_(f"namespace {ns!r} is not initialized")
+            sp = self._space(ns)
             now = self.clock()
             self._sweep(sp, now)
             index, pending, gen = sp.index, sp.pending, sp.gen
@@ -442,9 +440,7 @@ class PageIndex:
         n = len(keys)
         ok = bytearray(n)
         with self.lock:
-            sp = self.spaces.get(ns)
-            if sp is None:
-                raise IndexError_(f"namespace {ns!r} is not initialized")
+            sp = self._space(ns)
             index, pending, gen, state, crc = sp.index, sp.pending, sp.gen, sp.state, sp.crc
             expect = list(zip(slots, gens))
             if list(map(pending.get, keys)) == expect and (confirm == b"\x01" * n or all(confirm)) \

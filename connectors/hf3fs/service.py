@@ -52,12 +52,21 @@ class MetaService:
         """One ``<u8 method><request>`` message -> ``<u8 OK><reply>`` or ``<u8 ERR><code>\\n<text>``
         (the Session stream and framed TCP share it)."""
         try:
-            return P.OK + self.by_id[msg[0]](msg[1:])
+            return P.OK + self._run(self.by_id[msg[0]], msg[1:])
         except _Abort as a:
             return P.ERR + f"{a.code.name}\n{a.message}".encode()
         except Exception as e:  # noqa: BLE001 - a bad message must not end the stream
             log.exception("hf3fs-meta: call failed")
             return P.ERR + f"INTERNAL\n{type(e).__name__}: {e}".encode()
+
+    @staticmethod
+    def _run(method, req: bytes) -> bytes:
+        """One method call; the index's IndexError_ (namespace not initialized, other page
+        geometry) is the caller's failed precondition on every transport."""
+        try:
+            return method(req)
+        except IndexError_ as e:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
 
     # -- auth ---------------------------------------------------------------------------
     def _check(self, context: grpc.ServicerContext) -> None:
@@ -80,20 +89,14 @@ class MetaService:
     def Initialize(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         num_pages, page_bytes = P.INIT_REQ.unpack_from(req, off)
-        try:
-            info = self.index.initialize(ns, num_pages, page_bytes)
-        except IndexError_ as e:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        info = self.index.initialize(ns, num_pages, page_bytes)
         self._commit()
         return P.INIT_REP.pack(info.num_pages, info.page_bytes, info.read_lease_s, info.write_lease_s)
 
     def Reserve(self, req: bytes) -> bytes:
         ns, off = P.unpack_ns(req)
         keys = P.split_keys(req[off:])
-        try:
-            status, slots, gens = self.index.reserve(ns, keys)
-        except IndexError_ as e:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        status, slots, gens = self.index.reserve(ns, keys)
         self._commit()
         return status + P.i64s(slots) + P.i64s(gens)
 
@@ -111,10 +114,7 @@ class MetaService:
         keys = P.split_keys(req[off + n:])
         if len(keys) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Commit: {len(keys)} keys for {n} items")
-        try:
-            ok = self.index.commit(ns, keys, slots, gens, crcs, confirm)
-        except IndexError_ as e:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        ok = self.index.commit(ns, keys, slots, gens, crcs, confirm)
         self._commit()
         return ok
 
@@ -157,10 +157,7 @@ class MetaService:
         need, extra, m = P.LEASE_REQ.unpack_from(req, off)
         off += P.LEASE_REQ.size
         back = (P.read_i64(req, off, m), P.read_i64(req, off + 8 * m, m))
-        try:
-            slots, gens = self.index.lease(ns, need, extra, back)
-        except IndexError_ as e:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        slots, gens = self.index.lease(ns, need, extra, back)
         self._commit()
         return b"".join((P.LEASE_REP.pack(self.index.write_lease_s, len(slots)), P.i64s(slots), P.i64s(gens)))
 
@@ -174,10 +171,7 @@ class MetaService:
         keys = P.split_keys(req[off + 20 * n:])
         if len(keys) != n or len(crcs) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"Put: {len(keys)} keys for {n} items")
-        try:
-            out = self.index.put(ns, keys, slots, gens, crcs, wire=req[off:])
-        except IndexError_ as e:
-            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        out = self.index.put(ns, keys, slots, gens, crcs, wire=req[off:])
         self._commit()
         return out
 
@@ -201,7 +195,7 @@ class MetaService:
         def wrap(fn):
             def call(req, ctx):
                 self._check(ctx)
-                return fn(req)
+                return self._run(fn, req)
 
             if blocking:
                 async def handle(req, ctx):
