@@ -21,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[2]
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
 
 
+def skip_reason(*modules: str) -> str | None:
+    """Why a peer-pool test cannot run here (a module missing, no network namespaces), or None."""
+    import importlib.util
+
+    for mod in modules:
+        if importlib.util.find_spec(mod) is None:
+            return f"needs {mod} (installed by scripts/install.sh)"
+    return netns_available()
+
+
 def exec_in(ns: str, argv: list[str], **kw) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",
                GLOG_minloglevel="2", MC_LOG_LEVEL="ERROR")

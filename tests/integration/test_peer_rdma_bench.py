@@ -5,7 +5,6 @@ otherwise), and the results JSON carries every figure and ratio."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,16 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from connectors.peer_rdma.netns import netns_available
+from tests.integration.peer_rdma_support import skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_peer_rdma_benchmark_quick(tmp_path):
-    for mod in ("grpc", "mooncake", "peercache", "numpy"):
-        if importlib.util.find_spec(mod) is None:
-            pytest.skip(f"needs {mod} (installed by scripts/install.sh)")
-    why = netns_available()
+    why = skip_reason("grpc", "mooncake", "peercache", "numpy")
     if why:
         pytest.skip(why)
     out = tmp_path / "peer_rdma.json"

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.integration.peer_rdma_support import Bridge, Worker, netns_available, wait_for
+from tests.integration.peer_rdma_support import Bridge, Worker, skip_reason, wait_for
 
 TOKEN = "s3cret-pool-token"
 HOST_POOL = {"layout": "page_first", "page_size": 16, "layer_num": 4, "head_num": 4, "head_dim": 64,
@@ -23,16 +23,8 @@ INTERVAL, TTL, TIMEOUT = 0.5, 2.5, 7.0
 PAGES = 32
 
 
-def _skip_reason() -> str | None:
-    import importlib.util
-
-    for mod in ("grpc", "mooncake", "sglang", "torch"):
-        if importlib.util.find_spec(mod) is None:
-            return f"needs {mod} (grpcio, mooncake-transfer-engine, sglang CPU recipe)"
-    return netns_available()
-
-
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+_SKIP = skip_reason("grpc", "mooncake", "sglang", "torch")
+pytestmark = pytest.mark.skipif(_SKIP is not None, reason=str(_SKIP))
 
 
 def options(net: Bridge, i: int, token: str = TOKEN) -> dict:

@@ -10,7 +10,6 @@ the second engine loads the first one's pages and the demo checks every loaded b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,14 +17,11 @@ import time
 
 import pytest
 
-from tests.integration.peer_rdma_support import PY, exec_in, loopback_ns, netns_available, stop
+from tests.integration.peer_rdma_support import PY, exec_in, loopback_ns, skip_reason, stop
 
 
 def test_sglang_adapter_over_the_peer_pool(tmp_path):
-    for mod in ("grpc", "mooncake", "sglang", "torch"):
-        if importlib.util.find_spec(mod) is None:
-            pytest.skip(f"needs {mod} (installed by scripts/install.sh)")
-    why = netns_available()
+    why = skip_reason("grpc", "mooncake", "sglang", "torch")
     if why:
         pytest.skip(why)
     tmp = str(tmp_path)
