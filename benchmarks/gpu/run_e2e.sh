@@ -2,7 +2,8 @@
 # GPU end-to-end TTFT of SGLang HiCache with kvconnect stores vs SGLang's own L3 backends.
 # Runs ON THE DEVICE (H200) from the repository root; see benchmarks/gpu/README.md for the device calls.
 #   bash benchmarks/gpu/run_e2e.sh PHASE...
-# PHASE: diag | install1 | install2 | install3 (Mooncake, from .gpumc/) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE
+# PHASE: diag | install1 | install2 | install3 (Mooncake, from .gpumc/) | install4 (CUDA Mooncake + the PD plugin's
+#        entry point, needs two GPUs' phases) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE | pd:TRANSPORT
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
 #         kvc_hf3fs (kvconnect HF3FS store, POSIX client) | kvc_memory (kvconnect in-process store)
@@ -15,6 +16,10 @@
 #           node as the seed; Transfer Engine over TCP)
 #   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit)
 #   cross_STORE:   two servers (ports 30000/30001) sharing one store; prompts prefilled on A, read on B
+#   pd:TRANSPORT   prefill server on GPU 0, decode server on GPU 1 (Llama-3-8B shape), pd_driver.py routes 8k-token
+#                  prompts at PD_LEVELS (default 1,8,32) concurrent requests; TRANSPORT mooncake_ref (SGLang's own
+#                  mooncake backend, Transfer Engine over TCP: MC_FORCE_TCP=1) | kvc_peer_rdma | kvc_mooncake
+#                  (kvconnect backend, KVCONNECT_PD_CONFIG transport peer_rdma over TCP / mooncake store relay)
 # Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384),
 #      HICACHE_LAYOUT (--hicache-mem-layout for every server; default: SGLang's),
 #      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES.
@@ -29,8 +34,11 @@ LOGD=/tmp/sglogs; mkdir -p "$LOGD"
 RES=$OUTD/results.jsonl
 PLAN=${PLAN:-w8192,8192,16384}
 export PYTHONPATH=/tmp/site3:/tmp/site2:/tmp/site1:$REPO:$G
-# Mooncake's .so files need libibverbs.so.1 (install3 carries it for images that lack it)
-ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Mooncake's .so files need libibverbs.so.1 (install3 carries it for images that lack it); the CUDA build
+# (install4) also needs libcudart.so.12 and libmlx5.so.1, carried in the same folder
+if [ -f /tmp/site3/ibv/libcudart.so.12 ] || ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
 export LMCACHE_TRACK_USAGE=false
 export TVM_FFI_CACHE_DIR=/tmp/jitcache/tvm-ffi TRITON_CACHE_DIR=/tmp/jitcache/triton FLASHINFER_WORKSPACE_BASE=/tmp/jitcache
@@ -233,7 +241,59 @@ phase_install3() {  # Mooncake (non-CUDA wheel, cp312) unpacked: mooncake/, its 
   python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake import failed"; return 1; }
   say "installed mooncake into /tmp/site3 in $(( $(date +%s) - t ))s"
 }
+phase_install4() {  # Mooncake CUDA build (registers GPU memory: PD) replaces install3's; kvconnect's PD plugin
+  # is found through an entry point, so give the repository on PYTHONPATH a dist-info that declares it
+  local t=$(date +%s); rm -rf /tmp/site3; mkdir -p /tmp/site3
+  tar xJf .gpumc/mccuda312.tar.xz -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
+  export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  local d=/tmp/site3/kvconnect-0.0.0+gpu.dist-info; mkdir -p "$d"
+  printf 'Metadata-Version: 2.1\nName: kvconnect\nVersion: 0.0.0+gpu\n' > "$d/METADATA"
+  printf '[sglang.srt.plugins]\nkvconnect = connectors.engines.sglang_pd_plugin:register\n' > "$d/entry_points.txt"
+  python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake (CUDA) import failed"; return 1; }
+  python3 -c 'from importlib.metadata import entry_points as e; assert "kvconnect" in [x.name for x in e(group="sglang.srt.plugins")]' \
+    || { say "kvconnect entry point not found"; return 1; }
+  say "installed mooncake (CUDA) + kvconnect entry point into /tmp/site3 in $(( $(date +%s) - t ))s"
+}
 phase_stop() { stop_all; meta_stop; svc_stop_all; }
+
+launch_pd() {  # name mode gpu port backend: one PD half of the Llama-3-8B shape
+  local name=$1 mode=$2 gpu=$3 port=$4 backend=$5
+  make_model llama; load_jitcache
+  say "launch $name: pd $mode on GPU $gpu, backend $backend, port $port"
+  echo "{\"event\":\"launch\",\"name\":\"$name\",\"arch\":\"llama\",\"store\":\"pd_$backend\",\"t\":$(el),\"wall\":$(date +%s)}" >> "$RES"
+  python3 -c 'import os, sys
+try: os.setsid()
+except OSError: pass
+os.execvp(sys.argv[1], sys.argv[1:])' python3 -m sglang.launch_server --model-path "$(model_dir llama)" --load-format dummy \
+    --skip-tokenizer-init --host 127.0.0.1 --port "$port" --page-size 64 --base-gpu-id "$gpu" --mem-fraction-static 0.6 \
+    --max-total-tokens 327680 --disable-cuda-graph --attention-backend triton --sampling-backend pytorch \
+    --grammar-backend none --log-level info --disaggregation-mode "$mode" --disaggregation-transfer-backend "$backend" \
+    --disaggregation-bootstrap-port 8998 > "$LOGD/$name.log" 2>&1 < /dev/null &
+  echo $! > "$LOGD/$name.pid"; echo "$name" >> "$LOGD/running"
+}
+run_pd() {  # transport
+  local tr=$1 backend=kvconnect
+  need 200 "pd:$tr" || return 1
+  [ "$(nvidia-smi -L | wc -l)" -ge 2 ] || { say "pd:$tr needs two GPUs"; return 1; }
+  stop_all; meta_stop; svc_stop_all
+  case $tr in
+    mooncake_ref) backend=mooncake; export MC_FORCE_TCP=1; unset KVCONNECT_PD_CONFIG ;;
+    kvc_peer_rdma) unset MC_FORCE_TCP
+      export KVCONNECT_PD_CONFIG='{"transport":"peer_rdma","protocol":"tcp","timeout_s":120,"workers":4}' ;;
+    kvc_mooncake) unset MC_FORCE_TCP; store_services kvc_mooncake || return 1
+      export KVCONNECT_PD_CONFIG='{"transport":"mooncake","timeout_s":120,"workers":4,"store":{"master_server_address":"127.0.0.1:50051","metadata_server":"P2PHANDSHAKE","local_hostname":"127.0.0.1","protocol":"tcp","global_segment_size":0,"local_buffer_size":0}}' ;;
+    *) say "unknown PD transport $tr"; return 1 ;;
+  esac
+  export SGLANG_HOST_IP=127.0.0.1
+  launch_pd "pd_${tr}_prefill" prefill 0 30000 "$backend"
+  launch_pd "pd_${tr}_decode" decode 1 30001 "$backend"
+  wait_up "pd_${tr}_prefill" 30000 "$(( $(left) - 90 ))" || return 1
+  wait_up "pd_${tr}_decode" 30001 "$(( $(left) - 60 ))" || return 1
+  python3 "$B/pd_driver.py" --prefill http://127.0.0.1:30000 --decode http://127.0.0.1:30001 --bootstrap-port 8998 \
+    --tokens 8192 --levels "${PD_LEVELS:-1,8,32}" --new-tokens 8 --timeout 150 --out "$RES" --tag "pd:$tr" \
+    --deadline $(( T0 + DEADLINE_S - 40 )); local rc=$?
+  stop_all; svc_stop_all; return $rc
+}
 
 run_store() {  # arch store
   local arch=$1 store=$2
@@ -279,6 +339,7 @@ for ph in "$@"; do
   if is_done "$ph"; then say "=== $ph already done"; continue; fi
   say "=== phase $ph"
   case $ph in
+    pd:*) run_pd "${ph#pd:}" ;;
     *:restart_*) arch=${ph%%:*}; s=${ph#*:restart_}; run_restart "$arch" "$s" ;;
     *:cross_*) arch=${ph%%:*}; s=${ph#*:cross_}; run_cross "$arch" "$s" ;;
     *:*) run_store "${ph%%:*}" "${ph#*:}" ;;

@@ -133,13 +133,50 @@ def main(argv=None):
                     res.ratios.append({"metric": f"{store}_{model}_{n}_vs_file", "ours": ol, "reference": fl,
                                        "ratio": round(fl / ol, 4), "reference_system": "SGLang file backend L3 hit",
                                        "note": "TTFT: ratio = reference / ours, higher is better"})
+    pd_mismatches = add_pd(recs, res)
     res.print_ratios()
     res.write(Path(a.out))
     print(f"output check: {len(outputs)} prompts, {checked_l3} L3-loaded generations, "
           f"{len(mismatches)} prompt(s) with differing outputs")
     for k, v in mismatches.items():
         print(f"  MISMATCH {k}: {v}")
-    return 1 if mismatches else 0
+    return 1 if mismatches or pd_mismatches else 0
+
+
+def add_pd(recs, res):
+    """PD phases (pd_driver.py): per transport and concurrency, the latest run's wave; ratios against
+    SGLang's own mooncake backend (mooncake_ref); output tokens of a prompt compared across transports."""
+    waves, reqs = {}, defaultdict(dict)
+    for r in recs:
+        tag = r.get("tag", "")
+        if not tag.startswith("pd:"):
+            continue
+        tr = tag[3:]
+        if r.get("event") == "pd_wave":
+            key = (tr, r["concurrency"])
+            if key not in waves or r["_src"] >= waves[key]["_src"]:  # the latest run wins
+                waves[key] = r
+        elif r.get("event") == "pd_req" and r.get("output_ids"):
+            reqs[r["seed"]][tr] = tuple(r["output_ids"])
+    if not waves:
+        return {}
+    res.figures["pd"] = {f"{tr}|c{c}": {k: w[k] for k in ("ok", "n", "wall_s", "ttft_median_s", "ttft_max_s",
+                                                           "input_tok_s", "output_tok_s")}
+                         for (tr, c), w in sorted(waves.items())}
+    for (tr, c), w in sorted(waves.items()):
+        ref = waves.get(("mooncake_ref", c))
+        if tr == "mooncake_ref" or not ref or not w["ttft_median_s"] or not ref["ttft_median_s"]:
+            continue
+        res.ratios.append({"metric": f"pd_{tr}_c{c}_ttft_vs_mooncake", "ours": w["ttft_median_s"],
+                           "reference": ref["ttft_median_s"], "ratio": round(ref["ttft_median_s"] / w["ttft_median_s"], 4),
+                           "reference_system": "SGLang mooncake PD backend, TCP", "note": "median TTFT: reference / ours"})
+        res.ratios.append({"metric": f"pd_{tr}_c{c}_input_tok_s_vs_mooncake", "ours": w["input_tok_s"],
+                           "reference": ref["input_tok_s"], "ratio": round(w["input_tok_s"] / max(ref["input_tok_s"], 1e-9), 4),
+                           "reference_system": "SGLang mooncake PD backend, TCP"})
+    mism = {str(seed): {tr: list(o) for tr, o in by.items()} for seed, by in reqs.items() if len(set(by.values())) > 1}
+    res.figures["pd_output_check"] = {"prompts": len(reqs), "mismatches": mism}
+    print(f"PD output check: {len(reqs)} prompts compared across transports, {len(mism)} differing")
+    return mism
 
 
 if __name__ == "__main__":
