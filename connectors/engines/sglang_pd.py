@@ -36,15 +36,8 @@ import msgspec
 import numpy as np
 
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-from sglang.srt.disaggregation.common.conn import (
-    ABORT_TAG,
-    AbortNotification,
-    CommonKVBootstrapServer,
-    CommonKVManager,
-    CommonKVReceiver,
-    CommonKVSender,
-)
-from sglang.srt.disaggregation.common.utils import FastQueue, TransferKVChunk
+from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer
+from sglang.srt.disaggregation.common.utils import FastQueue
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
@@ -66,6 +59,7 @@ from connectors.engines.pd_transport import (
     token_matches,
 )
 from connectors.engines.common import RateLimitedLog
+from connectors.engines.sglang_pd_compat import ABORT_TAG, ManagerBase, ReceiverBase, SenderBase, abort_room
 
 logger = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(logger, interval_s=10.0)
@@ -112,6 +106,21 @@ class TransferInfo:
 
 
 @dataclasses.dataclass
+class TransferChunk:
+    """One chunk queued for a transfer worker (SGLang's TransferKVChunk has no event fields before 0.5.23)."""
+
+    room: int
+    prefill_kv_indices: Any
+    index_slice: slice
+    is_last_chunk: bool
+    prefill_aux_index: Optional[int]
+    state_indices: Optional[List]
+    num_kv_tokens: Optional[int] = None
+    wait_event: Any = None
+    indices_event: Any = None
+
+
+@dataclasses.dataclass
 class _RelayRoomOut:
     """Prefill side of one relayed room."""
 
@@ -137,7 +146,7 @@ class _RelayRoomIn:
     last_error: Optional[str] = None
 
 
-class KVConnectKVManager(CommonKVManager):
+class KVConnectKVManager(ManagerBase):
     """One per scheduler process: SGLang's control plane plus a kvconnect data plane."""
 
     kv_status_msg_tag = STATUS_TAG
@@ -183,7 +192,9 @@ class KVConnectKVManager(CommonKVManager):
             self._relay_lock = threading.Lock()
             self._relay_wake = threading.Event()
             self._spawn(self._decode_control_loop)
-            self._threads.append(self._start_heartbeat_checker_thread())
+            heartbeat = self._start_heartbeat_checker_thread()  # 0.5.17 returns None (its thread never stops)
+            if heartbeat is not None:
+                self._threads.append(heartbeat)
             if self.relay is not None:
                 self._spawn(self._relay_reader)
 
@@ -332,10 +343,9 @@ class KVConnectKVManager(CommonKVManager):
             self.update_status(room, KVPoll.WaitingForInput)
 
     def _on_abort(self, msg: List[bytes]) -> None:
-        note = AbortNotification.from_zmq(msg)
-        if note is None:
+        room = abort_room(msg)
+        if room is None:
             return
-        room = note.room
         status = self.request_status.get(room)
         if status is not None and status != KVPoll.Success:
             self.record_failure(room, "decode aborted the request")
@@ -351,7 +361,7 @@ class KVConnectKVManager(CommonKVManager):
         if bootstrap_room not in self.request_status or self.check_status(bootstrap_room) == KVPoll.Failed:
             return
         queue = self.transfer_queues[bootstrap_room % len(self.transfer_queues)]  # one room, one queue: in order
-        queue.put(TransferKVChunk(
+        queue.put(TransferChunk(
             room=bootstrap_room, prefill_kv_indices=kv_indices, index_slice=index_slice,
             is_last_chunk=is_last_chunk, prefill_aux_index=aux_index, state_indices=state_indices,
             num_kv_tokens=num_kv_tokens, wait_event=kwargs.get("wait_event"),
@@ -386,7 +396,7 @@ class KVConnectKVManager(CommonKVManager):
                 self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect transfer error: {e!r}")
                 self._relay_discard_out(room)
 
-    def _peer_send(self, chunk: TransferKVChunk, pages: np.ndarray) -> None:
+    def _peer_send(self, chunk: TransferChunk, pages: np.ndarray) -> None:
         room = chunk.room
         infos = self.transfer_infos.get(room)
         if not infos:
@@ -428,7 +438,7 @@ class KVConnectKVManager(CommonKVManager):
                                num_pages)
         self._relay_out[room] = _RelayRoomOut(keys, np.full(num_pages, -1, dtype=np.int64))
 
-    def _relay_send(self, chunk: TransferKVChunk, pages: np.ndarray) -> None:
+    def _relay_send(self, chunk: TransferChunk, pages: np.ndarray) -> None:
         room = chunk.room
         out = self._relay_out.get(room)
         if out is None:
@@ -615,7 +625,7 @@ class KVConnectKVManager(CommonKVManager):
         self.relay.discard(entry.keys)
 
 
-class KVConnectKVSender(CommonKVSender):
+class KVConnectKVSender(SenderBase):
     """Prefill side of one request."""
 
     def __init__(self, mgr: KVConnectKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any):
@@ -644,7 +654,7 @@ class KVConnectKVSender(CommonKVSender):
         self.kv_mgr.sender_closed(room, succeeded)
 
 
-class KVConnectKVReceiver(CommonKVReceiver):
+class KVConnectKVReceiver(ReceiverBase):
     """Decode side of one request."""
 
     def __init__(self, mgr: KVConnectKVManager, bootstrap_addr: Any, bootstrap_room: Optional[int] = None,

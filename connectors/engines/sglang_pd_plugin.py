@@ -96,8 +96,15 @@ def get_kv_class_hook(original: Any, transfer_backend: Any, class_type: Any, *ar
     """AROUND hook of ``get_kv_class``: our classes for ``kvconnect``, SGLang's otherwise."""
     name = getattr(transfer_backend, "value", transfer_backend)
     kind = getattr(class_type, "value", class_type)
-    if name != BACKEND_NAME or kind == "kvargs":
+    if name != BACKEND_NAME:
         return original(transfer_backend, class_type, *args, **kwargs)
+    if kind == "kvargs":
+        try:
+            return original(transfer_backend, class_type, *args, **kwargs)
+        except ValueError:  # SGLang 0.5.17 knows KVArgs only per built-in backend
+            from sglang.srt.disaggregation.base.conn import KVArgs
+
+            return KVArgs
     from connectors.engines import sglang_pd  # heavy: sglang disaggregation + transports
 
     return sglang_pd.KV_CLASSES[kind]

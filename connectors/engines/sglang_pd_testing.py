@@ -54,6 +54,27 @@ def state_pattern(seed: int, room: int, nbytes: int) -> np.ndarray:
     return np.random.default_rng([seed, room % (1 << 63), 3]).integers(0, 256, nbytes, dtype=np.uint8)
 
 
+def _publish_single_rank(server_args: Any) -> None:
+    """Publish this process as the only scheduler rank, without torch.distributed."""
+    from sglang.srt import runtime_context as rc
+
+    if hasattr(rc, "SpawnRanks"):  # SGLang 0.5.23: ranks are published with the config
+        rc.publish(server_args, role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
+        # The only group handle the PD classes read is pp_group (used when pp_size > 1).
+        rc.get_parallel().override_permanently(pp_group=None)
+        return
+    # SGLang 0.5.17 reads ranks from initialised process groups: pin what one rank has.
+    rc.publish(server_args, role="scheduler")
+    rc.get_parallel()._overrides.update(
+        attn_tp_size=1, attn_tp_rank=0, attn_cp_size=1, attn_cp_rank=0, dcp_size=1, dcp_rank=0,
+        attn_dp_size=1, attn_dp_rank=0, pp_group=None)
+    from sglang.srt.disaggregation.common import conn
+    from sglang.srt.layers import dp_attention
+
+    dp_attention._ATTN_DP_SIZE, dp_attention._ATTN_DP_RANK = 1, 0  # CommonKVManager asks dp_attention directly
+    conn.get_pp_group = lambda: None  # ... and sglang.srt.distributed for the prefill's pp group
+
+
 class Node:
     def __init__(self, spec: dict[str, Any]):
         self.spec = {**_defaults(), **spec}
@@ -65,7 +86,6 @@ class Node:
 
             load_plugins()  # the real loader: our entry point adds the kvconnect backend
         from sglang.srt.disaggregation.utils import KVClassType, MetadataBuffers, TransferBackend, get_kv_class
-        from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
 
         self.KVClassType, self.get_kv_class = KVClassType, get_kv_class
@@ -76,12 +96,7 @@ class Node:
             model_path="dummy", device="cpu", host="127.0.0.1", port=s["http_port"],
             disaggregation_mode=s["role"], disaggregation_transfer_backend=s["backend"],
             disaggregation_bootstrap_port=s["bootstrap_port"])
-        publish(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
-        from sglang.srt.runtime_context import get_parallel
-
-        # One rank, no torch.distributed: the only group handle the PD classes read is pp_group
-        # (used when pp_size > 1).
-        get_parallel().override_permanently(pp_group=None)
+        _publish_single_rank(self.server_args)
         from sglang.srt.runtime_context import get_disagg
 
         self.backend = TransferBackend(get_disagg().disaggregation_transfer_backend)
@@ -93,9 +108,7 @@ class Node:
                                      end_layer=s["layers"], enable_alt_stream=False)
         self.meta = MetadataBuffers(s["aux_slots"], hidden_size=32, hidden_states_dtype=torch.float32,
                                     max_sampling_mask_tokens=16)
-        from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos
-
-        kv_ptrs, kv_lens, kv_item_lens = get_kv_transfer_buf_infos(self.pool)
+        kv_ptrs, kv_lens, kv_item_lens = self.pool.get_contiguous_buf_infos()  # what get_kv_transfer_buf_infos returns for MHA
         self.kv = list(zip(kv_ptrs, kv_lens, kv_item_lens))
         self.page_bytes = sum(kv_item_lens)
         aux_ptrs, aux_lens, aux_item_lens = self.meta.get_buf_infos()
@@ -138,7 +151,11 @@ class Node:
         if s["role"] == "prefill":
             from sglang.srt.managers.disagg_service import start_disagg_service
 
-            self.bootstrap_server = start_disagg_service()  # SGLang's own: get_kv_class(..., BOOTSTRAP_SERVER)
+            import inspect
+
+            # SGLang's own: get_kv_class(..., BOOTSTRAP_SERVER); 0.5.17 takes the ServerArgs, 0.5.23 reads the context
+            args = [self.server_args] if inspect.signature(start_disagg_service).parameters else []
+            self.bootstrap_server = start_disagg_service(*args)
         else:
             for ptr, n, _ in self.kv:
                 _view(ptr, n)[:] = UNTOUCHED

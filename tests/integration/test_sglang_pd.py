@@ -55,7 +55,10 @@ PLUGIN_CHECK = """
     import json, logging
     from sglang.srt.plugins import load_plugins
     load_plugins()
-    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    try:
+        from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES
+    except ImportError:  # SGLang 0.5.17 keeps the choices in server_args
+        from sglang.srt.server_args import DISAGG_TRANSFER_BACKEND_CHOICES
     from sglang.srt.disaggregation.utils import TransferBackend, KVClassType, get_kv_class
     from sglang.srt.disaggregation.common.conn import (CommonKVBootstrapServer, CommonKVManager,
         CommonKVReceiver, CommonKVSender)
