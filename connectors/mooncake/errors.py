@@ -54,6 +54,7 @@ CODES: dict[int, tuple[str, Outcome]] = {
     -712: ("REPLICA_IS_GONE", Outcome.MISS),
     -800: ("TRANSFER_FAIL", Outcome.TRANSIENT),
     -900: ("RPC_FAIL", Outcome.UNAVAILABLE),
+    -901: ("RPC_TIMEOUT", Outcome.UNAVAILABLE),  # master RPC past MC_RPC_TIMEOUT_MS (a stalled master)
     -1000: ("ETCD_OPERATION_ERROR", Outcome.UNAVAILABLE),
     -1001: ("ETCD_KEY_NOT_EXIST", Outcome.UNAVAILABLE),
     -1002: ("ETCD_TRANSACTION_FAIL", Outcome.UNAVAILABLE),
