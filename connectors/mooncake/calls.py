@@ -1,4 +1,4 @@
-"""Blocking calls under a deadline, on persistent worker threads.
+"""Blocking calls under a deadline: on persistent worker threads, or inline.
 
 The engine thread hands a call to an idle worker and waits at most until the deadline;
 past it the call is *abandoned*: the caller goes on, the worker finishes the call
@@ -10,8 +10,9 @@ Here the hand-off is two lock releases (on the 2-core dev VM about 20 us less pe
 than the executor), and the most recently used idle worker takes the next call (LIFO),
 so a caller that calls in sequence always meets the same, recently run thread. What
 remains is the cost of any hand-off: waking the worker and, at the end, the caller.
-Running the call on the caller's thread instead would remove that, but nothing would then
-bound it: Mooncake's own timeouts are not fine enough (see ``docs/mooncake.md``).
+Running the call on the caller's thread (``call_mode="inline"``, ``run_inline``) removes
+that; then only Mooncake's own timeouts bound the call, which ``mooncake_timeouts`` derives
+from ``op_timeout`` (measured bounds in ``docs/mooncake.md``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,30 @@ log = logging.getLogger("kvconnect.mooncake")
 DONE, RAISED, BUSY, ABANDONED = "done", "raised", "busy", "abandoned"
 
 _RUNNING, _FINISHED, _GAVE_UP = 0, 1, 2
+
+
+def run_inline(fn: Callable[..., Any], args: tuple) -> tuple[str, Any]:
+    """``fn(*args)`` on the calling thread, answered like ``DeadlineRunner.run``."""
+    try:
+        return DONE, fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed to the caller
+        return RAISED, e
+
+
+def mooncake_timeouts(op_timeout: float) -> dict[str, str]:
+    """Mooncake's own timeouts (environment variables it reads at setup / per transfer) that
+    bound an inline call by ``op_timeout``: a stalled master fails the RPC, a stalled peer
+    the transfer (TCP transport; both default to 30 s)."""
+    half_ms = max(int(op_timeout * 500), 200)
+    # whole seconds, minimum 1; a stall is noticed within ~2 s more than this (measured)
+    progress_s = max(int(op_timeout / 2) - 1, 1)
+    return {
+        "MC_RPC_TIMEOUT_MS": str(half_ms),  # every client->master RPC
+        "MC_RPC_CONNECT_TIMEOUT_MS": str(half_ms),
+        "MC_TCP_PROGRESS_TIMEOUT_SEC": str(progress_s),  # no payload progress on a transfer
+        "MC_TCP_STATUS_TIMEOUT_SEC": str(progress_s),  # no status frame after a payload
+        "MC_TCP_ADMISSION_TIMEOUT_MS": str(half_ms),  # waiting for a lane to the peer
+    }
 
 
 class _Job:

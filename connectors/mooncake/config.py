@@ -36,6 +36,7 @@ ENV_KEYS: dict[str, tuple[str, ...]] = {
     "global_segment_size": ("MOONCAKE_GLOBAL_SEGMENT_SIZE",),
     "local_buffer_size": ("MOONCAKE_LOCAL_BUFFER_SIZE",),
     "tenant_id": ("MOONCAKE_TENANT_ID",),
+    "call_mode": ("MOONCAKE_CALL_MODE",),
 }
 CONFIG_PATH_ENV = "SGLANG_HICACHE_MOONCAKE_CONFIG_PATH"
 
@@ -92,6 +93,12 @@ class MooncakeConfig(StoreConfig):
         "seconds to connect to the master at start before BackendUnavailable"))
     op_timeout: float = field(default=5.0, metadata=field_doc(
         "per-call deadline in seconds; a call past it returns misses / failed writes"))
+    call_mode: Literal["worker", "inline"] = field(default="worker", metadata=field_doc(
+        "'worker': Mooncake calls run on io_threads worker threads, so the caller gets its "
+        "answer at op_timeout at the latest (a call past it is abandoned and may finish "
+        "later); 'inline': on the caller's thread (no thread hand-off, no abandoned calls), "
+        "bounded by Mooncake's own timeouts, which kvconnect derives from op_timeout unless "
+        "set (MC_TCP_PROGRESS_TIMEOUT_SEC, MC_RPC_TIMEOUT_MS, ...; env MOONCAKE_CALL_MODE)"))
     lease_wait: float = field(default=12.0, metadata=field_doc(
         "seconds delete/clear wait for a read/write lease to lapse (the master's "
         "--default_kv_lease_ttl, 10 s by default, plus a margin)"))

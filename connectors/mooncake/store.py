@@ -62,7 +62,7 @@ from connectors.base import (BackendUnavailable, MissingDependency, Page, PageSt
 from connectors.buffers import gather_into, scatter
 from connectors.config import parse_config
 from connectors.mooncake import errors as mc_errors
-from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner
+from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, mooncake_timeouts, run_inline
 from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
 from connectors.mooncake.staging import StagingBuffer
 
@@ -72,6 +72,8 @@ log = logging.getLogger("kvconnect.mooncake")
 _SETUP_ATTEMPT_S = 4.5
 _RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
 _USER_RETRIES = _RETRIES_ENV in os.environ  # a user's own choice is never overridden
+# Mooncake timeout variables set by the user (not by an earlier inline store): kept as set
+_USER_TIMEOUTS = frozenset(k for k in mooncake_timeouts(1.0) if k in os.environ)
 
 
 def _import_mooncake():
@@ -121,7 +123,8 @@ class MooncakeStore(PageStore):
         self._Client, ReplicateConfig = _import_mooncake()
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replica_num
-        self._runner = DeadlineRunner(config.io_threads, "kvc-mooncake")
+        self._inline = config.call_mode == "inline"
+        self._runner = DeadlineRunner(config.io_threads, "kvc-mooncake")  # threads start on first use
         self._lock = threading.Lock()
         self._regions: tuple[tuple[int, int], ...] = ()  # registered caller memory, (start, end), sorted
         self._healthy = True
@@ -147,6 +150,12 @@ class MooncakeStore(PageStore):
         # deadline (it reads the variable during setup) unless the user chose a value.
         if not _USER_RETRIES:
             os.environ[_RETRIES_ENV] = str(max(1, math.ceil(c.setup_timeout / _SETUP_ATTEMPT_S)))
+        if c.call_mode == "inline":
+            # nothing but Mooncake's own timeouts bounds an inline call: derive them from
+            # op_timeout (process-wide; read by setup and by each transfer)
+            for name, value in mooncake_timeouts(c.op_timeout).items():
+                if name not in _USER_TIMEOUTS:
+                    os.environ[name] = value
         # Mooncake's setup holds the GIL while it retries, so a thread cannot bound it:
         # first wait (bounded) until the master accepts TCP connections at all.
         t0 = time.monotonic()
@@ -239,7 +248,12 @@ class MooncakeStore(PageStore):
     # -- calls under a deadline ---------------------------------------------------------
     def _call(self, op: str, fn: Callable[..., Any], *args: Any,
               on_abandoned_done: Callable[[Any], None] | None = None) -> Any:
-        """``fn(*args)`` on a worker within ``op_timeout``; None if it failed or timed out.
+        """``fn(*args)`` within ``op_timeout``; None if it failed or timed out.
+
+        ``call_mode="worker"``: on a worker, abandoned at ``op_timeout``; ``"inline"``: on
+        this thread, bounded by Mooncake's timeouts (``mooncake_timeouts``); a call that
+        still took longer than ``op_timeout`` keeps its answer but turns the store unhealthy,
+        so the next calls short-circuit instead of waiting as long.
 
         ``on_abandoned_done(result)`` runs when the caller gets None and nothing of the
         call can happen any more: at once if it failed or never ran (result None), else
@@ -250,7 +264,13 @@ class MooncakeStore(PageStore):
             if on_abandoned_done is not None:
                 on_abandoned_done(None)
             return None
-        status, value = self._runner.run(fn, args, self.config.op_timeout, on_abandoned_done)
+        t0 = time.monotonic()
+        status, value = self._invoke(fn, args, on_abandoned_done)
+        took = time.monotonic() - t0
+        if self._inline and took > self.config.op_timeout:
+            with self._lock:
+                self._counts["timeouts"] += 1
+            self._mark_unhealthy(f"{op}: answered after {took:.1f}s > op_timeout={self.config.op_timeout:g}s")
         if status == DONE:
             return value
         if status == RAISED:  # a binding error is a miss on the data path
@@ -267,6 +287,13 @@ class MooncakeStore(PageStore):
         if status != ABANDONED and on_abandoned_done is not None:
             on_abandoned_done(None)
         return None
+
+    def _invoke(self, fn: Callable[..., Any], args: tuple,
+                on_late: Callable[[Any], None] | None = None) -> tuple[str, Any]:
+        """One Mooncake call, by ``call_mode``: inline, or on a worker under ``op_timeout``."""
+        if self._inline:
+            return run_inline(fn, args)
+        return self._runner.run(fn, args, self.config.op_timeout, on_late)
 
     def _mark_unhealthy(self, why: str) -> None:
         with self._lock:
@@ -288,7 +315,7 @@ class MooncakeStore(PageStore):
                 return False
             self._next_probe = now + self.config.reconnect_interval  # one prober at a time
         # a probe that hangs counts as abandoned: no further probe until it returned
-        status, rc = self._runner.run(self._client.health_check, (), self.config.op_timeout)
+        status, rc = self._invoke(self._client.health_check, ())
         ok = status == DONE and rc == 0
         if ok:
             with self._lock:
@@ -507,6 +534,7 @@ class MooncakeStore(PageStore):
             extra = dict(self._counts, healthy=self._healthy, abandoned_running=self._runner.abandoned,
                          registered_bytes=sum(e - s for s, e in self._regions),
                          staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
+                         call_mode=self.config.call_mode,
                          master=self.config.master_server_address)
         return StoreUsage(extra=extra)
 

@@ -213,3 +213,29 @@ def test_runner_close_ends_idle_workers():
         time.sleep(0.01)
     assert not any(t.name.startswith("closing-") for t in threading.enumerate())
     assert r.run(lambda: None, (), 0.1) == (calls.BUSY, None)
+
+
+def test_call_mode_from_options_and_environment_and_bad_values_name_the_key():
+    assert cfg({"master_server_address": "h:1"}).call_mode == "worker"
+    assert cfg({"master_server_address": "h:1", "call_mode": "inline"}).call_mode == "inline"
+    assert cfg(env={"MOONCAKE_MASTER": "h:1", "MOONCAKE_CALL_MODE": "INLINE"}).call_mode == "inline"
+    assert cfg({"master_server_address": "h:1", "call_mode": "worker"},
+               env={"MOONCAKE_CALL_MODE": "inline"}).call_mode == "worker"  # explicit option wins
+    with pytest.raises(ConfigError) as e:
+        cfg({"master_server_address": "h:1", "call_mode": "thread"})
+    assert "call_mode" in str(e.value) and "'worker'" in str(e.value) and "'inline'" in str(e.value)
+
+
+def test_inline_timeouts_follow_op_timeout():
+    t = calls.mooncake_timeouts(5.0)
+    assert t["MC_RPC_TIMEOUT_MS"] == "2500" and t["MC_RPC_CONNECT_TIMEOUT_MS"] == "2500"
+    assert t["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "1" and t["MC_TCP_STATUS_TIMEOUT_SEC"] == "1"
+    assert calls.mooncake_timeouts(20.0)["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"
+    assert calls.mooncake_timeouts(0.1)["MC_RPC_TIMEOUT_MS"] == "200"  # floor: an RPC needs some time
+
+
+def test_run_inline_answers_like_the_runner_on_the_calling_thread():
+    assert calls.run_inline(lambda a, b: (a + b, threading.get_ident()), (2, 3)) == \
+        (calls.DONE, (5, threading.get_ident()))
+    status, exc = calls.run_inline(lambda: 1 / 0, ())
+    assert status == calls.RAISED and isinstance(exc, ZeroDivisionError)
