@@ -24,6 +24,7 @@ import pytest
 
 from connectors.base import BackendUnavailable
 from connectors.buffers import HostBuffer
+from connectors.mooncake.calls import mooncake_timeouts
 from connectors.mooncake.testing import MasterProcess
 from connectors.registry import create_store
 from tests.conformance.suite import PAGE, check_page, page_bytes
@@ -48,6 +49,31 @@ def _filled(keys: list[str], gen: int = 0) -> HostBuffer:
 
 def _pages(b: HostBuffer) -> list:
     return [b.page(i) for i in range(b.num_pages)]
+
+
+@pytest.fixture(autouse=True)
+def _restore_mooncake_timeouts():
+    """An inline store sets Mooncake's timeout variables process-wide: later tests start
+    from Mooncake's defaults again."""
+    names = list(mooncake_timeouts(1.0))
+    saved = {n: os.environ.get(n) for n in names}
+    yield
+    for n, v in saved.items():
+        if v is None:
+            os.environ.pop(n, None)
+        else:
+            os.environ[n] = v
+
+
+def _put_until_stored(s, keys: list[str], buf: HostBuffer) -> None:
+    """A segment of a process killed by an earlier test stays mounted until the master's
+    client_ttl (10 s) expires; a put placed there fails: retry until all pages land."""
+    deadline = time.monotonic() + 30
+    ok = s.put_from(keys, _pages(buf))
+    while not all(ok) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        ok = s.put_from(keys, _pages(buf))
+    assert all(ok)
 
 
 @pytest.fixture
@@ -181,15 +207,20 @@ def test_prefer_local_segment_keeps_pages_in_the_writers_segment(mooncake_cluste
         master.kill()
 
 
-def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cluster, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("call_mode,op_timeout", [("worker", 1.5), ("inline", 5.0)])
+def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cluster, tmp_path,  # noqa: F811
+                                                                     call_mode, op_timeout):
     """Kill -9 the master while 3 threads put/get/exist; every call returns (no exception)
-    within op_timeout + slack and reads miss; restart the master on the same port: the
-    same store object (same process) writes and reads byte-exact again."""
-    op_timeout = 1.5
+    within op_timeout + 1 s and reads miss; restart the master on the same port: the same
+    store object (same process) writes and reads byte-exact again. Worker: calls are
+    abandoned at op_timeout. Inline: Mooncake's client takes up to ~4.5 s to give up on a
+    dead master whatever its RPC timeouts (measured 4.3-4.5 s with op_timeout 1.5 and 5), so
+    inline is tested at the default op_timeout, 5 s."""
     master = MasterProcess(None, rpc_port=50061, metrics_port=9013, lease_ttl_ms=500,
                            log_path=tmp_path / "master2.log").start()
     s = create_store("mooncake", store_options(mooncake_cluster, master_server_address=master.address,
-                                               op_timeout=op_timeout, reconnect_interval=0.3))
+                                               op_timeout=op_timeout, reconnect_interval=0.3,
+                                               call_mode=call_mode))
     try:
         warm = _keys(16, "warm")
         src = _filled(warm)
@@ -230,7 +261,7 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
         time.sleep(1.0)
         master.kill()
         killed_at.append(time.monotonic())
-        time.sleep(6.0)
+        time.sleep(op_timeout + 4.5)
         stop.set()
         for t in threads:
             t.join(op_timeout + 10)
@@ -264,18 +295,20 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
         master.kill()
 
 
-def test_segment_holder_killed_reads_miss_in_time(mooncake_cluster):  # noqa: F811
+@pytest.mark.parametrize("call_mode", ["worker", "inline"])
+def test_segment_holder_killed_reads_miss_in_time(mooncake_cluster, call_mode):  # noqa: F811
     """Pages live in another process's segment; kill -9 that process: reads of its pages
-    return misses within op_timeout (never an exception, never a hang)."""
+    return misses within op_timeout (never an exception, never a hang; inline: the
+    refused connection fails the transfer, measured 1.0 s)."""
     holder = mooncake_cluster.start_holder("64mb")
     op_timeout = 2.0
     s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, op_timeout=op_timeout,
-                                               reconnect_interval=0.3))
+                                               reconnect_interval=0.3, call_mode=call_mode))
     try:
         keys = _keys(8, "remote")
         src = _filled(keys)
         s.register_memory(src.address, len(src.raw))
-        assert s.put_from(keys, _pages(src)) == [True] * 8  # lands in the holder: we contribute nothing
+        _put_until_stored(s, keys, src)  # lands in the holder: we contribute nothing
         dst = HostBuffer(8, PAGE, 2)
         s.register_memory(dst.address, len(dst.raw))
         assert s.get_into(keys, _pages(dst)) == [True] * 8
@@ -304,18 +337,12 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
     holder = mooncake_cluster.start_holder("64mb")
     op_timeout = 1.5
     s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, io_mode="staged",
-                                               op_timeout=op_timeout, reconnect_interval=0.3))
+                                               op_timeout=op_timeout, reconnect_interval=0.3,
+                                               call_mode="worker"))  # abandons the call at op_timeout
     try:
         keys = _keys(8, "hung")
         src = _filled(keys)
-        # A segment of a process killed by an earlier test stays mounted until the master's
-        # client_ttl (10 s) expires; a put placed there fails: retry until all land here.
-        deadline = time.monotonic() + 30
-        ok = s.put_from(keys, _pages(src))
-        while not all(ok) and time.monotonic() < deadline:
-            time.sleep(0.5)
-            ok = s.put_from(keys, _pages(src))
-        assert all(ok)
+        _put_until_stored(s, keys, src)
         dst = HostBuffer(8, PAGE, 2)
         os.kill(holder.pid, signal.SIGSTOP)
         try:
@@ -371,6 +398,127 @@ def _wait_stopped(pid: int, timeout: float = 10) -> None:
             return
         assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout}s: {states}"
         time.sleep(0.01)
+
+
+def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_cluster, tmp_path):  # noqa: F811
+    """call_mode=inline, op_timeout 5: SIGSTOP the master; a get (one store) and a put
+    (another) each fail (misses / failed writes, no exception) when Mooncake's RPC timeout
+    (op_timeout / 2, set by the store) expires: measured 2.5 s; RPC_TIMEOUT turns the store
+    unhealthy, so its next call short-circuits. SIGCONT: the same stores write and read
+    byte-exact."""
+    import signal
+
+    op_timeout = 5.0
+    master = MasterProcess(None, rpc_port=50062, metrics_port=9014, lease_ttl_ms=500,
+                           log_path=tmp_path / "master-stop.log").start()
+    opts = store_options(mooncake_cluster, master_server_address=master.address, op_timeout=op_timeout,
+                         reconnect_interval=0.3, call_mode="inline")
+    reader, writer = create_store("mooncake", opts), create_store("mooncake", opts)
+    try:
+        assert os.environ["MC_RPC_TIMEOUT_MS"] == "2500"
+        keys, fresh = _keys(8, "mstop"), _keys(8, "mstop-put")
+        src, src2 = _filled(keys), _filled(fresh)
+        dst = HostBuffer(8, PAGE, 2)
+        for st, b in ((writer, src), (writer, src2), (reader, dst)):
+            st.register_memory(b.address, len(b.raw))
+        assert writer.put_from(keys, _pages(src)) == [True] * 8
+        os.kill(master.proc.pid, signal.SIGSTOP)
+        try:
+            _wait_stopped(master.proc.pid)
+            for st, op in ((reader, "get"), (writer, "put")):
+                t0 = time.monotonic()
+                ok = st.get_into(keys, _pages(dst)) if op == "get" else st.put_from(fresh, _pages(src2))
+                took = time.monotonic() - t0
+                print(f"inline {op} with a stopped master: {took:.2f}s")
+                assert ok == [False] * 8
+                assert 1.0 < took <= op_timeout + 1.0, f"{op} took {took:.2f}s"
+                t0 = time.monotonic()
+                assert st.exists(keys[:1]) == [False]
+                assert time.monotonic() - t0 < 0.2, "the next call was not short-circuited"
+                extra = st.stats().extra
+                assert extra["unavailable"] > 0 and extra["healthy"] is False and extra["abandoned"] == 0
+            assert all(b == 0 for b in dst.raw)
+        finally:
+            os.kill(master.proc.pid, signal.SIGCONT)
+        # new keys: the master may still run the failed put's queued request once resumed,
+        # leaving those keys unfinished for a while (a miss, never other bytes: below)
+        again = _keys(8, "mstop-again")
+        src3 = _filled(again)
+        writer.register_memory(src3.address, len(src3.raw))
+        deadline = time.monotonic() + 30
+        ok = [False]
+        while time.monotonic() < deadline and not all(ok):
+            time.sleep(0.3)
+            ok = writer.put_from(again, _pages(src3))
+        assert all(ok), "store did not recover after the master resumed"
+        assert reader.get_into(keys, _pages(dst)) == [True] * 8
+        assert all(dst.read(i) == src.read(i) for i in range(8))
+        assert reader.get_into(again, _pages(dst)) == [True] * 8
+        assert all(dst.read(i) == src3.read(i) for i in range(8))
+        for i in range(8):
+            dst.zero(i)
+        hits = reader.get_into(fresh, _pages(dst))
+        print("keys of the put that failed while the master was stopped, read after:", hits)
+        assert all(dst.read(i) == (src2.read(i) if hit else bytes(len(src2.read(i)))) for i, hit in enumerate(hits))
+    finally:
+        reader.close()
+        writer.close()
+        master.kill()
+
+
+def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncake_cluster):  # noqa: F811
+    """call_mode=inline, op_timeout 5, direct (zero-copy) pages: SIGSTOP the process that
+    holds them. Mooncake drops a lane that makes no progress for MC_TCP_PROGRESS_TIMEOUT_SEC
+    (1 s) and fails the transfers waiting behind it one lane-full at a time (~2 s per 4
+    transfers): an 8-page get (16 transfers) fails after 7.0-7.5 s (measured), past
+    op_timeout, which worker mode would bound; a put fails after 2-3.5 s. Both return
+    misses / failed writes, no exception; the call has ended when it returns, so after
+    SIGCONT nothing writes into the caller's buffer; then bytes read back exactly."""
+    import signal
+
+    holder = mooncake_cluster.start_holder("64mb")
+    op_timeout = 5.0
+    s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, op_timeout=op_timeout,
+                                               reconnect_interval=0.3, call_mode="inline"))
+    try:
+        keys = _keys(8, "hstop")
+        src = _filled(keys)
+        s.register_memory(src.address, len(src.raw))
+        _put_until_stored(s, keys, src)
+        dst = HostBuffer(8, PAGE, 2)
+        s.register_memory(dst.address, len(dst.raw))
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            _wait_stopped(holder.pid)
+            t0 = time.monotonic()
+            ok = s.get_into(keys, _pages(dst))
+            took_get = time.monotonic() - t0
+            time.sleep(0.4)  # past reconnect_interval (a slow call turns the store unhealthy)
+            fresh = _keys(8, "hstop-put")
+            t0 = time.monotonic()
+            put_ok = s.put_from(fresh, _pages(_filled(fresh)))
+            took_put = time.monotonic() - t0
+            print(f"inline with a stopped holder: get {took_get:.2f}s, put {took_put:.2f}s")
+            assert ok == [False] * 8 and put_ok == [False] * 8
+            assert took_get <= 10.0, f"get took {took_get:.2f}s"
+            assert took_put <= op_timeout + 1.0, f"put took {took_put:.2f}s"
+            assert s.stats().extra["abandoned_running"] == 0
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        assert all(b == 0 for b in dst.raw), "bytes landed in a buffer the caller got back as misses"
+        deadline = time.monotonic() + 30
+        ok = [False]
+        while time.monotonic() < deadline and not all(ok):
+            time.sleep(0.3)
+            ok = s.get_into(keys, _pages(dst))
+        assert all(ok), f"store did not recover after the holder resumed: {ok}, {s.stats().extra}"
+        assert all(dst.read(i) == src.read(i) for i in range(8))
+        assert s.exists(fresh) == [False] * 8  # the failed put published nothing
+    finally:
+        s.close()
+        if holder.poll() is None:
+            holder.kill()
 
 
 def _worker(cluster, *args: str) -> subprocess.Popen:
