@@ -16,7 +16,10 @@ bytes for every system, then, one system after the other, on the same pages:
   ``batch_get_into_multi_buffers`` on the pool's page segments (one object per page), the
   calls kvconnect makes, without kvconnect;
 * ``kvc``: kvconnect's ``MooncakeStore.put_from`` / ``get_into`` (registered pool: direct
-  zero-copy path) -- target >= 95 % of ``raw``;
+  zero-copy path, default ``call_mode="worker"``) -- target >= 95 % of ``raw``;
+* ``kvc_inline``: the same with ``call_mode="inline"`` (Mooncake calls on the caller's
+  thread, no hand-off); set up last, because it sets Mooncake's timeout variables for the
+  whole process;
 * ``kvc_hicache``: SGLang's HiCache interface over kvconnect
   (``KVConnectStorage`` with ``"store": "mooncake"``, ``batch_set_v1`` / ``batch_get_v1``);
 * ``sglang``: SGLang 0.5.23's own ``MooncakeStore`` backend (``batch_set_v1`` /
@@ -52,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable, 
 from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment")
+SYSTEMS = ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment", "kvc_inline")
 
 
 # ---------------------------------------------------------------------------------
@@ -107,6 +110,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     systems: dict[str, tuple[Any, Any]] = {}
     closers: list[Any] = []
+    kvc_stores: dict[str, Any] = {}
 
     for name in p["systems"]:
         if name in ("raw", "raw_per_segment"):
@@ -138,22 +142,23 @@ def _worker(args: argparse.Namespace) -> int:
                     sk = [f"{k}_{j}" for k in keys for j in range(per)]
                     _check("raw_per_segment", "get", s.batch_get_into(sk, fp, fs), lambda r: r > 0)
             systems[name] = (put, get)
-        elif name == "kvc":
+        elif name in ("kvc", "kvc_inline"):
             from connectors.registry import create_store
 
             st = create_store("mooncake", {"master_server_address": master, "protocol": "tcp",
                                            "local_hostname": "127.0.0.1", "global_segment_size": 0,
-                                           "staging_size": "8mb"})
+                                           "staging_size": "8mb",
+                                           "call_mode": "inline" if name == "kvc_inline" else "worker"})
             st.register_memory(*region)
             closers.append(st.close)
 
-            def put(keys, st=st):
-                _check("kvc", "put", st.put_from(keys, pages), bool)
+            def put(keys, st=st, name=name):
+                _check(name, "put", st.put_from(keys, pages), bool)
 
-            def get(keys, st=st):
-                _check("kvc", "get", st.get_into(keys, pages), bool)
+            def get(keys, st=st, name=name):
+                _check(name, "get", st.get_into(keys, pages), bool)
             systems[name] = (put, get)
-            kvc_store = st
+            kvc_stores[name] = st
         elif name in ("kvc_hicache", "sglang"):
             from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
@@ -219,8 +224,8 @@ def _worker(args: argparse.Namespace) -> int:
                      "put_all_s": puts, "get_all_s": gets}
         print(f"# {name}: put {out[name]['put_gib_s']:.3f} GiB/s, get {out[name]['get_gib_s']:.3f} GiB/s",
               file=sys.stderr, flush=True)
-    if "kvc" in systems:
-        out["kvc"]["path"] = {k: kvc_store.stats().extra[k] for k in ("direct_pages", "staged_pages")}
+    for name, st in kvc_stores.items():
+        out[name]["path"] = {k: st.stats().extra[k] for k in ("direct_pages", "staged_pages", "call_mode")}
     for close in closers:
         close()
     print("RESULT " + json.dumps(out), flush=True)
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(r / o for o, r in pairs)
 
     comparisons = [("kvc", "raw", "kvconnect MooncakeStore / raw",
+                    "raw MooncakeDistributedStore multi-buffer calls (target >= 0.95)"),
+                   ("kvc_inline", "raw", "kvconnect MooncakeStore call_mode=inline / raw",
                     "raw MooncakeDistributedStore multi-buffer calls (target >= 0.95)"),
                    ("kvc_hicache", "sglang", "kvconnect HiCache / SGLang MooncakeStore",
                     "SGLang 0.5.23 MooncakeStore backend (target >= 1.0)"),
