@@ -17,9 +17,9 @@ bytes for every system, then, one system after the other, on the same pages:
   calls kvconnect makes, without kvconnect;
 * ``kvc``: kvconnect's ``MooncakeStore.put_from`` / ``get_into`` (registered pool: direct
   zero-copy path, default ``call_mode="worker"``) -- target >= 95 % of ``raw``;
-* ``kvc_inline``: the same with ``call_mode="inline"`` (Mooncake calls on the caller's
-  thread, no hand-off); set up last, because it sets Mooncake's timeout variables for the
-  whole process;
+* ``kvc_inline`` / ``kvc_hicache_inline``: ``kvc`` / ``kvc_hicache`` with
+  ``call_mode="inline"`` (Mooncake calls on the caller's thread, no hand-off); set up
+  last, because an inline store sets Mooncake's timeout variables for the whole process;
 * ``kvc_hicache``: SGLang's HiCache interface over kvconnect
   (``KVConnectStorage`` with ``"store": "mooncake"``, ``batch_set_v1`` / ``batch_get_v1``);
 * ``sglang``: SGLang 0.5.23's own ``MooncakeStore`` backend (``batch_set_v1`` /
@@ -55,7 +55,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable, 
 from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment", "kvc_inline")
+SYSTEMS = ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment", "kvc_inline", "kvc_hicache_inline")
 
 
 # ---------------------------------------------------------------------------------
@@ -159,16 +159,17 @@ def _worker(args: argparse.Namespace) -> int:
                 _check(name, "get", st.get_into(keys, pages), bool)
             systems[name] = (put, get)
             kvc_stores[name] = st
-        elif name in ("kvc_hicache", "sglang"):
+        elif name in ("kvc_hicache", "kvc_hicache_inline", "sglang"):
             from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
             extra = {"backend_name": "kvconnect", "interface_v1": 1, "store": "mooncake",
                      "master_server_address": master, "protocol": "tcp", "local_hostname": "127.0.0.1",
-                     "global_segment_size": 0, "staging_size": "8mb"} if name == "kvc_hicache" else None
+                     "global_segment_size": 0, "staging_size": "8mb",
+                     "call_mode": "inline" if name.endswith("_inline") else "worker"} if name != "sglang" else None
             cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
                                        is_page_first_layout=False, model_name="bench/model", extra_config=extra)
-            if name == "kvc_hicache":
+            if name != "sglang":
                 from connectors.engines.sglang_hicache import KVConnectStorage
 
                 b = KVConnectStorage(cfg, {})
@@ -304,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                    ("kvc_inline", "raw", "kvconnect MooncakeStore call_mode=inline / raw",
                     "raw MooncakeDistributedStore multi-buffer calls (target >= 0.95)"),
                    ("kvc_hicache", "sglang", "kvconnect HiCache / SGLang MooncakeStore",
+                    "SGLang 0.5.23 MooncakeStore backend (target >= 1.0)"),
+                   ("kvc_hicache_inline", "sglang", "kvconnect HiCache call_mode=inline / SGLang MooncakeStore",
                     "SGLang 0.5.23 MooncakeStore backend (target >= 1.0)"),
                    ("raw", "raw_per_segment", "one object per page / one per segment (raw)",
                     "raw batch_put_from/batch_get_into, one object per segment")]
