@@ -17,6 +17,9 @@ one prefill rank and one decode rank and the data plane chosen by ``KVCONNECT_PD
   deletes them. Prefill deletes a room's keys after a failure and, if decode never took
   them, ``retain_s`` after publishing.
 
+The ``Common*`` plumbing named above is SGLang 0.5.23's; on releases without it (0.5.17)
+``connectors.engines.sglang_pd_compat`` supplies it, so this module is written once.
+
 Supported topology: prefill and decode with the same attention TP, CP and PP sizes (any
 such size; MLA, MHA and index-to-index state components). Other shapes fail the request
 with a message saying so.

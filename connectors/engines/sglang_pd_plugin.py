@@ -1,6 +1,6 @@
 """SGLang plugin (entry point ``sglang.srt.plugins``): adds the ``kvconnect`` PD transfer backend.
 
-SGLang 0.5.23 runs every ``sglang.srt.plugins`` entry point in each of its processes
+SGLang (0.5.23, 0.5.17) runs every ``sglang.srt.plugins`` entry point in each of its processes
 (``sglang serve`` / ``launch_server`` before argument parsing, and every scheduler
 process), then applies the hooks registered with ``HookRegistry``. ``register`` does three
 small things and nothing else:

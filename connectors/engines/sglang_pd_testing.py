@@ -1,7 +1,7 @@
 """One SGLang PD role (prefill or decode) on CPU, driven the way SGLang's schedulers drive it.
 
 ``python -m connectors.engines.sglang_pd_testing SPEC.json`` runs one process of a
-two-process PD transfer: real SGLang 0.5.23 classes (``ServerArgs`` + ``publish``, the
+two-process PD transfer: real SGLang 0.5.23 (or 0.5.17) classes (``ServerArgs`` + ``publish``, the
 plugin loader, ``get_kv_class``, ``start_disagg_service``'s bootstrap server, an
 ``MHATokenToKVPool`` on ``device="cpu"`` standing in for device KV memory, the real
 ``MetadataBuffers`` as aux rows), and the transfer backend named in the spec (``kvconnect``,
@@ -16,6 +16,7 @@ The spec is a JSON object (see ``_defaults``); results go to ``spec["result"]`` 
 from __future__ import annotations
 
 import ctypes
+import inspect
 import json
 import logging
 import os
@@ -151,8 +152,6 @@ class Node:
         if s["role"] == "prefill":
             from sglang.srt.managers.disagg_service import start_disagg_service
 
-            import inspect
-
             # SGLang's own: get_kv_class(..., BOOTSTRAP_SERVER); 0.5.17 takes the ServerArgs, 0.5.23 reads the context
             args = [self.server_args] if inspect.signature(start_disagg_service).parameters else []
             self.bootstrap_server = start_disagg_service(*args)
@@ -166,7 +165,9 @@ class Node:
                 maybe_init_shared_mooncake_transfer_engine,
             )
 
-            maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
+            extra = {"server_args": self.server_args} if "server_args" in inspect.signature(
+                maybe_init_shared_mooncake_transfer_engine).parameters else {}  # 0.5.17 takes them
+            maybe_init_shared_mooncake_transfer_engine(gpu_id=0, **extra)
         mode = DisaggregationMode.PREFILL if s["role"] == "prefill" else DisaggregationMode.DECODE
         self.mgr = get_kv_class(self.backend, KVClassType.MANAGER)(kv_args, mode, self.server_args, False)
         self.rng = np.random.default_rng(s["seed"] + (7 if s["role"] == "decode" else 0))
@@ -244,11 +245,14 @@ class Node:
 
         s = self.spec
         Sender = self.get_kv_class(self.backend, self.KVClassType.SENDER)
+        # SGLang 0.5.17's own senders take the scheduler's dest_tp_ranks and pp_rank as well
+        extra = {"dest_tp_ranks": [0], "pp_rank": 0} if "dest_tp_ranks" in inspect.signature(Sender).parameters else {}
         reqs = {}
         for r in rooms:
             room = int(r["room"])
             reqs[room] = {"spec": r, "sender": Sender(mgr=self.mgr, bootstrap_addr=f"127.0.0.1:{s['bootstrap_port']}",
-                                                      bootstrap_room=room, req_has_disagg_prefill_dp_rank=False),
+                                                      bootstrap_room=room, req_has_disagg_prefill_dp_rank=False,
+                                                      **extra),
                           "state": "bootstrap", "sent": 0, "t_first_send": None}
         results: dict[str, Any] = {}
         deadline = time.monotonic() + s["deadline_s"]

@@ -1,4 +1,4 @@
-"""kvconnect as SGLang 0.5.23's PD transfer backend, on CPU.
+"""kvconnect as SGLang's PD transfer backend, on CPU (SGLang 0.5.23; the same tests pass on 0.5.17).
 
 Real components: SGLang's plugin loader and ``HookRegistry``, ``ServerArgs`` + ``publish``,
 ``get_kv_class``, ``start_disagg_service`` (the bootstrap server and its ``/route``),
