@@ -205,8 +205,7 @@ else:
             if status in (KVPoll.Success, KVPoll.Failed):
                 self.conclude_state = status
                 if status == KVPoll.Success and self._transfer_start_time is not None \
-                        and getattr(self.kv_mgr, "reports_transfer_latency", False) \
-                        and hasattr(self._transfer_metric, "transfer_latency_s"):
+                        and getattr(self.kv_mgr, "reports_transfer_latency", False):
                     self._transfer_metric.transfer_latency_s = time.perf_counter() - self._transfer_start_time
             return status
 
