@@ -2,7 +2,7 @@
 # GPU end-to-end TTFT of SGLang HiCache with kvconnect stores vs SGLang's own L3 backends.
 # Runs ON THE DEVICE (H200) from the repository root; see benchmarks/gpu/README.md for the device calls.
 #   bash benchmarks/gpu/run_e2e.sh PHASE...
-# PHASE: diag | install1 | install2 | install3 (Mooncake, from .gpumc/) | install4 (CUDA Mooncake + the PD plugin's
+# PHASE: diag | install1 | install2 | install3 (Mooncake, from .gpumc/) | install4 (CUDA Mooncake from .gpumccuda/ + the PD plugin's
 #        entry point, needs two GPUs' phases) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE | pd:TRANSPORT
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
@@ -244,7 +244,7 @@ phase_install3() {  # Mooncake (non-CUDA wheel, cp312) unpacked: mooncake/, its 
 phase_install4() {  # Mooncake CUDA build (registers GPU memory: PD) replaces install3's; kvconnect's PD plugin
   # is found through an entry point, so give the repository on PYTHONPATH a dist-info that declares it
   local t=$(date +%s); rm -rf /tmp/site3; mkdir -p /tmp/site3
-  tar xJf .gpumc/mccuda312.tar.xz -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
+  tar xJf .gpumccuda/mccuda312.tar.xz -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
   export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   local d=/tmp/site3/kvconnect-0.0.0+gpu.dist-info; mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: kvconnect\nVersion: 0.0.0+gpu\n' > "$d/METADATA"
