@@ -19,12 +19,14 @@ Memory paths
     unregister racing an abandoned transfer is undefined.
 
 Deadlines and failures
-  Every Mooncake call runs on one of ``io_threads`` persistent worker threads
-  (``connectors.mooncake.calls``); the calling (engine) thread waits at most
-  ``op_timeout``. Calls are not run on the engine thread itself: nothing would bound them
-  there (a transfer from a stopped peer blocks for more than 40 s with Mooncake's
-  defaults, and still ~3 s with its TCP progress timeout at its 1 s minimum).
-  A call past its deadline is *abandoned*: the
+  ``call_mode="worker"`` (default): every Mooncake call runs on one of ``io_threads``
+  persistent worker threads (``connectors.mooncake.calls``); the calling (engine) thread
+  waits at most ``op_timeout``. ``call_mode="inline"``: calls run on the engine thread (no
+  hand-off, no abandoned calls), bounded only by Mooncake's own timeouts, which the store
+  derives from ``op_timeout``; they do not bound every case by it (a get from a stopped
+  peer fails after ~2 s per 4 transfers queued to it: 7 s for 8 pages), hence not the
+  default; measured bounds in ``docs/mooncake.md``.
+  In worker mode a call past its deadline is *abandoned*: the
   caller gets misses / failed writes at once and the store turns unhealthy; while any
   abandoned call is still running, and until a health check passes (every
   ``reconnect_interval``), calls return misses without touching Mooncake. Mooncake's

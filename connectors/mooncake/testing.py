@@ -233,10 +233,12 @@ class MooncakeCluster:
         """Command prefix that runs a program inside the cluster's namespace."""
         return self.netns.exec_prefix() if self.netns else []
 
-    def start_holder(self, segment: str = "256mb", timeout: float = 30) -> subprocess.Popen:
-        """A process that contributes ``segment`` bytes of memory to the store."""
+    def start_holder(self, segment: str = "256mb", timeout: float = 30,
+                     master: MasterProcess | None = None) -> subprocess.Popen:
+        """A process that contributes ``segment`` bytes of memory to the store (of ``master``,
+        default the cluster's)."""
         cmd = self.exec_prefix() + [sys.executable, "-m", "connectors.mooncake.testing", "holder",
-                                    "--master", self.master.address, "--segment", segment]
+                                    "--master", (master or self.master).address, "--segment", segment]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                                          + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

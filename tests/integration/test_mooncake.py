@@ -466,20 +466,25 @@ def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_clu
         master.kill()
 
 
-def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncake_cluster):  # noqa: F811
+def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncake_cluster, tmp_path):  # noqa: F811
     """call_mode=inline, op_timeout 5, direct (zero-copy) pages: SIGSTOP the process that
     holds them. Mooncake drops a lane that makes no progress for MC_TCP_PROGRESS_TIMEOUT_SEC
     (1 s) and fails the transfers waiting behind it one lane-full at a time (~2 s per 4
     transfers): an 8-page get (16 transfers) fails after 7.0-7.5 s (measured), past
     op_timeout, which worker mode would bound; a put fails after 2-3.5 s. Both return
     misses / failed writes, no exception; the call has ended when it returns, so after
-    SIGCONT nothing writes into the caller's buffer; then bytes read back exactly."""
+    SIGCONT nothing writes into the caller's buffer; then bytes read back exactly.
+    Own master with client_ttl 60 s: the stall outlasts the default 10 s, after which the
+    master would unmount the holder's segment and its pages would be gone."""
     import signal
 
-    holder = mooncake_cluster.start_holder("64mb")
+    master = MasterProcess(None, rpc_port=50063, metrics_port=9015, lease_ttl_ms=500,
+                           log_path=tmp_path / "master-holder.log", extra_args=("--client_ttl=60",)).start()
+    holder = mooncake_cluster.start_holder("64mb", master=master)
     op_timeout = 5.0
     s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, op_timeout=op_timeout,
-                                               reconnect_interval=0.3, call_mode="inline"))
+                                               reconnect_interval=0.3, call_mode="inline",
+                                               master_server_address=master.address))
     try:
         keys = _keys(8, "hstop")
         src = _filled(keys)
@@ -519,6 +524,7 @@ def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncak
         s.close()
         if holder.poll() is None:
             holder.kill()
+        master.kill()
 
 
 def _worker(cluster, *args: str) -> subprocess.Popen:
