@@ -31,6 +31,7 @@ import numpy as np
 from connectors.base import ConfigError, Page, PageStore
 from connectors.config import Size, StoreConfig, field_doc, parse_config
 from connectors.engines.common import RateLimitedLog
+from connectors.mooncake.engine_env import apply_engine_defaults
 
 logger = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(logger, interval_s=10.0)  # a dead store must not flood the engine log
@@ -234,6 +235,7 @@ class PeerRdmaTransport:
             raise MissingDependency("peer_rdma", "peer", e) from e
         self.config = config
         self.layout = layout
+        apply_engine_defaults()
         self.engine = TransferEngine()
         rc = self.engine.initialize(local_ip, "P2PHANDSHAKE", config.protocol, config.device)
         if rc != 0:

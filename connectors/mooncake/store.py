@@ -66,6 +66,7 @@ from connectors.config import parse_config
 from connectors.mooncake import errors as mc_errors
 from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, mooncake_timeouts, run_inline
 from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
+from connectors.mooncake.engine_env import apply_engine_defaults
 from connectors.mooncake.staging import StagingBuffer
 
 log = logging.getLogger("kvconnect.mooncake")
@@ -152,6 +153,7 @@ class MooncakeStore(PageStore):
         # deadline (it reads the variable during setup) unless the user chose a value.
         if not _USER_RETRIES:
             os.environ[_RETRIES_ENV] = str(max(1, math.ceil(c.setup_timeout / _SETUP_ATTEMPT_S)))
+        apply_engine_defaults()  # per-peer TCP queues that hold a whole batch's segments
         if c.call_mode == "inline":
             # nothing but Mooncake's own timeouts bounds an inline call: derive them from
             # op_timeout (process-wide; read by setup and by each transfer)

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Callable
 
+from connectors.mooncake.engine_env import apply_engine_defaults
+
 log = logging.getLogger(__name__)
 
 
@@ -98,6 +100,7 @@ class Transport:
                  bounce_bytes: int):
         # The engine reads its transfer timeout once, from the environment (seconds, >= 5).
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(round(transfer_timeout_s)))))
+        apply_engine_defaults()
         from mooncake.engine import TransferEngine
 
         self.engine = TransferEngine()

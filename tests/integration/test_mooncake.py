@@ -577,6 +577,27 @@ def test_two_processes_sglang_host_pool_byte_exact(mooncake_cluster):  # noqa: F
             writer.kill()
 
 
+def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_cluster):  # noqa: F811
+    """8192 segments in one put and one get, all crossing TCP to another process. Mooncake's
+    TCP transport queues 1024 + 1024 transfers per peer by default and fails the rest at once
+    (measured: most of such a batch came back TRANSFER_FAIL); kvconnect raises both limits
+    before its engine starts (connectors/mooncake/engine_env.py), so every page lands."""
+    mooncake_cluster.start_holder("160mb")
+    s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0))
+    try:
+        n = 4096  # pages of 2 segments
+        keys = _keys(n, "wide")
+        src, dst = _filled(keys), HostBuffer(n, PAGE, 2)
+        s.register_memory(src.address, len(src.raw))
+        s.register_memory(dst.address, len(dst.raw))
+        _put_until_stored(s, keys, src)
+        assert s.stats().extra["staged_pages"] == 0, "the pages did not take the direct (zero-copy) path"
+        assert s.get_into(keys, _pages(dst)) == [True] * n
+        assert bytes(dst.raw) == bytes(src.raw)
+    finally:
+        s.close()
+
+
 # The outer run has one test: re-running this module inside its own namespace.
 if not INNER:
     for _name in [n for n in globals() if n.startswith("test_")]:
