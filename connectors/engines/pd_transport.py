@@ -28,7 +28,7 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
-from connectors.base import ConfigError, Page, PageStore
+from connectors.base import ConfigError, Page, PageStore, page_nbytes
 from connectors.config import Size, StoreConfig, field_doc, parse_config
 from connectors.engines.common import RateLimitedLog
 from connectors.mooncake.engine_env import apply_engine_defaults
@@ -68,6 +68,9 @@ class PDConfig(StoreConfig):
         "relay: prefill deletes a room's keys this long after publishing them if decode never took them"))
     poll_interval_s: float = field(default=0.01, metadata=field_doc(
         "relay: decode's marker poll period (a prefill Success message wakes it at once)"))
+    call_bytes: Size = field(default=64 << 20, metadata=field_doc(
+        "relay: most KV bytes per store call; a room is written and read in calls of this size, so each "
+        "call ends well within the store's op_timeout also while other rooms transfer"))
     workers: int = field(default=2, metadata=field_doc(
         "transfer threads per process (2 measured best on a 2-core host; raise with cores and NICs)"))
     max_batch: int = field(default=4096, metadata=field_doc("peer_rdma: most blocks per Transfer Engine call"))
@@ -82,6 +85,8 @@ class PDConfig(StoreConfig):
             raise ValueError("workers must be >= 1")
         if self.key_bytes is not None and self.key_bytes <= 0:
             raise ValueError("key_bytes must be > 0")
+        if self.call_bytes <= 0:
+            raise ValueError("call_bytes must be > 0")
         if self.poll_interval_s <= 0 or self.retain_s <= 0:
             raise ValueError("poll_interval_s and retain_s must be > 0")
 
@@ -560,9 +565,26 @@ class StoreRelay:
         finally:
             self.markers.release(slot)
 
+    def _calls(self, pages: list[Page]) -> list[slice]:
+        """Consecutive runs of ``pages`` of at most ``call_bytes`` each (at least one page)."""
+        runs, start, size = [], 0, 0
+        for i, page in enumerate(pages):
+            n = page_nbytes(page)
+            if i > start and size + n > self.config.call_bytes:
+                runs.append(slice(start, i))
+                start, size = i, 0
+            size += n
+        if start < len(pages):
+            runs.append(slice(start, len(pages)))
+        return runs
+
     def _put(self, names: list[str], pages: list[Page]) -> None:
+        ok: list[bool] = []
         try:
-            ok = self.store.put_from(names, pages)
+            for run in self._calls(pages):
+                ok += self.store.put_from(names[run], pages[run])
+                if not all(ok):
+                    break  # the room fails anyway: write no further
         except Exception as e:  # noqa: BLE001 - a store error fails the room, never the engine
             raise TransferFailed(f"store {self.store.name!r} put of {len(names)} keys raised {e!r}") from e
         missing = [n for n, good in zip(names, ok) if not good]
@@ -621,8 +643,12 @@ class StoreRelay:
             for k in range(count):
                 names.append(keys.state(c, k))
                 pages.append(self.layout.state_segments(c, idx[k:k + 1]))
+        ok: list[bool] = []
         try:
-            ok = self.store.get_into(names, pages)
+            for run in self._calls(pages):
+                ok += self.store.get_into(names[run], pages[run])
+                if not all(ok):
+                    break  # the room fails anyway: read no further
         except Exception as e:  # noqa: BLE001
             raise TransferFailed(f"store {self.store.name!r} get of {len(names)} keys raised {e!r}") from e
         missing = [n for n, good in zip(names, ok) if not good]

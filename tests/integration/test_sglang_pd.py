@@ -202,6 +202,7 @@ def transport_setup(transport: str, workdir: str):
             yield ns, cfg, None
         return
     cfg["key_bytes"] = 4096 if transport == "mooncake" else None  # several pages per key vs one (hf3fs)
+    cfg["call_bytes"] = 12288  # a room moves in several store calls (GPU rooms: 64 MiB of 1 GiB per call)
     with pd_stores.store_service(transport, workdir) as (ns, opts, outage):
         cfg["store"] = opts
         yield ns, cfg, outage

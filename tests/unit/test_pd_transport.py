@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,9 @@ from connectors.base import ConfigError
 from connectors.engines.pd_transport import (
     BufferLayout,
     Marker,
+    PDConfig,
     RelayKeys,
+    StoreRelay,
     contiguous_runs,
     kv_blocks,
     load_pd_config,
@@ -56,6 +60,15 @@ def test_relay_keys_name_every_key_of_a_room_once():
     names = keys.all()
     assert len(names) == len(set(names)) == 3 + 1 + 3 + 1
     assert keys.block_range(2) == (32, 35) and names[-1].endswith(".done")
+
+
+def test_relay_moves_a_room_in_calls_of_at_most_call_bytes():
+    relay = types.SimpleNamespace(config=PDConfig(transport="mooncake", call_bytes=6))
+    pages = [[(0, 3)], [(8, 2), (16, 1)], [(32, 3)], [(48, 10)], [(64, 1)]]
+    runs = StoreRelay._calls(relay, pages)
+    assert runs == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]  # a page larger than the limit goes alone
+    assert [i for r in runs for i in range(len(pages))[r]] == list(range(len(pages)))
+    assert StoreRelay._calls(relay, []) == []
 
 
 def test_config_from_json_text_file_and_env_token(tmp_path, monkeypatch):
