@@ -219,8 +219,14 @@ class KVConnectKVManager(ManagerBase):
             raise ConfigError("transport", f"'hf3fs' reads and writes KV pages with file I/O, which cannot reach "
                               f"{device} memory", ["peer_rdma", "mooncake (with a CUDA build of Mooncake)"],
                               where=ENV_CONFIG)
+        try:  # the -non-cuda wheel cannot register device memory; a CUDA build (any other install) can
+            from importlib.metadata import PackageNotFoundError, distribution
+
+            distribution("mooncake-transfer-engine-non-cuda")
+        except PackageNotFoundError:
+            return
         logger.warning("kvconnect PD: the mooncake relay on %s needs a Mooncake build that registers device "
-                       "memory (the -non-cuda wheel does not)", device)
+                       "memory; mooncake-transfer-engine-non-cuda is installed, which does not", device)
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvconnect-pd-{fn.__name__}")

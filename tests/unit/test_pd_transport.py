@@ -84,3 +84,37 @@ def test_config_from_json_text_file_and_env_token(tmp_path, monkeypatch):
         load_pd_config('{"timeout_s": -1}')
     with pytest.raises(ConfigError, match="neither JSON nor a readable file"):
         load_pd_config("/no/such/file.json")
+
+
+def test_relay_on_gpu_memory_refuses_hf3fs_and_warns_only_for_the_non_cuda_mooncake(monkeypatch, caplog):
+    """On a GPU the relay hands device pointers to the store: hf3fs (file I/O) is refused with a
+    config error; mooncake is warned about only when the -non-cuda wheel is what is installed."""
+    pytest.importorskip("sglang", reason="needs sglang (the CI venv has it)")
+    import importlib.metadata as md
+    import logging
+
+    from connectors.engines import sglang_pd
+    from sglang.srt import runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_device", lambda: types.SimpleNamespace(device="cuda:0"))
+    with pytest.raises(ConfigError, match="transport"):
+        sglang_pd.KVConnectKVManager._check_relay_device(PDConfig(transport="hf3fs"))
+
+    installed = {"mooncake-transfer-engine-non-cuda"}
+
+    def distribution(name):
+        if name not in installed:
+            raise md.PackageNotFoundError(name)
+        return object()
+
+    monkeypatch.setattr(md, "distribution", distribution)
+    with caplog.at_level(logging.WARNING, logger=sglang_pd.logger.name):
+        sglang_pd.KVConnectKVManager._check_relay_device(PDConfig(transport="mooncake"))
+    assert "non-cuda is installed" in caplog.text
+    caplog.clear()
+    installed.clear()  # a CUDA build (or a bundle without package metadata)
+    with caplog.at_level(logging.WARNING, logger=sglang_pd.logger.name):
+        sglang_pd.KVConnectKVManager._check_relay_device(PDConfig(transport="mooncake"))
+    assert caplog.text == ""
+    monkeypatch.setattr(runtime_context, "get_device", lambda: types.SimpleNamespace(device="cpu"))
+    sglang_pd.KVConnectKVManager._check_relay_device(PDConfig(transport="hf3fs"))  # CPU memory: fine
