@@ -459,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         r.close()
         if ns:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
+            from connectors.peer_rdma.netns import delete_namespace
+
+            delete_namespace(ns)
     if ok:  # keep the process logs only when something failed
         import shutil
 

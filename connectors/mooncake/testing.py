@@ -116,7 +116,9 @@ class LoopbackNetns:
         return box["value"]
 
     def delete(self) -> None:
-        subprocess.run(["ip", "netns", "delete", self.name], capture_output=True, timeout=10)
+        from connectors.peer_rdma.netns import delete_namespace  # one teardown for every test namespace
+
+        delete_namespace(self.name)
 
     def __enter__(self) -> "LoopbackNetns":
         return self

@@ -28,6 +28,19 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=20)
 
 
+def delete_namespace(name: str) -> None:
+    """Kill whatever still runs in namespace ``name``, then delete it. A test process that
+    crashed (a segfault skips its fixtures' teardown) leaves its helper processes in the
+    namespace; deleting only the name would leave them running, invisible."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True, timeout=20).stdout
+    for pid in pids.split():
+        try:
+            os.kill(int(pid), 9)
+        except (ValueError, ProcessLookupError, PermissionError):
+            pass
+    _ip("netns", "del", name, check=False)
+
+
 def _tag() -> str:
     return f"kvp{os.getpid() % 100000}"
 
@@ -42,7 +55,7 @@ def loopback_ns(name: str | None = None):
         _ip("-n", name, "link", "set", "lo", "up")
         yield name
     finally:
-        _ip("netns", "del", name, check=False)
+        delete_namespace(name)
 
 
 class Bridge:
@@ -82,7 +95,7 @@ class Bridge:
 
     def close(self) -> None:
         for ns in [*self.names, self.hub]:
-            _ip("netns", "del", ns, check=False)
+            delete_namespace(ns)
 
     def __exit__(self, *exc) -> None:
         self.close()
