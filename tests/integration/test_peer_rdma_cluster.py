@@ -20,7 +20,7 @@ TOKEN = "s3cret-pool-token"
 HOST_POOL = {"layout": "page_first", "page_size": 16, "layer_num": 4, "head_num": 4, "head_dim": 64,
              "dtype": "bfloat16"}  # 64 KiB pages
 INTERVAL, TTL, TIMEOUT = 0.5, 2.5, 7.0
-REHOME_S = 5.0  # holders re-publish entries to a rejoined owner at once, then retry once a second
+REHOME_S = 5.0  # after a view change holders re-publish entries to new owners at once, then retry once a second
 PAGES = 32
 
 
@@ -115,7 +115,7 @@ def test_round_robin_reads_are_byte_exact_and_remote(cluster):
         assert 'kvconnect_peer_op_latency_seconds{' in prom and 'quantile="0.99"' in prom
 
 
-def _assert_readable(cluster, i: int, keys: list[str], what: str, settle_s: float = 0.0) -> None:
+def _assert_readable(cluster, i: int, keys: list[str], what: str, settle_s: float = REHOME_S) -> None:
     """All of ``keys`` readable at node ``i`` (byte-checked by the worker), within ``settle_s``
     (after a view change the directory entries of keys whose owner moved are re-published to
     the new owner by the holders' re-home loop; until then those keys are misses)."""
@@ -188,8 +188,7 @@ def test_kill9_under_load_then_rejoin(cluster):
     for i in survivors:
         _assert_readable(cluster, i, fresh, "the rejoined node's pages")
     before = cluster.workers[victim].call("metrics")["read_remote_hits"]
-    _assert_readable(cluster, victim, [k for k, o in cluster.owner.items() if o == 0][:32], "node0's pages",
-                     settle_s=REHOME_S)
+    _assert_readable(cluster, victim, [k for k, o in cluster.owner.items() if o == 0][:32], "node0's pages")
     assert cluster.workers[victim].call("metrics")["read_remote_hits"] >= before + 32
 
 
