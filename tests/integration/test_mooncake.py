@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -332,8 +334,6 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
     The caller gets misses on time; later calls short-circuit; after SIGCONT the abandoned
     transfer finishes into its quarantined staging extent, never into the caller's buffer,
     and the store recovers."""
-    import signal
-
     holder = mooncake_cluster.start_holder("64mb")
     op_timeout = 1.5
     s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0, io_mode="staged",
@@ -344,9 +344,7 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
         src = _filled(keys)
         _put_until_stored(s, keys, src)
         dst = HostBuffer(8, PAGE, 2)
-        os.kill(holder.pid, signal.SIGSTOP)
-        try:
-            _wait_stopped(holder.pid)
+        with _stopped(holder.pid):
             t0 = time.monotonic()
             ok = s.get_into(keys, _pages(dst))
             took = time.monotonic() - t0
@@ -360,8 +358,6 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
             t0 = time.monotonic()
             assert s.get_into(keys[:1], [dst.page(0)]) == [False]
             assert time.monotonic() - t0 < 0.5, "a call while a hung call runs was not short-circuited"
-        finally:
-            os.kill(holder.pid, signal.SIGCONT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (s.stats().extra["abandoned_running"] or
                                                s.stats().extra["staging_in_use"]):
@@ -382,22 +378,29 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
             holder.kill()
 
 
-def _wait_stopped(pid: int, timeout: float = 10) -> None:
-    """Until every thread of ``pid`` is stopped: SIGSTOP is asynchronous, and a thread busy
-    on another (virtual) CPU can still answer a request until it takes the signal."""
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:  # thread ended meanwhile
-                pass
-        if states and all(st in "tT" for st in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout}s: {states}"
-        time.sleep(0.01)
+@contextlib.contextmanager
+def _stopped(pid: int, timeout: float = 10):
+    """``pid`` SIGSTOPped for the ``with`` body, SIGCONT after (also on failure). The body starts
+    once every thread is stopped: SIGSTOP is asynchronous, and a thread busy on another
+    (virtual) CPU can still answer a request until it takes the signal."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:  # thread ended meanwhile
+                    pass
+            if states and all(st in "tT" for st in states):
+                break
+            assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout}s: {states}"
+            time.sleep(0.01)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_cluster, tmp_path):  # noqa: F811
@@ -406,8 +409,6 @@ def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_clu
     (op_timeout / 2, set by the store) expires: measured 2.5 s; RPC_TIMEOUT turns the store
     unhealthy, so its next call short-circuits. SIGCONT: the same stores write and read
     byte-exact."""
-    import signal
-
     op_timeout = 5.0
     master = MasterProcess(None, rpc_port=50062, metrics_port=9014, lease_ttl_ms=500,
                            log_path=tmp_path / "master-stop.log").start()
@@ -422,9 +423,7 @@ def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_clu
         for st, b in ((writer, src), (writer, src2), (reader, dst)):
             st.register_memory(b.address, len(b.raw))
         assert writer.put_from(keys, _pages(src)) == [True] * 8
-        os.kill(master.proc.pid, signal.SIGSTOP)
-        try:
-            _wait_stopped(master.proc.pid)
+        with _stopped(master.proc.pid):
             for st, op in ((reader, "get"), (writer, "put")):
                 t0 = time.monotonic()
                 ok = st.get_into(keys, _pages(dst)) if op == "get" else st.put_from(fresh, _pages(src2))
@@ -438,8 +437,6 @@ def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_clu
                 extra = st.stats().extra
                 assert extra["unavailable"] > 0 and extra["healthy"] is False and extra["abandoned"] == 0
             assert all(b == 0 for b in dst.raw)
-        finally:
-            os.kill(master.proc.pid, signal.SIGCONT)
         # new keys: the master may still run the failed put's queued request once resumed,
         # leaving those keys unfinished for a while (a miss, never other bytes: below)
         again = _keys(8, "mstop-again")
@@ -476,8 +473,6 @@ def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncak
     SIGCONT nothing writes into the caller's buffer; then bytes read back exactly.
     Own master with client_ttl 60 s: the stall outlasts the default 10 s, after which the
     master would unmount the holder's segment and its pages would be gone."""
-    import signal
-
     master = MasterProcess(None, rpc_port=50063, metrics_port=9015, lease_ttl_ms=500,
                            log_path=tmp_path / "master-holder.log", extra_args=("--client_ttl=60",)).start()
     holder = mooncake_cluster.start_holder("64mb", master=master)
@@ -492,9 +487,7 @@ def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncak
         _put_until_stored(s, keys, src)
         dst = HostBuffer(8, PAGE, 2)
         s.register_memory(dst.address, len(dst.raw))
-        os.kill(holder.pid, signal.SIGSTOP)
-        try:
-            _wait_stopped(holder.pid)
+        with _stopped(holder.pid):
             t0 = time.monotonic()
             ok = s.get_into(keys, _pages(dst))
             took_get = time.monotonic() - t0
@@ -508,8 +501,6 @@ def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncak
             assert took_get <= 10.0, f"get took {took_get:.2f}s"
             assert took_put <= op_timeout + 1.0, f"put took {took_put:.2f}s"
             assert s.stats().extra["abandoned_running"] == 0
-        finally:
-            os.kill(holder.pid, signal.SIGCONT)
         time.sleep(1.0)
         assert all(b == 0 for b in dst.raw), "bytes landed in a buffer the caller got back as misses"
         deadline = time.monotonic() + 30
