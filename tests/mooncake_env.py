@@ -99,6 +99,7 @@ def store_options(cluster: MooncakeCluster, **over) -> dict:
         "setup_timeout": 15,
         "op_timeout": 5,
         "lease_wait": 2 * LEASE_TTL_MS / 1000,
+        "lease_ttl": LEASE_TTL_MS / 1000,
         "reconnect_interval": 0.5,
     }
     opts.update(over)

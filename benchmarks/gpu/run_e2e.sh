@@ -8,7 +8,7 @@
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
 #         kvc_hf3fs (kvconnect HF3FS store, POSIX client) | kvc_memory (kvconnect in-process store)
 #         kvc_mooncake_local (as kvc_mooncake, but each SGLang server also lends KVC_PEER_SEGMENT and keeps
-#           its own pages there: prefer_local_segment; not run on the GPU yet)
+#           its own pages there: prefer_local_segment; read back with local_copy)
 #         kvc_memory_legacy (in-process store through SGLang's legacy tensor interface, layer_first pool)
 #         kvc_mooncake (kvconnect Mooncake store: mooncake_master + a standalone `kvconnect mooncake-store`
 #           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang

@@ -83,6 +83,13 @@ class MooncakeConfig(StoreConfig):
         "preferred_segment), so this process reads them back with a local copy instead of a "
         "transfer; they leave the store with the process (keep replica_num > 1 or a standalone "
         "store process for pages that must outlive it); needs global_segment_size > 0"))
+    local_copy: bool = field(default=True, metadata=field_doc(
+        "read pages that lie in this process's own segment with kvconnect's parallel copy "
+        "(KVCONNECT_COPY_THREADS threads) under the read lease Mooncake grants, instead of "
+        "Mooncake's one memcpy thread; only with global_segment_size > 0"))
+    lease_ttl: float = field(default=10.0, metadata=field_doc(
+        "the master's --default_kv_lease_ttl in seconds; a local copy that ends later than "
+        "half of it after its lease was granted is a miss (never possibly torn bytes)"))
     io_mode: Literal["direct", "staged"] = field(default="direct", metadata=field_doc(
         "'direct': zero-copy to/from registered caller memory (pages outside it are staged); "
         "'staged': every page goes through the store's registered staging buffer, so a call "
@@ -122,6 +129,8 @@ class MooncakeConfig(StoreConfig):
         for key in ("setup_timeout", "op_timeout"):
             if not getattr(self, key) > 0:
                 raise ConfigError(key, f"must be > 0, got {getattr(self, key)}", None, WHERE)
+        if not self.lease_ttl > 0:
+            raise ConfigError("lease_ttl", f"must be > 0, got {self.lease_ttl}", None, WHERE)
         for key in ("lease_wait", "reconnect_interval"):
             if getattr(self, key) < 0:
                 raise ConfigError(key, f"must be >= 0, got {getattr(self, key)}", None, WHERE)

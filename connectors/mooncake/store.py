@@ -17,6 +17,11 @@ Memory paths
     extents of one registered staging buffer the store owns. Registering caller memory on
     the fly was rejected: with RDMA each registration pins and maps memory (slow), and an
     unregister racing an abandoned transfer is undefined.
+  * *local copy* (``local_copy``, on by default in a process that lends a segment): pages
+    whose replica lies in this process's own segment are copied by kvconnect's copy
+    threads under the read lease of a ``batch_get_replica_desc`` query (Mooncake 0.3.x
+    copies local replicas with one thread); see ``connectors.mooncake.local_copy``. Other
+    pages take the paths above.
 
 Deadlines and failures
   ``call_mode="worker"`` (default): every Mooncake call runs on one of ``io_threads``
@@ -61,12 +66,13 @@ from typing import Any, Callable, Mapping
 
 from connectors.base import (BackendUnavailable, MissingDependency, Page, PageStore, StoreUsage,
                              page_nbytes)
-from connectors.buffers import gather_into, scatter
+from connectors.buffers import gather_into, scatter, scatter_many
 from connectors.config import parse_config
 from connectors.mooncake import errors as mc_errors
 from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, mooncake_timeouts, run_inline
 from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
 from connectors.mooncake.engine_env import apply_engine_defaults
+from connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replica
 from connectors.mooncake.staging import StagingBuffer
 
 log = logging.getLogger("kvconnect.mooncake")
@@ -133,7 +139,8 @@ class MooncakeStore(PageStore):
         self._healthy = True
         self._next_probe = 0.0
         self._counts = {"timeouts": 0, "abandoned": 0, "unavailable": 0, "short_circuited": 0,
-                        "direct_pages": 0, "staged_pages": 0, "poisoned_removed": 0}
+                        "direct_pages": 0, "staged_pages": 0, "poisoned_removed": 0,
+                        "local_copy_pages": 0, "local_copy_late": 0}
         self._client = self._connect()
         if config.prefer_local_segment:  # the segment name is known only once set up
             self._replicate.preferred_segment = self._client.get_hostname()
@@ -145,6 +152,34 @@ class MooncakeStore(PageStore):
             self._client.close()
             self._runner.close()
             raise
+        self._own_endpoint = self._find_own_endpoint(ReplicateConfig) \
+            if config.local_copy and config.global_segment_size > 0 else None
+
+    def _find_own_endpoint(self, ReplicateConfig: Any) -> str | None:
+        """The transport endpoint of this process's segment (``local_copy``), else None."""
+        probe = ReplicateConfig()
+        probe.replica_num = 1
+        probe.preferred_segment = self._client.get_hostname()
+        off = self._staging.acquire(PROBE_BYTES, time.monotonic() + self.config.op_timeout)
+        found = None
+        if off is not None:
+            released = threading.Event()
+
+            def release(_result: Any) -> None:  # once the probe can no longer touch the extent
+                if not released.is_set():
+                    released.set()
+                    self._staging.release(off)
+
+            found = self._call("local copy probe", find_own_endpoint, self._client, probe,
+                               self._staging.address + off, on_abandoned_done=release)
+            if found is not None:
+                release(None)
+        endpoint, why = found or (None, "no answer within op_timeout")
+        if endpoint is None:
+            log.warning("mooncake: local_copy off: %s; own-segment pages are read through Mooncake", why)
+        else:
+            log.info("mooncake: pages in this process's segment (%s) are read with a parallel copy", endpoint)
+        return endpoint
 
     def _connect(self):
         """A set-up client, or BackendUnavailable naming the master, within ``setup_timeout``."""
@@ -353,6 +388,57 @@ class MooncakeStore(PageStore):
         return [c == 1 for c in codes]
 
     def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        if self._own_endpoint is None:
+            return self._get_through_mooncake(keys, pages)
+        out, elsewhere = self._get_local(keys, pages, self._own_endpoint)
+        if elsewhere:
+            got = self._get_through_mooncake([keys[i] for i in elsewhere], [pages[i] for i in elsewhere])
+            for i, ok in zip(elsewhere, got):
+                out[i] = ok
+        return out
+
+    def _get_local(self, keys: list[str], pages: list[Page], endpoint: str) -> tuple[list[bool], list[int]]:
+        """Copy the pages whose replica lies in this process's segment (``local_copy``).
+
+        Returns (hits, indices of pages stored elsewhere, for Mooncake to read)."""
+        out = [False] * len(keys)
+        leased_at = time.monotonic()  # before the query: the lease starts no earlier
+        replicas = self._call("batch_get_replica_desc", self._client.batch_get_replica_desc, keys)
+        if replicas is None:
+            return out, []  # store unavailable: misses
+        if not replicas and time.monotonic() - leased_at >= self.config.op_timeout / 2:
+            # the query reports no error codes: an empty answer this slow is a master that
+            # did not answer (inline mode's RPC timeout is op_timeout / 2), not misses
+            with self._lock:
+                self._counts["unavailable"] += 1
+            self._mark_unhealthy(f"batch_get_replica_desc: nothing for {len(keys)} keys after "
+                                 f"{time.monotonic() - leased_at:.1f}s")
+            return out, []
+        local, sources, elsewhere = [], [], []
+        for i, key in enumerate(keys):
+            found = replicas.get(key)
+            address = memory_replica(found, endpoint, page_nbytes(pages[i])) if found else None
+            if address is None:
+                # another process's segment, another size, or no answer for the key (a miss
+                # or an error: the query does not say which): Mooncake's own get decides
+                elsewhere.append(i)
+            else:
+                local.append(i)
+                sources.append(address)
+        if local:
+            scatter_many(sources, [pages[i] for i in local])
+            late = time.monotonic() - leased_at > self.config.lease_ttl / 2
+            with self._lock:
+                self._counts["local_copy_late" if late else "local_copy_pages"] += len(local)
+            if late:  # the lease may have lapsed mid-copy: the bytes are not trusted
+                log.warning("mooncake: local copy of %d pages outlasted lease_ttl/2=%gs; misses",
+                            len(local), self.config.lease_ttl / 2)
+            else:
+                for i in local:
+                    out[i] = True
+        return out, elsewhere
+
+    def _get_through_mooncake(self, keys: list[str], pages: list[Page]) -> list[bool]:
         out = [False] * len(keys)
         direct, staged = self._split(pages)
         if direct is None or direct:
@@ -538,7 +624,7 @@ class MooncakeStore(PageStore):
             extra = dict(self._counts, healthy=self._healthy, abandoned_running=self._runner.abandoned,
                          registered_bytes=sum(e - s for s, e in self._regions),
                          staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
-                         call_mode=self.config.call_mode,
+                         call_mode=self.config.call_mode, local_copy_endpoint=self._own_endpoint,
                          master=self.config.master_server_address)
         return StoreUsage(extra=extra)
 

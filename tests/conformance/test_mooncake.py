@@ -30,3 +30,9 @@ else:
 
         def make_store(self):
             return create_store("mooncake", self.store_options())
+
+    class TestMooncakeStoreWithoutLocalCopy(TestMooncakeStore):
+        """The same suite with ``local_copy`` off: every read goes through Mooncake's own get."""
+
+        def store_options(self):
+            return store_options(self.cluster, local_copy=False)

@@ -80,7 +80,8 @@ def _put_until_stored(s, keys: list[str], buf: HostBuffer) -> None:
 
 @pytest.fixture
 def store(mooncake_cluster):  # noqa: F811
-    s = create_store("mooncake", store_options(mooncake_cluster))
+    """A store whose reads all go through Mooncake (its own-segment fast path is tested below)."""
+    s = create_store("mooncake", store_options(mooncake_cluster, local_copy=False))
     try:
         yield s
     finally:
@@ -127,7 +128,7 @@ def test_direct_put_keeps_first_bytes_and_size_mismatch_is_miss(store):
 
 
 def test_staged_io_mode_never_hands_caller_memory_to_mooncake(mooncake_cluster):  # noqa: F811
-    s = create_store("mooncake", store_options(mooncake_cluster, io_mode="staged"))
+    s = create_store("mooncake", store_options(mooncake_cluster, io_mode="staged", local_copy=False))
     try:
         keys = _keys(8)
         src = _filled(keys)
@@ -205,6 +206,53 @@ def test_prefer_local_segment_keeps_pages_in_the_writers_segment(mooncake_cluste
         assert reader.exists(keys) == [False] * 16, "some pages were not in the writer's segment"
     finally:
         for st in (writer, reader, big):
+            st.close()
+        master.kill()
+
+
+def test_local_copy_reads_own_segment_pages_itself_and_others_through_mooncake(mooncake_cluster,  # noqa: F811
+                                                                               tmp_path):
+    """``local_copy``: of one batch, the pages in the reader's own segment are copied by
+    kvconnect (counted), the pages in another process's segment come through Mooncake;
+    all byte-exact. The copy holds Mooncake's read lease: a remove right after it waits
+    for the lease. A store that could not finish its copy within lease_ttl/2 reports
+    misses. Own master, so placement is only these stores'."""
+    master = MasterProcess(None, rpc_port=50072, metrics_port=9024, lease_ttl_ms=500,
+                           log_path=tmp_path / "master-copy.log").start()
+    opts = dict(master_server_address=master.address, prefer_local_segment=True)
+    mine = create_store("mooncake", store_options(mooncake_cluster, **opts))
+    other = create_store("mooncake", store_options(mooncake_cluster, **opts))
+    late = create_store("mooncake", store_options(mooncake_cluster, lease_ttl=1e-9, **opts))
+    try:
+        assert mine.stats().extra["local_copy_endpoint"]
+        own_keys, other_keys = _keys(16, "mine"), _keys(8, "other")
+        own_src, other_src = _filled(own_keys), _filled(other_keys)
+        mine.register_memory(own_src.address, len(own_src.raw))
+        assert mine.put_from(own_keys, _pages(own_src)) == [True] * 16
+        assert other.put_from(other_keys, _pages(other_src)) == [True] * 8
+        keys = [k for pair in zip(own_keys, other_keys) for k in pair] + own_keys[8:]  # interleaved
+        dst = HostBuffer(len(keys), PAGE, 2)
+        mine.register_memory(dst.address, len(dst.raw))
+        before = mine.stats().extra
+        assert mine.get_into(keys, _pages(dst)) == [True] * len(keys)
+        assert [check_page(k, dst.read(i)) for i, k in enumerate(keys)] == [0] * len(keys)
+        extra = mine.stats().extra
+        assert extra["local_copy_pages"] - before["local_copy_pages"] == 16
+        assert extra["direct_pages"] - before["direct_pages"] == 8  # only the other process's pages
+        assert extra["local_copy_late"] == 0
+
+        t0 = time.monotonic()
+        assert mine.delete(own_keys[:2]) == [True, True]
+        assert time.monotonic() - t0 > 0.1, "removed while the local copy's lease was held"
+
+        late_keys = _keys(4, "late")
+        late_src = _filled(late_keys)
+        assert late.put_from(late_keys, _pages(late_src)) == [True] * 4
+        out = HostBuffer(4, PAGE, 2)
+        assert late.get_into(late_keys, _pages(out)) == [False] * 4
+        assert late.stats().extra["local_copy_late"] == 4
+    finally:
+        for st in (mine, other, late):
             st.close()
         master.kill()
 
