@@ -10,6 +10,8 @@
 #         kvc_mooncake_local (as kvc_mooncake, but each SGLang server also lends KVC_PEER_SEGMENT and keeps
 #           its own pages there: prefer_local_segment; read back with local_copy)
 #         kvc_memory_legacy (in-process store through SGLang's legacy tensor interface, layer_first pool)
+#         kvc_mooncake_shm (as kvc_mooncake, but the store process lends its segment from /dev/shm
+#           (shared_segment) and SGLang copies pages from it instead of a Transfer Engine transfer)
 #         kvc_mooncake (kvconnect Mooncake store: mooncake_master + a standalone `kvconnect mooncake-store`
 #           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang
 #           server lends its own memory, as in the seed guide, plus a memory-only `kvconnect peer serve`
@@ -101,7 +103,7 @@ store_args() {  # store, port-suffix -> prints backend args (one per line)
       local meta=""; [ -f /tmp/sglogs/meta.pid ] && meta=',"metadata_server_url":"http://127.0.0.1:18000"'
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"hf3fs\",\"file_path_prefix\":\"/tmp/l3/kvc/hicache\",\"file_size\":\"32gb\",\"numjobs\":${KVC_JOBS:-16},\"entries\":${KVC_ENTRIES:-16}$meta,\"metrics_port\":$((9400+k))}" ;;
-    kvc_mooncake)
+    kvc_mooncake|kvc_mooncake_shm)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:50051\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":0,\"metrics_port\":$((9400+k))}" ;;
     kvc_mooncake_local)  # SGLang lends memory too and keeps its own pages there (prefer_local_segment)
@@ -198,15 +200,20 @@ PY
 store_services() {  # store: start what the store needs next to SGLang (all on 127.0.0.1)
   case $1 in
     kvc_hf3fs) meta_start ;;
-    kvc_mooncake|kvc_mooncake_local)
-      [ -f /tmp/sglogs/svc_mc_master.pid ] && return 0
+    kvc_mooncake|kvc_mooncake_local|kvc_mooncake_shm)
+      local shared=false; [ "$1" = kvc_mooncake_shm ] && shared=true
+      if [ -f /tmp/sglogs/svc_mc_master.pid ]; then
+        [ "$(cat /tmp/sglogs/mc_store.shared 2>/dev/null)" = "$shared" ] && return 0
+        svc_stop_all  # the running store lends its segment the other way: start both afresh
+      fi
+      echo "$shared" > /tmp/sglogs/mc_store.shared
       svc_start mc_master /tmp/site3/mooncake/mooncake_master --rpc_address=127.0.0.1 --rpc_port=50051 \
         --metrics_host=127.0.0.1 --metrics_port=9003
       wait_port 50051 20 || { say "mooncake_master did not start"; tail -5 "$LOGD/mc_master.log"; return 1; }
       svc_start mc_store python3 -m connectors.cli mooncake-store --master 127.0.0.1:50051 --segment ${KVC_MC_SEGMENT:-40gb} \
-        -o protocol=tcp -o local_hostname=127.0.0.1 --metrics-port 9310
+        -o protocol=tcp -o local_hostname=127.0.0.1 -o shared_segment=$shared --metrics-port 9310
       wait_port 9310 60 || { say "mooncake-store did not start"; tail -5 "$LOGD/mc_store.log"; return 1; }
-      say "mooncake_master + store (${KVC_MC_SEGMENT:-40gb}) up" ;;
+      say "mooncake_master + store (${KVC_MC_SEGMENT:-40gb}, shared_segment=$shared) up" ;;
     kvc_peer_rdma)
       [ -f /tmp/sglogs/svc_peer_seed.pid ] && return 0
       rm -f /tmp/sglogs/peer.ready

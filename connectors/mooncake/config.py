@@ -90,6 +90,12 @@ class MooncakeConfig(StoreConfig):
     lease_ttl: float = field(default=10.0, metadata=field_doc(
         "the master's --default_kv_lease_ttl in seconds; a local copy that ends later than "
         "half of it after its lease was granted is a miss (never possibly torn bytes)"))
+    shared_segment: bool = field(default=False, metadata=field_doc(
+        "lend global_segment_size from a file in shared memory (shared_segment_dir) and publish "
+        "it, so kvconnect engines on the same host copy its pages instead of a Transfer Engine "
+        "transfer (for a standalone store process; needs that much free space in /dev/shm)"))
+    shared_segment_dir: str = field(default="/dev/shm/kvconnect-mooncake", metadata=field_doc(
+        "where shared segments and their registry live (readers with local_copy look there)"))
     io_mode: Literal["direct", "staged"] = field(default="direct", metadata=field_doc(
         "'direct': zero-copy to/from registered caller memory (pages outside it are staged); "
         "'staged': every page goes through the store's registered staging buffer, so a call "
@@ -139,6 +145,8 @@ class MooncakeConfig(StoreConfig):
         if self.prefer_local_segment and self.global_segment_size <= 0:
             raise ConfigError("prefer_local_segment", "needs a segment of this process's own "
                               "(global_segment_size > 0)", None, WHERE)
+        if self.shared_segment and self.global_segment_size <= 0:
+            raise ConfigError("shared_segment", "needs memory to lend (global_segment_size > 0)", None, WHERE)
         if self.io_threads < 1:
             raise ConfigError("io_threads", f"must be >= 1, got {self.io_threads}", None, WHERE)
         if self.staging_size < (1 << 20):

@@ -48,15 +48,16 @@ def _readable(address: int, nbytes: int) -> bool:
     return False
 
 
-def memory_replica(replicas: Sequence[Any], endpoint: str, nbytes: int) -> int | None:
-    """Address of a COMPLETE memory replica of ``nbytes`` at ``endpoint``, else None."""
+def memory_replicas(replicas: Sequence[Any], nbytes: int) -> list[tuple[str, int]]:
+    """(transport endpoint, address) of every COMPLETE memory replica of ``nbytes`` bytes."""
+    found = []
     for r in replicas:
         if not r.is_memory_replica() or r.status.name != "COMPLETE":
             continue
         desc = r.get_memory_descriptor().buffer_descriptor
-        if desc.transport_endpoint == endpoint and desc.size == nbytes:
-            return int(desc.buffer_address)
-    return None
+        if desc.size == nbytes:
+            found.append((str(desc.transport_endpoint), int(desc.buffer_address)))
+    return found
 
 
 def find_own_endpoint(client: Any, replicate: Any, scratch_address: int) -> tuple[str | None, str]:

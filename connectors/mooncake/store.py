@@ -72,7 +72,8 @@ from connectors.mooncake import errors as mc_errors
 from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, mooncake_timeouts, run_inline
 from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
 from connectors.mooncake.engine_env import apply_engine_defaults
-from connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replica
+from connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replicas
+from connectors.mooncake.shared_segment import SameHostSegments, SharedSegmentFile, mapping_base
 from connectors.mooncake.staging import StagingBuffer
 
 log = logging.getLogger("kvconnect.mooncake")
@@ -140,7 +141,8 @@ class MooncakeStore(PageStore):
         self._next_probe = 0.0
         self._counts = {"timeouts": 0, "abandoned": 0, "unavailable": 0, "short_circuited": 0,
                         "direct_pages": 0, "staged_pages": 0, "poisoned_removed": 0,
-                        "local_copy_pages": 0, "local_copy_late": 0}
+                        "local_copy_pages": 0, "local_copy_late": 0, "shared_copy_pages": 0,
+                        "shared_copy_holder_gone": 0}
         self._client = self._connect()
         if config.prefer_local_segment:  # the segment name is known only once set up
             self._replicate.preferred_segment = self._client.get_hostname()
@@ -152,8 +154,49 @@ class MooncakeStore(PageStore):
             self._client.close()
             self._runner.close()
             raise
+        self._shared_file: SharedSegmentFile | None = None
+        if config.shared_segment:
+            self._shared_file = self._mount_shared_segment()
         self._own_endpoint = self._find_own_endpoint(ReplicateConfig) \
-            if config.local_copy and config.global_segment_size > 0 else None
+            if (config.local_copy or config.shared_segment) and config.global_segment_size > 0 else None
+        if self._shared_file is not None:
+            self._publish_shared_segment()
+        self._same_host = SameHostSegments(config.shared_segment_dir) if config.local_copy else None
+
+    def _mount_shared_segment(self) -> SharedSegmentFile:
+        """Lend the segment from a shared-memory file (``shared_segment``)."""
+        c = self.config
+        try:
+            shared = SharedSegmentFile(c.shared_segment_dir, c.global_segment_size)
+        except OSError as e:
+            self._close_client()
+            raise BackendUnavailable("mooncake", f"shared_segment: {e}") from e
+        result = self._call("mount_segment", self._client.mount_segment, shared.path, c.global_segment_size)
+        if not result or result.get("ret") != 0:
+            shared.close()
+            self._close_client()
+            raise BackendUnavailable("mooncake", f"shared_segment: mount_segment({shared.path}) "
+                                                 f"returned {result}")
+        return shared
+
+    def _publish_shared_segment(self) -> None:
+        shared = self._shared_file
+        assert shared is not None
+        base = mapping_base(shared.path)
+        if self._own_endpoint is None or base is None:
+            log.warning("mooncake: shared segment %s not published (endpoint %s, mapped at %s): "
+                        "same-host readers use the Transfer Engine", shared.path, self._own_endpoint, base)
+            return
+        shared.publish(self._own_endpoint, base)
+        log.info("mooncake: shared segment %s (%d bytes) published for same-host readers at %s",
+                 shared.path, shared.nbytes, self._own_endpoint)
+
+    def _close_client(self) -> None:
+        try:
+            self._client.unregister_buffer(self._staging.address)
+            self._client.close()
+        finally:
+            self._runner.close()
 
     def _find_own_endpoint(self, ReplicateConfig: Any) -> str | None:
         """The transport endpoint of this process's segment (``local_copy``), else None."""
@@ -206,7 +249,9 @@ class MooncakeStore(PageStore):
                 f"protocol {c.protocol})")
         client = self._Client()
         kwargs = {"tenant_id": c.tenant_id} if c.tenant_id != "default" else {}
-        args = (c.local_hostname, c.metadata_server, c.global_segment_size, c.local_buffer_size,
+        # a shared segment is mounted from its file after setup, not allocated by Mooncake
+        segment = 0 if c.shared_segment else c.global_segment_size
+        args = (c.local_hostname, c.metadata_server, segment, c.local_buffer_size,
                 c.protocol, c.rdma_devices(), c.master_server_address)
         result: dict[str, Any] = {}
         done = threading.Event()
@@ -388,17 +433,20 @@ class MooncakeStore(PageStore):
         return [c == 1 for c in codes]
 
     def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        if self._own_endpoint is None:
+        same_host = self._same_host if self._same_host is not None and self._same_host.present() else None
+        if self._own_endpoint is None and same_host is None:
             return self._get_through_mooncake(keys, pages)
-        out, elsewhere = self._get_local(keys, pages, self._own_endpoint)
+        out, elsewhere = self._get_local(keys, pages, self._own_endpoint, same_host)
         if elsewhere:
             got = self._get_through_mooncake([keys[i] for i in elsewhere], [pages[i] for i in elsewhere])
             for i, ok in zip(elsewhere, got):
                 out[i] = ok
         return out
 
-    def _get_local(self, keys: list[str], pages: list[Page], endpoint: str) -> tuple[list[bool], list[int]]:
-        """Copy the pages whose replica lies in this process's segment (``local_copy``).
+    def _get_local(self, keys: list[str], pages: list[Page], own: str | None,
+                   same_host: SameHostSegments | None) -> tuple[list[bool], list[int]]:
+        """Copy the pages whose replica lies in this process's segment or in a same-host
+        shared segment (``local_copy``).
 
         Returns (hits, indices of pages stored elsewhere, for Mooncake to read)."""
         out = [False] * len(keys)
@@ -414,28 +462,48 @@ class MooncakeStore(PageStore):
             self._mark_unhealthy(f"batch_get_replica_desc: nothing for {len(keys)} keys after "
                                  f"{time.monotonic() - leased_at:.1f}s")
             return out, []
-        local, sources, elsewhere = [], [], []
+        local, sources, holders, elsewhere = [], [], [], []
         for i, key in enumerate(keys):
             found = replicas.get(key)
-            address = memory_replica(found, endpoint, page_nbytes(pages[i])) if found else None
-            if address is None:
-                # another process's segment, another size, or no answer for the key (a miss
+            source = holder = None
+            for endpoint, address in memory_replicas(found, page_nbytes(pages[i])) if found else ():
+                if endpoint == own:
+                    source = address
+                    break
+                if same_host is not None:
+                    source = same_host.source(endpoint, address, page_nbytes(pages[i]))
+                    if source is not None:
+                        holder = endpoint
+                        break
+            if source is None:
+                # another host's segment, another size, or no answer for the key (a miss
                 # or an error: the query does not say which): Mooncake's own get decides
                 elsewhere.append(i)
             else:
                 local.append(i)
-                sources.append(address)
+                sources.append(source)
+                holders.append(holder)
         if local:
             scatter_many(sources, [pages[i] for i in local])
             late = time.monotonic() - leased_at > self.config.lease_ttl / 2
+            # a holder still alive after the copy owned its endpoint the whole time: every
+            # replica reported there was its own, in the memory just copied
+            gone = {h for h in set(holders) if h is not None and not same_host.alive(h)}  # type: ignore[union-attr]
             with self._lock:
-                self._counts["local_copy_late" if late else "local_copy_pages"] += len(local)
+                if late:
+                    self._counts["local_copy_late"] += len(local)
+                else:
+                    shared = sum(1 for h in holders if h is not None and h not in gone)
+                    dropped = sum(1 for h in holders if h in gone)
+                    self._counts["shared_copy_pages"] += shared
+                    self._counts["shared_copy_holder_gone"] += dropped
+                    self._counts["local_copy_pages"] += len(local) - shared - dropped
             if late:  # the lease may have lapsed mid-copy: the bytes are not trusted
                 log.warning("mooncake: local copy of %d pages outlasted lease_ttl/2=%gs; misses",
                             len(local), self.config.lease_ttl / 2)
             else:
-                for i in local:
-                    out[i] = True
+                for i, holder in zip(local, holders):
+                    out[i] = holder is None or holder not in gone
         return out, elsewhere
 
     def _get_through_mooncake(self, keys: list[str], pages: list[Page]) -> list[bool]:
@@ -625,6 +693,7 @@ class MooncakeStore(PageStore):
                          registered_bytes=sum(e - s for s, e in self._regions),
                          staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
                          call_mode=self.config.call_mode, local_copy_endpoint=self._own_endpoint,
+                         shared_segment=self._shared_file.path if self._shared_file else None,
                          master=self.config.master_server_address)
         return StoreUsage(extra=extra)
 
@@ -649,3 +718,7 @@ class MooncakeStore(PageStore):
         except Exception as e:  # noqa: BLE001 - closing is best effort
             log.warning("mooncake: close: %s", e)
         self._staging.close()
+        if self._same_host is not None:
+            self._same_host.close()
+        if self._shared_file is not None:  # after the client let go of the segment
+            self._shared_file.close()

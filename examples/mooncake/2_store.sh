@@ -9,4 +9,6 @@ export MOONCAKE_MASTER="${MOONCAKE_MASTER:-127.0.0.1:50051}"
 export MOONCAKE_PROTOCOL="${MOONCAKE_PROTOCOL:-tcp}"
 export MOONCAKE_GLOBAL_SEGMENT_SIZE="${MOONCAKE_GLOBAL_SEGMENT_SIZE:-4gb}"
 export MOONCAKE_LOCAL_BUFFER_SIZE="${MOONCAKE_LOCAL_BUFFER_SIZE:-0}"
-exec kvconnect mooncake-store --metrics-port 9310
+# Engines on this host copy pages straight from the store's memory when it is lent from /dev/shm
+# (needs MOONCAKE_GLOBAL_SEGMENT_SIZE free there; SHARED_SEGMENT=false: every page over the Transfer Engine)
+exec kvconnect mooncake-store --metrics-port 9310 -o shared_segment="${SHARED_SEGMENT:-true}"

@@ -1,0 +1,245 @@
+"""Segments in shared memory: same-host readers copy pages instead of a TCP transfer.
+
+A standalone store process (``kvconnect mooncake-store``) with ``shared_segment`` lends its
+memory from a file in ``/dev/shm`` (Mooncake's ``mount_segment`` maps it ``MAP_SHARED``)
+and publishes, in ``shared_segment_dir``, which transport endpoint owns that file and at
+which address it is mapped. An engine on the same host that finds a page's replica at a
+published endpoint maps the file read-only and copies the page itself (kvconnect's copy
+threads) instead of moving it through the Transfer Engine's loopback TCP.
+
+Why the bytes are the replica's, never another key's:
+  * the registry entry is keyed by the network namespace *and* the endpoint: an endpoint
+    (``host:port``) names one bound socket, so one live process, only within a namespace;
+  * the entry names the holder's pid and its start time; after every copy the reader
+    checks that this very process is still alive. A live holder still owns its port, so
+    every replica the master reported at that endpoint before the check was the holder's,
+    at an address inside the published mapping. A dead holder's pages are misses;
+  * the holder publishes only after proving its endpoint with a probe object
+    (``local_copy.find_own_endpoint``) whose replica lies inside the mapped file;
+  * the copy itself runs under Mooncake's read lease, as for the own segment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("kvconnect.mooncake")
+
+DEFAULT_DIR = "/dev/shm/kvconnect-mooncake"
+_LIST_EVERY_S = 2.0      # how often a reader looks for newly published segments
+_UNMAP_AFTER_S = 60.0    # a dead holder's mapping is unmapped this long after it was dropped
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_PROT_READ, _MAP_SHARED, _MAP_FAILED = 1, 1, ctypes.c_void_p(-1).value
+
+
+def netns_id() -> int:
+    """Inode of this process's network namespace."""
+    return os.stat("/proc/self/ns/net").st_ino
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of ``pid`` (clock ticks since boot), or None if it is not running."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):  # a zombie no longer holds its sockets
+        return None
+    return int(fields[19])
+
+
+def _entry_name(netns: int, endpoint: str) -> str:
+    return f"{netns}-{endpoint.replace(':', '_').replace('/', '_')}.json"
+
+
+def mapping_base(path: str) -> int | None:
+    """Start address of this process's first mapping of ``path``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(" " + path):
+                return int(line.split("-", 1)[0], 16)
+    return None
+
+
+class SharedSegmentFile:
+    """Holder side: the shared-memory file a segment is mounted from, and its registry entry."""
+
+    def __init__(self, directory: str, nbytes: int):
+        self.directory = Path(directory)
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        sweep_dead(self.directory)
+        stat = os.statvfs(self.directory)
+        free = stat.f_bavail * stat.f_frsize
+        if free < nbytes:
+            raise OSError(f"{self.directory} has {free} bytes free, the shared segment needs {nbytes} "
+                          f"(a container's /dev/shm is often 64 MB: raise --shm-size)")
+        fd, self.path = tempfile.mkstemp(prefix="segment-", suffix=".mem", dir=self.directory)
+        self.nbytes = nbytes
+        self.entry: Path | None = None
+        try:
+            os.posix_fallocate(fd, 0, nbytes)  # reserve now: a full tmpfs would SIGBUS on first touch
+        except OSError:
+            os.close(fd)
+            os.unlink(self.path)
+            raise
+        os.close(fd)
+
+    def publish(self, endpoint: str, base: int) -> None:
+        entry = self.directory / _entry_name(netns_id(), endpoint)
+        record = {"endpoint": endpoint, "path": self.path, "base": base, "size": self.nbytes,
+                  "pid": os.getpid(), "start": process_start(os.getpid())}
+        tmp = entry.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, entry)
+        self.entry = entry
+
+    def close(self) -> None:
+        for p in (self.entry, Path(self.path)):
+            if p is not None:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+
+
+def sweep_dead(directory: Path) -> None:
+    """Remove entries (and their files) of holders that died without closing."""
+    for entry in directory.glob("*.json"):
+        try:
+            rec = json.loads(entry.read_text())
+        except (OSError, ValueError):
+            continue
+        if process_start(rec.get("pid", -1)) != rec.get("start"):
+            for p in (Path(rec.get("path", "")), entry):
+                try:
+                    if p.name:
+                        p.unlink()
+                except OSError:
+                    pass
+            log.info("mooncake: removed the shared segment of dead holder pid %s", rec.get("pid"))
+
+
+@dataclass
+class _Mapped:
+    base: int       # the holder's address of the file's first byte
+    size: int
+    local: int      # this process's address of it
+    pid: int
+    start: int
+
+
+class SameHostSegments:
+    """Reader side: published segments of live holders in this network namespace, mapped
+    read-only on first use. Thread-safe."""
+
+    def __init__(self, directory: str = DEFAULT_DIR):
+        self.directory = Path(directory)
+        self._netns = netns_id()
+        self._lock = threading.Lock()
+        self._maps: dict[str, _Mapped] = {}
+        self._listed_at = -_LIST_EVERY_S
+        self._entries: dict[str, Path] = {}
+        self._graveyard: list[tuple[float, int, int]] = []  # (dropped at, address, size)
+
+    def present(self) -> bool:
+        """Whether any holder published a segment in this namespace (re-listed every 2 s)."""
+        now = time.monotonic()
+        if now - self._listed_at >= _LIST_EVERY_S:
+            prefix = f"{self._netns}-"
+            try:
+                names = [p for p in self.directory.glob(prefix + "*.json")]
+            except OSError:
+                names = []
+            with self._lock:
+                self._entries = {p.name: p for p in names}
+                self._listed_at = now
+                self._bury_old(now)
+        return bool(self._entries)
+
+    def source(self, endpoint: str, address: int, nbytes: int) -> int | None:
+        """This process's address of ``[address, address + nbytes)`` at ``endpoint``, if a
+        live same-host holder published it."""
+        m = self._maps.get(endpoint)
+        if m is None:
+            m = self._open(endpoint)
+            if m is None:
+                return None
+        if m.base <= address and address + nbytes <= m.base + m.size:
+            return m.local + (address - m.base)
+        return None
+
+    def alive(self, endpoint: str) -> bool:
+        """Whether the holder mapped for ``endpoint`` still runs (checked after a copy)."""
+        m = self._maps.get(endpoint)
+        if m is not None and process_start(m.pid) == m.start:
+            return True
+        self._drop(endpoint)
+        return False
+
+    def _open(self, endpoint: str) -> _Mapped | None:
+        entry = self._entries.get(_entry_name(self._netns, endpoint))
+        if entry is None:
+            return None
+        with self._lock:
+            if endpoint in self._maps:
+                return self._maps[endpoint]
+            try:
+                rec = json.loads(entry.read_text())
+                if rec["endpoint"] != endpoint or process_start(rec["pid"]) != rec["start"]:
+                    return None
+                fd = os.open(rec["path"], os.O_RDONLY)
+            except (OSError, ValueError, KeyError):
+                return None
+            try:
+                if os.fstat(fd).st_size < rec["size"]:
+                    return None
+                local = _libc.mmap(None, rec["size"], _PROT_READ, _MAP_SHARED, fd, 0)
+            finally:
+                os.close(fd)
+            if local in (None, _MAP_FAILED):
+                log.warning("mooncake: cannot map the shared segment %s: errno %d", rec["path"], ctypes.get_errno())
+                return None
+            m = _Mapped(base=int(rec["base"]), size=int(rec["size"]), local=local, pid=int(rec["pid"]),
+                        start=int(rec["start"]))
+            self._maps[endpoint] = m
+            log.info("mooncake: reading the pages of same-host store pid %d (%s) from shared memory",
+                     m.pid, endpoint)
+            return m
+
+    def _drop(self, endpoint: str) -> None:
+        with self._lock:
+            m = self._maps.pop(endpoint, None)
+            if m is not None:
+                # a copy of another thread may still read it: unmapped later, not now
+                self._graveyard.append((time.monotonic(), m.local, m.size))
+                log.warning("mooncake: same-host store pid %d (%s) is gone; its pages are misses",
+                            m.pid, endpoint)
+
+    def _bury_old(self, now: float) -> None:
+        keep = []
+        for dropped, address, size in self._graveyard:
+            if now - dropped >= _UNMAP_AFTER_S:
+                _libc.munmap(address, size)
+            else:
+                keep.append((dropped, address, size))
+        self._graveyard = keep
+
+    def close(self) -> None:
+        with self._lock:
+            for m in self._maps.values():
+                self._graveyard.append((-_UNMAP_AFTER_S, m.local, m.size))
+            self._maps.clear()
+            self._bury_old(time.monotonic())
