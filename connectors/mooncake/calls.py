@@ -11,7 +11,7 @@ than the executor), and the most recently used idle worker takes the next call (
 so a caller that calls in sequence always meets the same, recently run thread. What
 remains is the cost of any hand-off: waking the worker and, at the end, the caller.
 Running the call on the caller's thread (``call_mode="inline"``, ``run_inline``) removes
-that; then only Mooncake's own timeouts bound the call, which ``mooncake_timeouts`` derives
+that; then only Mooncake's own timeouts bound the call, which ``engine_env.mooncake_timeouts`` derives
 from ``op_timeout`` (measured bounds in ``docs/mooncake.md``).
 """
 
@@ -36,24 +36,6 @@ def run_inline(fn: Callable[..., Any], args: tuple) -> tuple[str, Any]:
         return DONE, fn(*args)
     except Exception as e:  # noqa: BLE001 - handed to the caller
         return RAISED, e
-
-
-def mooncake_timeouts(op_timeout: float) -> dict[str, str]:
-    """Mooncake's own timeouts (environment variables, default 30 s each) that bound an
-    inline call: a stalled master fails the RPC, a stalled peer the transfer (TCP). Not
-    always within ``op_timeout``: transfers queued behind a dropped lane wait their turn
-    (measured bounds in ``docs/mooncake.md``). ``MC_TCP_STATUS_TIMEOUT_SEC`` is left alone:
-    the progress timeout already ends such transfers, and a short status timeout makes
-    Mooncake take a slow peer for one speaking its legacy protocol."""
-    half_ms = max(int(op_timeout * 500), 200)
-    # whole seconds, minimum 1; a stall is noticed within ~2 s more than this (measured)
-    progress_s = max(int(op_timeout / 2) - 1, 1)
-    return {
-        "MC_RPC_TIMEOUT_MS": str(half_ms),  # every client->master RPC
-        "MC_RPC_CONNECT_TIMEOUT_MS": str(half_ms),
-        "MC_TCP_PROGRESS_TIMEOUT_SEC": str(progress_s),  # no payload progress on a transfer
-        "MC_TCP_ADMISSION_TIMEOUT_MS": str(half_ms),  # waiting for a lane to the peer
-    }
 
 
 class _Job:

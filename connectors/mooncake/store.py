@@ -69,9 +69,9 @@ from connectors.base import (BackendUnavailable, MissingDependency, Page, PageSt
 from connectors.buffers import gather_into, scatter, scatter_many
 from connectors.config import parse_config
 from connectors.mooncake import errors as mc_errors
-from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, mooncake_timeouts, run_inline
+from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
 from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
-from connectors.mooncake.engine_env import apply_engine_defaults
+from connectors.mooncake.engine_env import apply_engine_defaults, apply_inline_timeouts
 from connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replicas
 from connectors.mooncake.shared_segment import SameHostSegments, SharedSegmentFile, mapping_base
 from connectors.mooncake.staging import StagingBuffer
@@ -82,8 +82,6 @@ log = logging.getLogger("kvconnect.mooncake")
 _SETUP_ATTEMPT_S = 4.5
 _RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
 _USER_RETRIES = _RETRIES_ENV in os.environ  # a user's own choice is never overridden
-# Mooncake timeout variables set by the user (not by an earlier inline store): kept as set
-_USER_TIMEOUTS = frozenset(k for k in mooncake_timeouts(1.0) if k in os.environ)
 
 
 def _import_mooncake():
@@ -235,9 +233,7 @@ class MooncakeStore(PageStore):
         if c.call_mode == "inline":
             # nothing but Mooncake's own timeouts bounds an inline call: derive them from
             # op_timeout (process-wide; read by setup and by each transfer)
-            for name, value in mooncake_timeouts(c.op_timeout).items():
-                if name not in _USER_TIMEOUTS:
-                    os.environ[name] = value
+            apply_inline_timeouts(c.op_timeout)
         # Mooncake's setup holds the GIL while it retries, so a thread cannot bound it:
         # first wait (bounded) until the master accepts TCP connections at all.
         t0 = time.monotonic()
@@ -335,7 +331,7 @@ class MooncakeStore(PageStore):
         """``fn(*args)`` within ``op_timeout``; None if it failed or timed out.
 
         ``call_mode="worker"``: on a worker, abandoned at ``op_timeout``; ``"inline"``: on
-        this thread, bounded by Mooncake's timeouts (``mooncake_timeouts``); a call that
+        this thread, bounded by Mooncake's timeouts (``engine_env.mooncake_timeouts``); a call that
         still took longer than ``op_timeout`` keeps its answer but turns the store unhealthy,
         so the next calls short-circuit instead of waiting as long.
 

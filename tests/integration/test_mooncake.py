@@ -26,7 +26,7 @@ import pytest
 
 from connectors.base import BackendUnavailable
 from connectors.buffers import HostBuffer
-from connectors.mooncake.calls import mooncake_timeouts
+from connectors.mooncake.engine_env import mooncake_timeouts
 from connectors.mooncake.testing import MasterProcess
 from connectors.registry import create_store
 from tests.conformance.suite import PAGE, check_page, page_bytes

@@ -11,7 +11,7 @@ import pytest
 
 from connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
 from connectors.config import parse_config
-from connectors.mooncake import calls
+from connectors.mooncake import calls, engine_env
 from connectors.mooncake import errors as E
 from connectors.mooncake.config import MooncakeConfig, merged_options
 from connectors.mooncake.staging import StagingBuffer
@@ -227,12 +227,12 @@ def test_call_mode_from_options_and_environment_and_bad_values_name_the_key():
 
 
 def test_inline_timeouts_follow_op_timeout():
-    t = calls.mooncake_timeouts(5.0)
+    t = engine_env.mooncake_timeouts(5.0)
     assert t["MC_RPC_TIMEOUT_MS"] == "2500" and t["MC_RPC_CONNECT_TIMEOUT_MS"] == "2500"
     assert t["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "1"
     assert "MC_TCP_STATUS_TIMEOUT_SEC" not in t  # a short one takes a slow peer for a legacy one
-    assert calls.mooncake_timeouts(20.0)["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"
-    assert calls.mooncake_timeouts(0.1)["MC_RPC_TIMEOUT_MS"] == "200"  # floor: an RPC needs some time
+    assert engine_env.mooncake_timeouts(20.0)["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"
+    assert engine_env.mooncake_timeouts(0.1)["MC_RPC_TIMEOUT_MS"] == "200"  # floor: an RPC needs some time
 
 
 def test_run_inline_answers_like_the_runner_on_the_calling_thread():
