@@ -65,12 +65,16 @@ def _entry_name(netns: int, endpoint: str) -> str:
     return f"{netns}-{endpoint.replace(':', '_').replace('/', '_')}.json"
 
 
-def mapping_base(path: str) -> int | None:
-    """Start address of this process's first mapping of ``path``."""
+def mapping_base(path: str, nbytes: int) -> int | None:
+    """Start address of this process's mapping of the first ``nbytes`` of ``path`` (one
+    mapping from file offset 0), else None."""
     with open("/proc/self/maps") as f:
         for line in f:
-            if line.rstrip().endswith(" " + path):
-                return int(line.split("-", 1)[0], 16)
+            fields = line.split()
+            if len(fields) >= 6 and fields[-1] == path and int(fields[2], 16) == 0:
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if hi - lo >= nbytes:
+                    return lo
     return None
 
 
@@ -80,7 +84,7 @@ class SharedSegmentFile:
     def __init__(self, directory: str, nbytes: int):
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        sweep_dead(self.directory)
+        sweep_dead(self.directory, netns_id())
         stat = os.statvfs(self.directory)
         free = stat.f_bavail * stat.f_frsize
         if free < nbytes:
@@ -115,9 +119,10 @@ class SharedSegmentFile:
                     pass
 
 
-def sweep_dead(directory: Path) -> None:
-    """Remove entries (and their files) of holders that died without closing."""
-    for entry in directory.glob("*.json"):
+def sweep_dead(directory: Path, netns: int) -> None:
+    """Remove entries (and their files) of holders in network namespace ``netns`` that died
+    without closing (other namespaces' holders may live in another PID namespace)."""
+    for entry in directory.glob(f"{netns}-*.json"):
         try:
             rec = json.loads(entry.read_text())
         except (OSError, ValueError):
@@ -167,7 +172,18 @@ class SameHostSegments:
                 self._entries = {p.name: p for p in names}
                 self._listed_at = now
                 self._bury_old(now)
+            # a holder that left (entry gone) or died: let go of its memory (an unlinked
+            # file's pages stay allocated while anyone maps them)
+            for endpoint, m in list(self._maps.items()):
+                if _entry_name(self._netns, endpoint) not in self._entries or \
+                        process_start(m.pid) != m.start:
+                    self._drop(endpoint)
         return bool(self._entries)
+
+    @property
+    def mapped(self) -> int:
+        """Same-host segments mapped now."""
+        return len(self._maps)
 
     def source(self, endpoint: str, address: int, nbytes: int) -> int | None:
         """This process's address of ``[address, address + nbytes)`` at ``endpoint``, if a
@@ -225,8 +241,8 @@ class SameHostSegments:
             if m is not None:
                 # a copy of another thread may still read it: unmapped later, not now
                 self._graveyard.append((time.monotonic(), m.local, m.size))
-                log.warning("mooncake: same-host store pid %d (%s) is gone; its pages are misses",
-                            m.pid, endpoint)
+                log.warning("mooncake: same-host store pid %d (%s) is gone; its pages are no longer "
+                            "read from shared memory", m.pid, endpoint)
 
     def _bury_old(self, now: float) -> None:
         keep = []

@@ -180,7 +180,7 @@ class MooncakeStore(PageStore):
     def _publish_shared_segment(self) -> None:
         shared = self._shared_file
         assert shared is not None
-        base = mapping_base(shared.path)
+        base = mapping_base(shared.path, shared.nbytes)
         if self._own_endpoint is None or base is None:
             log.warning("mooncake: shared segment %s not published (endpoint %s, mapped at %s): "
                         "same-host readers use the Transfer Engine", shared.path, self._own_endpoint, base)
@@ -690,6 +690,7 @@ class MooncakeStore(PageStore):
                          staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
                          call_mode=self.config.call_mode, local_copy_endpoint=self._own_endpoint,
                          shared_segment=self._shared_file.path if self._shared_file else None,
+                         shared_segments_mapped=self._same_host.mapped if self._same_host else 0,
                          master=self.config.master_server_address)
         return StoreUsage(extra=extra)
 

@@ -177,8 +177,21 @@ else:
                     time.sleep(0.5)
             assert all(ok)
             got = HostBuffer(8, PAGE, 2)
+            time.sleep(2.1)  # readers look for newly published segments every 2 s
+            before = reader.stats().extra["shared_copy_pages"]
             assert reader.get_into(fresh, [got.page(i) for i in range(8)]) == [True] * 8
             assert [check_page(k, got.read(i)) for i, k in enumerate(fresh)] == [0] * 8
+            assert reader.stats().extra["shared_copy_pages"] - before == 8
+            assert reader.stats().extra["shared_segments_mapped"] == 1  # the dead one's was let go
+
+            # a store process that exits cleanly removes its entry; readers let go of its
+            # memory at their next look (every 2 s), not only when a copy finds it gone
+            second.terminate()
+            second.wait(15)
+            assert not list(Path(sub).glob("*.json")) and not list(Path(sub).glob("*.mem"))
+            time.sleep(2.1)
+            reader.get_into(fresh[:1], [got.page(0)])
+            assert reader.stats().extra["shared_segments_mapped"] == 0
         finally:
             reader.close()
             for p in (first, second):
