@@ -6,7 +6,11 @@ Run: ``kvconnect bench mooncake [--quick]`` or ``python benchmarks/mooncake.py [
 The seed's deployment, on one machine: a ``mooncake_master`` and a process that only
 contributes a memory segment (the standalone store), both in a loopback-only netns made
 for the run; the engine side contributes no memory, so every page crosses the Transfer
-Engine's TCP path, as between SGLang and a standalone store.
+Engine's TCP path, as between SGLang and a standalone store. With ``--shared-segment`` the
+holder is a ``kvconnect mooncake-store -o shared_segment=true`` process instead: kvconnect's
+systems then copy pages out of its shared memory (the same-host path), while ``raw`` and
+``sglang`` still move them over TCP; the ratios then compare the deployments, not the
+adapters' overhead (results in ``benchmarks/results/mooncake_shared.json``).
 
 One worker process (inside the namespace) builds a real SGLang host KV pool
 (``page_first_direct``: K and V of a page are two separate segments) filled with the same
@@ -39,6 +43,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -110,6 +116,8 @@ def _worker(args: argparse.Namespace) -> int:
 
     systems: dict[str, tuple[Any, Any]] = {}
     closers: list[Any] = []
+    # --shared-segment: kvconnect's stores read the holder's published shared memory
+    shared = {"shared_segment_dir": p["shared_segment_dir"]} if p.get("shared_segment_dir") else {}
     kvc_stores: dict[str, Any] = {}
 
     for name in p["systems"]:
@@ -146,7 +154,7 @@ def _worker(args: argparse.Namespace) -> int:
             from connectors.registry import create_store
 
             st = create_store("mooncake", {"master_server_address": master, "protocol": "tcp",
-                                           "local_hostname": "127.0.0.1", "global_segment_size": 0,
+                                           "local_hostname": "127.0.0.1", "global_segment_size": 0, **shared,
                                            "staging_size": "8mb",
                                            "call_mode": "inline" if name == "kvc_inline" else "worker"})
             st.register_memory(*region)
@@ -164,7 +172,7 @@ def _worker(args: argparse.Namespace) -> int:
 
             extra = {"backend_name": "kvconnect", "interface_v1": 1, "store": "mooncake",
                      "master_server_address": master, "protocol": "tcp", "local_hostname": "127.0.0.1",
-                     "global_segment_size": 0, "staging_size": "8mb",
+                     "global_segment_size": 0, "staging_size": "8mb", **shared,
                      "call_mode": "inline" if name.endswith("_inline") else "worker"} if name != "sglang" else None
             cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
@@ -226,7 +234,8 @@ def _worker(args: argparse.Namespace) -> int:
         print(f"# {name}: put {out[name]['put_gib_s']:.3f} GiB/s, get {out[name]['get_gib_s']:.3f} GiB/s",
               file=sys.stderr, flush=True)
     for name, st in kvc_stores.items():
-        out[name]["path"] = {k: st.stats().extra[k] for k in ("direct_pages", "staged_pages", "call_mode")}
+        out[name]["path"] = {k: st.stats().extra[k] for k in ("direct_pages", "staged_pages", "shared_copy_pages",
+                                                              "call_mode")}
     for close in closers:
         close()
     print("RESULT " + json.dumps(out), flush=True)
@@ -264,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="repetitions per system (default 30; quick 6)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     ap.add_argument("--output", default=None, help="result JSON (default benchmarks/results/mooncake.json)")
+    ap.add_argument("--shared-segment", action="store_true",
+                    help="the segment holder is a `kvconnect mooncake-store -o shared_segment=true` process: the "
+                         "kvconnect systems copy pages from its shared memory, raw and SGLang use TCP "
+                         "(default output benchmarks/results/mooncake_shared.json)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
     ap.add_argument("--params", default="{}", help=argparse.SUPPRESS)
@@ -287,11 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     res = BenchResult("mooncake", params=dict(params, segment=segment, transport="tcp over loopback (netns)",
                                               layout="page_first_direct bf16"))
     cluster = MooncakeCluster(lease_ttl_ms=10000)
+    shm_dir = f"/dev/shm/kvc-bench-{secrets.token_hex(4)}" if args.shared_segment else ""
     try:
-        cluster.start_holder(segment)
+        if shm_dir:
+            cluster.start_store_process(segment, shared_segment_dir=shm_dir)
+            params["shared_segment_dir"] = shm_dir
+            res.params.update(transport="kvconnect systems: shared memory of the store process; raw / sglang: "
+                                        "tcp over loopback (netns)")
+        else:
+            cluster.start_holder(segment)
         fig = _run_worker(cluster, params, timeout=170 if args.quick else 560)
     finally:
         cluster.close()
+        if shm_dir:
+            shutil.rmtree(shm_dir, ignore_errors=True)
     res.figures = fig
     batch = params["pages"] * fig["page_nbytes"]
     res.params.update(page_nbytes=fig["page_nbytes"], batch_bytes=batch)
@@ -310,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                     "SGLang 0.5.23 MooncakeStore backend (target >= 1.0)"),
                    ("raw", "raw_per_segment", "one object per page / one per segment (raw)",
                     "raw batch_put_from/batch_get_into, one object per segment")]
+    if shm_dir:
+        comparisons = [(o, r, f"{label} [kvconnect reads shared memory]", system)
+                       for o, r, label, system in comparisons]
     for op in ("get", "put"):
         for ours, ref, label, system in comparisons:
             if ours in fig and ref in fig:
@@ -321,9 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     res.notes.append("all systems ran interleaved (rotating order per repetition) in one worker process, same pages; "
                      "the machine is shared (see machine.loadavg): quote ratios, not absolute GiB/s")
     res.notes.append("engine side contributes no segment; pages live in a separate segment-holder process "
-                     "(Transfer Engine TCP over loopback), as with SGLang + a standalone Mooncake store")
+                     "(Transfer Engine TCP over loopback), as with SGLang + a standalone Mooncake store"
+                     + ("; the holder lends shared memory, which kvconnect's gets copy from (puts still go "
+                        "through Mooncake)" if shm_dir else ""))
     res.print_ratios()
-    res.write(Path(args.output) if args.output else None)
+    default_out = ROOT / "benchmarks" / "results" / "mooncake_shared.json" if shm_dir else None
+    res.write(Path(args.output) if args.output else default_out)
     return 0
 
 

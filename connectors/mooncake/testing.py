@@ -256,6 +256,42 @@ class MooncakeCluster:
             raise RuntimeError(f"segment holder did not start: {line!r}")
         return p
 
+    def start_store_process(self, segment: str = "256mb", *, shared_segment_dir: str | None = None,
+                            master: MasterProcess | None = None, timeout: float = 60) -> subprocess.Popen:
+        """A ``kvconnect mooncake-store`` process lending ``segment`` bytes (from shared memory
+        in ``shared_segment_dir``, published there, if given), stopped by ``close()``."""
+        cmd = self.exec_prefix() + [
+            sys.executable, "-m", "connectors.cli", "mooncake-store", "--master", (master or self.master).address,
+            "--segment", segment, "-o", "protocol=tcp", "-o", "local_hostname=127.0.0.1",
+            "-o", "metadata_server=P2PHANDSHAKE", "-o", "local_buffer_size=16mb", "-o", "staging_size=16mb"]
+        if shared_segment_dir:
+            cmd += ["-o", "shared_segment=true", "-o", f"shared_segment_dir={shared_segment_dir}"]
+        root = str(Path(__file__).resolve().parents[2])
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=env, start_new_session=True)
+        self.holders.append(p)
+        ready = "kvconnect mooncake-store: contributing"
+        lines: list[str] = []
+
+        def read() -> None:
+            for line in p.stdout:  # type: ignore[union-attr]
+                lines.append(line)
+                if line.startswith(ready):
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not any(x.startswith(ready) for x in lines):
+            p.kill()
+            raise RuntimeError(f"kvconnect mooncake-store did not start: {lines[-5:]}")
+        if shared_segment_dir:  # published right after setup
+            deadline = time.monotonic() + 10
+            while not any(Path(shared_segment_dir).glob("*.json")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return p
+
     def close(self) -> None:
         for p in self.holders:
             try:

@@ -36,3 +36,25 @@ def test_mooncake_benchmark_quick(tmp_path):
     assert "get_gib_s kvconnect MooncakeStore / raw" in metrics
     assert "get_gib_s kvconnect HiCache / SGLang MooncakeStore" in metrics
     assert "loadavg" in doc["machine"]
+
+
+def test_mooncake_benchmark_shared_segment_quick(tmp_path):
+    """``--shared-segment``: the holder is a kvconnect store process lending shared memory;
+    kvconnect's gets are copies from it (counted), byte-exact like every other system."""
+    reason = mooncake_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
+    out = tmp_path / "mooncake_shared.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
+    p = subprocess.run([sys.executable, "-m", "benchmarks.mooncake", "--quick", "--reps", "2", "--shared-segment",
+                        "--systems", "raw,kvc", "--output", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=280)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    doc = json.loads(out.read_text())
+    fig = doc["figures"]
+    assert fig["kvc"]["path"]["shared_copy_pages"] >= 2 * doc["params"]["pages"]  # every get of both reps
+    assert fig["raw"]["get_gib_s"] > 0
+    assert "get_gib_s kvconnect MooncakeStore / raw [kvconnect reads shared memory]" in \
+        {r["metric"] for r in doc["ratios"]}
+    assert not list(Path("/dev/shm").glob("kvc-bench-*")), "the benchmark left its shared segment behind"

@@ -20,16 +20,12 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.mooncake_env import INNER, outer_test
-
-ROOT = Path(__file__).resolve().parents[2]
 
 if not INNER:
     test_in_loopback_namespace = outer_test(__file__)
@@ -40,31 +36,8 @@ else:
     from tests.conformance.suite import PAGE, PageStoreConformance, check_page, page_bytes
     from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
 
-    def _start_holder(master: str, directory: str, segment: str = "128mb") -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "connectors.cli", "mooncake-store", "--master", master,
-               "--segment", segment, "-o", "shared_segment=true", "-o", f"shared_segment_dir={directory}",
-               "-o", "protocol=tcp", "-o", "local_hostname=127.0.0.1", "-o", "metadata_server=P2PHANDSHAKE",
-               "-o", "local_buffer_size=16mb", "-o", "staging_size=16mb"]
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             start_new_session=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        lines: list[str] = []
-
-        def read() -> None:
-            for line in p.stdout:  # type: ignore[union-attr]
-                lines.append(line)
-                if line.startswith("kvconnect mooncake-store: contributing"):
-                    return
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(60)
-        if not any(x.startswith("kvconnect mooncake-store: contributing") for x in lines):
-            p.kill()
-            raise RuntimeError(f"mooncake-store did not start: {lines[-5:]}")
-        deadline = time.monotonic() + 10  # published right after setup
-        while not list(Path(directory).glob("*.json")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return p
+    def _start_holder(cluster, directory: str, segment: str = "128mb", master=None) -> subprocess.Popen:
+        return cluster.start_store_process(segment, shared_segment_dir=directory, master=master)
 
     @pytest.fixture(scope="module")
     def shm_dir():
@@ -74,7 +47,7 @@ else:
 
     @pytest.fixture(scope="module")
     def holder(mooncake_cluster, shm_dir):  # noqa: F811
-        p = _start_holder(mooncake_cluster.master.address, shm_dir)
+        p = _start_holder(mooncake_cluster, shm_dir)
         yield p
         if p.poll() is None:
             p.terminate()
@@ -137,7 +110,7 @@ else:
         master = MasterProcess(None, rpc_port=50073, metrics_port=9025, lease_ttl_ms=500,
                                log_path=tmp_path / "master-kill.log").start()
         sub = f"{shm_dir}-kill"
-        first = _start_holder(master.address, sub, segment="64mb")
+        first = _start_holder(mooncake_cluster, sub, segment="64mb", master=master)
         reader = create_store("mooncake", _engine_options(mooncake_cluster, sub, op_timeout=3,
                                                           master_server_address=master.address))
         second = None
@@ -164,7 +137,7 @@ else:
             # were found in the reader's mapping, copied, and dropped for the dead holder
             assert reader.stats().extra["shared_copy_holder_gone"] == 8
 
-            second = _start_holder(master.address, sub, segment="64mb")
+            second = _start_holder(mooncake_cluster, sub, segment="64mb", master=master)
             assert not Path(dead_file).exists() and not dead_entry.exists(), "dead store's files not swept"
             fresh = [f"after-{secrets.token_hex(6)}-{i}" for i in range(8)]
             for i, k in enumerate(fresh):
