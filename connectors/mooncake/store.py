@@ -20,7 +20,9 @@ Memory paths
   * *local copy* (``local_copy``, on by default in a process that lends a segment): pages
     whose replica lies in this process's own segment are copied by kvconnect's copy
     threads under the read lease of a ``batch_get_replica_desc`` query (Mooncake 0.3.x
-    copies local replicas with one thread); see ``connectors.mooncake.local_copy``. Other
+    copies local replicas with one thread); see ``connectors.mooncake.local_copy``. The
+    same holds for replicas in a same-host store process that lends its segment from
+    shared memory (``shared_segment``; ``connectors.mooncake.shared_segment``). Other
     pages take the paths above.
 
 Deadlines and failures
