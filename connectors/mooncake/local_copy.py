@@ -27,22 +27,28 @@ from __future__ import annotations
 import ctypes
 import logging
 import secrets
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 log = logging.getLogger("kvconnect.mooncake")
 
 PROBE_BYTES = 64
 
 
+def mappings() -> Iterator[tuple[int, int, str, int, str]]:
+    """This process's memory mappings: (start, end, perms, file offset, path or '')."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            yield lo, hi, fields[1], int(fields[2], 16), fields[5].strip() if len(fields) > 5 else ""
+
+
 def _readable(address: int, nbytes: int) -> bool:
     """Whether ``[address, address + nbytes)`` lies in one readable mapping of this process."""
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                span, perms = line.split(None, 2)[:2]
-                lo, hi = (int(x, 16) for x in span.split("-"))
-                if lo <= address and address + nbytes <= hi:
-                    return perms.startswith("r")
+        for lo, hi, perms, _, _ in mappings():
+            if lo <= address and address + nbytes <= hi:
+                return perms.startswith("r")
     except OSError:
         return False
     return False
@@ -73,14 +79,9 @@ def find_own_endpoint(client: Any, replicate: Any, scratch_address: int) -> tupl
         rc = client.put_from(key, scratch_address, PROBE_BYTES, replicate)
         if rc != 0:
             return None, f"probe put returned {rc}"
-        for r in client.get_replica_desc(key):
-            if not r.is_memory_replica():
-                continue
-            desc = r.get_memory_descriptor().buffer_descriptor
-            address = int(desc.buffer_address)
-            if desc.size == PROBE_BYTES and _readable(address, PROBE_BYTES) \
-                    and ctypes.string_at(address, PROBE_BYTES) == token:
-                return str(desc.transport_endpoint), ""
+        for endpoint, address in memory_replicas(client.get_replica_desc(key), PROBE_BYTES):
+            if _readable(address, PROBE_BYTES) and ctypes.string_at(address, PROBE_BYTES) == token:
+                return endpoint, ""
         return None, "the probe object was not placed in this process's segment"
     except Exception as e:  # noqa: BLE001 - a probe failure only disables the fast path
         return None, f"probe raised {type(e).__name__}: {e}"

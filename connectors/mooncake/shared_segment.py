@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from connectors.mooncake.local_copy import mappings
+
 log = logging.getLogger("kvconnect.mooncake")
 
 DEFAULT_DIR = "/dev/shm/kvconnect-mooncake"
@@ -68,13 +70,9 @@ def _entry_name(netns: int, endpoint: str) -> str:
 def mapping_base(path: str, nbytes: int) -> int | None:
     """Start address of this process's mapping of the first ``nbytes`` of ``path`` (one
     mapping from file offset 0), else None."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) >= 6 and fields[-1] == path and int(fields[2], 16) == 0:
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if hi - lo >= nbytes:
-                    return lo
+    for lo, hi, _, offset, mapped in mappings():
+        if mapped == path and offset == 0 and hi - lo >= nbytes:
+            return lo
     return None
 
 
@@ -165,7 +163,7 @@ class SameHostSegments:
         if now - self._listed_at >= _LIST_EVERY_S:
             prefix = f"{self._netns}-"
             try:
-                names = [p for p in self.directory.glob(prefix + "*.json")]
+                names = list(self.directory.glob(prefix + "*.json"))
             except OSError:
                 names = []
             with self._lock:

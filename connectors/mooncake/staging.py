@@ -16,6 +16,7 @@ import ctypes
 import mmap
 import threading
 import time
+from typing import Any, Callable
 
 
 class StagingBuffer:
@@ -64,6 +65,18 @@ class StagingBuffer:
                 self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + self._free[i][1])
                 del self._free[i]
             self._cond.notify_all()
+
+    def releaser(self, off: int) -> Callable[[Any], None]:
+        """``release(off)`` as a callback that acts once however often it is called: the
+        caller and an abandoned call's completion may both run it."""
+        released = threading.Event()
+
+        def release(_result: Any = None) -> None:
+            if not released.is_set():
+                released.set()
+                self.release(off)
+
+        return release
 
     @property
     def in_use(self) -> int:

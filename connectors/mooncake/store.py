@@ -206,13 +206,7 @@ class MooncakeStore(PageStore):
         off = self._staging.acquire(PROBE_BYTES, time.monotonic() + self.config.op_timeout)
         found = None
         if off is not None:
-            released = threading.Event()
-
-            def release(_result: Any) -> None:  # once the probe can no longer touch the extent
-                if not released.is_set():
-                    released.set()
-                    self._staging.release(off)
-
+            release = self._staging.releaser(off)  # once the probe can no longer touch the extent
             found = self._call("local copy probe", find_own_endpoint, self._client, probe,
                                self._staging.address + off, on_abandoned_done=release)
             if found is not None:
@@ -464,12 +458,13 @@ class MooncakeStore(PageStore):
         for i, key in enumerate(keys):
             found = replicas.get(key)
             source = holder = None
-            for endpoint, address in memory_replicas(found, page_nbytes(pages[i])) if found else ():
+            nbytes = page_nbytes(pages[i])
+            for endpoint, address in memory_replicas(found, nbytes) if found else ():
                 if endpoint == own:
                     source = address
                     break
                 if same_host is not None:
-                    source = same_host.source(endpoint, address, page_nbytes(pages[i]))
+                    source = same_host.source(endpoint, address, nbytes)
                     if source is not None:
                         holder = endpoint
                         break
@@ -595,12 +590,7 @@ class MooncakeStore(PageStore):
             off = self._staging.acquire(total, time.monotonic() + self.config.op_timeout)
             if off is None:
                 continue  # staging exhausted for the whole deadline: misses
-            released = threading.Event()
-
-            def release(_res: Any, off: int = off, released: threading.Event = released) -> None:
-                if not released.is_set():
-                    released.set()
-                    self._staging.release(off)
+            release = self._staging.releaser(off)
 
             base = self._staging.address + off
             ptrs, pos = [], base
@@ -628,12 +618,7 @@ class MooncakeStore(PageStore):
             off = self._staging.acquire(sum(sizes), time.monotonic() + self.config.op_timeout)
             if off is None:
                 continue
-            released = threading.Event()
-
-            def release(_res: Any, off: int = off, released: threading.Event = released) -> None:
-                if not released.is_set():
-                    released.set()
-                    self._staging.release(off)
+            release = self._staging.releaser(off)
 
             ptrs, pos = [], self._staging.address + off
             for i, n in zip(chunk, sizes):

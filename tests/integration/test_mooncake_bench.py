@@ -17,17 +17,22 @@ from tests.mooncake_env import mooncake_skip_reason
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_mooncake_benchmark_quick(tmp_path):
+def _run_quick(tmp_path, *options: str) -> dict:
+    """``benchmarks/mooncake.py --quick --reps 2 OPTIONS``; its result JSON."""
     reason = mooncake_skip_reason()
     if reason:
         pytest.skip(reason)
     pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
     out = tmp_path / "mooncake.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    p = subprocess.run([sys.executable, "-m", "benchmarks.mooncake", "--quick", "--reps", "2",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.mooncake", "--quick", "--reps", "2", *options,
                         "--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_mooncake_benchmark_quick(tmp_path):
+    doc = _run_quick(tmp_path)
     fig = doc["figures"]
     for name in ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment"):
         assert fig[name]["get_gib_s"] > 0 and fig[name]["put_gib_s"] > 0
@@ -41,17 +46,7 @@ def test_mooncake_benchmark_quick(tmp_path):
 def test_mooncake_benchmark_shared_segment_quick(tmp_path):
     """``--shared-segment``: the holder is a kvconnect store process lending shared memory;
     kvconnect's gets are copies from it (counted), byte-exact like every other system."""
-    reason = mooncake_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
-    out = tmp_path / "mooncake_shared.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    p = subprocess.run([sys.executable, "-m", "benchmarks.mooncake", "--quick", "--reps", "2", "--shared-segment",
-                        "--systems", "raw,kvc", "--output", str(out)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=280)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
-    doc = json.loads(out.read_text())
+    doc = _run_quick(tmp_path, "--shared-segment", "--systems", "raw,kvc")
     fig = doc["figures"]
     assert fig["kvc"]["path"]["shared_copy_pages"] >= 2 * doc["params"]["pages"]  # every get of both reps
     assert fig["raw"]["get_gib_s"] > 0
