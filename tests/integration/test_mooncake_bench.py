@@ -46,9 +46,12 @@ def test_mooncake_benchmark_quick(tmp_path):
 def test_mooncake_benchmark_shared_segment_quick(tmp_path):
     """``--shared-segment``: the holder is a kvconnect store process lending shared memory;
     kvconnect's gets are copies from it (counted), byte-exact like every other system."""
-    doc = _run_quick(tmp_path, "--shared-segment", "--systems", "raw,kvc")
+    doc = _run_quick(tmp_path, "--shared-segment", "--systems", "raw,kvc", "--processes", "2")
     fig = doc["figures"]
-    assert fig["kvc"]["path"]["shared_copy_pages"] >= 2 * doc["params"]["pages"]  # every get of both reps
+    assert doc["params"]["caller"] == "thread" and doc["params"]["processes"] == 2
+    assert len(fig["kvc"]["get_all_s"]) == len(fig["raw"]["get_all_s"]) == 2 * 2  # 2 processes x 2 reps
+    # every get of both reps in both processes (counters summed over the processes)
+    assert fig["kvc"]["path"]["shared_copy_pages"] >= 2 * 2 * doc["params"]["pages"]
     assert fig["raw"]["get_gib_s"] > 0
     assert "get_gib_s kvconnect MooncakeStore / raw [kvconnect reads shared memory]" in \
         {r["metric"] for r in doc["ratios"]}
