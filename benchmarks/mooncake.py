@@ -267,11 +267,8 @@ def _worker(args: argparse.Namespace) -> int:
                 times[name]["put"].append(tp)
                 times[name]["get"].append(tg)
     for name in names:
-        puts, gets = times[name]["put"], times[name]["get"]
-        out[name] = {"put_s": statistics.median(puts), "get_s": statistics.median(gets),
-                     "put_gib_s": gib_per_s(n * page_nbytes, statistics.median(puts)),
-                     "get_gib_s": gib_per_s(n * page_nbytes, statistics.median(gets)),
-                     "put_all_s": puts, "get_all_s": gets}
+        out[name] = {**_op_figures("put", times[name]["put"], n * page_nbytes),
+                     **_op_figures("get", times[name]["get"], n * page_nbytes)}
         print(f"# {name}: put {out[name]['put_gib_s']:.3f} GiB/s, get {out[name]['get_gib_s']:.3f} GiB/s",
               file=sys.stderr, flush=True)
     for name, st in kvc_stores.items():
@@ -288,7 +285,13 @@ def _worker(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------
 
 
-def _merge(figs: list[dict]) -> dict:
+def _op_figures(op: str, times: list[float], batch_bytes: int) -> dict:
+    """Median seconds and GiB/s of one operation's repetitions, and the repetitions."""
+    med = statistics.median(times)
+    return {f"{op}_s": med, f"{op}_gib_s": gib_per_s(batch_bytes, med), f"{op}_all_s": times}
+
+
+def _merge(figs: list[dict], batch_bytes: int) -> dict:
     """One figure set from several worker processes: every system's repetitions, process
     after process (pairs stay within a repetition); medians over all of them."""
     out = dict(figs[0])
@@ -297,11 +300,8 @@ def _merge(figs: list[dict]) -> dict:
             continue
         merged = dict(f)
         for op in ("put", "get"):
-            times = [t for fig in figs for t in fig[name][f"{op}_all_s"]]
-            med = statistics.median(times)
-            nbytes = f[f"{op}_gib_s"] * f[f"{op}_s"]  # bytes per call, in GiB
-            merged.update({f"{op}_all_s": times, f"{op}_s": med, f"{op}_gib_s": nbytes / med,
-                           f"{op}_s_per_process": [fig[name][f"{op}_s"] for fig in figs]})
+            merged.update(_op_figures(op, [t for fig in figs for t in fig[name][f"{op}_all_s"]], batch_bytes))
+            merged[f"{op}_s_per_process"] = [fig[name][f"{op}_s"] for fig in figs]
         if "path" in f:  # counters of each process's store, summed
             merged["path"] = {k: (sum(fig[name]["path"][k] for fig in figs) if isinstance(v, int) else v)
                               for k, v in f["path"].items()}
@@ -382,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
                                         "tcp over loopback (netns)")
         else:
             cluster.start_holder(segment)
-        fig = _merge([_run_worker(cluster, params, timeout=170 if args.quick else 560)
-                      for _ in tqdm(range(params["processes"]), desc="worker processes", unit="proc",
-                                    file=sys.stderr, disable=params["processes"] < 2)])
+        figs = [_run_worker(cluster, params, timeout=170 if args.quick else 560)
+                for _ in tqdm(range(params["processes"]), desc="worker processes", unit="proc",
+                              file=sys.stderr, disable=params["processes"] < 2)]
+        fig = _merge(figs, params["pages"] * figs[0]["page_nbytes"])
     finally:
         cluster.close()
         if shm_dir:
@@ -422,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                      "engines call a store); caller=main: every system from the benchmark's main thread"
                      if params["caller"] == "thread" else
                      "caller=main: every system called from the benchmark's main thread (not how engines call)")
-    res.notes.append("all systems ran interleaved (rotating order per repetition) in one worker process, same pages; "
+    res.notes.append("all systems ran interleaved (rotating order per repetition) in each worker process, same pages; "
+                     "the worker processes ran one after the other and their repetitions are pooled; "
                      "the machine is shared (see machine.loadavg): quote ratios, not absolute GiB/s")
     res.notes.append("engine side contributes no segment; pages live in a separate segment-holder process "
                      "(Transfer Engine TCP over loopback), as with SGLang + a standalone Mooncake store"

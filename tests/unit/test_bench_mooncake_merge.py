@@ -22,7 +22,7 @@ def test_merge_pools_repetitions_in_order_and_recomputes_medians_and_rates():
          "kvc": _fig([2.0, 4.0], [1.0, 1.0], {"direct_pages": 5, "call_mode": "worker"})}
     b = {"page_nbytes": 524288, "raw": _fig([5.0], [4.0]),
          "kvc": _fig([0.5], [8.0], {"direct_pages": 7, "call_mode": "worker"})}
-    m = _merge([a, b])
+    m = _merge([a, b], 1 << 30)
     assert m["page_nbytes"] == 524288
     # process after process, so repetition i of one system still pairs with repetition i of another
     assert m["raw"]["put_all_s"] == [1.0, 3.0, 5.0] and m["kvc"]["put_all_s"] == [2.0, 4.0, 0.5]
@@ -35,5 +35,5 @@ def test_merge_pools_repetitions_in_order_and_recomputes_medians_and_rates():
 
 def test_merge_of_one_process_keeps_its_figures():
     a = {"page_nbytes": 1, "raw": _fig([1.0, 2.0, 3.0], [1.0, 1.0, 4.0])}
-    m = _merge([a])
+    m = _merge([a], 1 << 30)
     assert m["raw"]["put_s"] == 2.0 and m["raw"]["get_all_s"] == [1.0, 1.0, 4.0]
