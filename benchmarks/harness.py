@@ -1,10 +1,12 @@
 """Common benchmark harness: warm-up, repeats, medians, machine facts, JSON results.
 
-Every benchmark writes ``benchmarks/results/<name>.json`` holding the machine, the
+Every benchmark writes ``<results>/<name>.json`` holding the machine, the
 parameters, the raw figures and a ``ratios`` list of
 ``{"metric", "ours", "reference", "ratio", "reference_system"}`` where
 ``ratio = ours / reference``, oriented so that higher is better unless the metric name says
-otherwise (e.g. ``*_seconds_lower_is_better``).
+otherwise (e.g. ``*_seconds_lower_is_better``). ``<results>`` is ``$KVCONNECT_RESULTS_DIR``,
+else ``benchmarks/results/`` in a checkout (where the recorded runs live), else
+``./kvconnect-results`` (an installed package never writes into site-packages).
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+def _results_dir() -> Path:
+    if os.environ.get("KVCONNECT_RESULTS_DIR"):
+        return Path(os.environ["KVCONNECT_RESULTS_DIR"])
+    checkout = Path(__file__).resolve().parent / "results"
+    return checkout if checkout.is_dir() else Path.cwd() / "kvconnect-results"
+
+
+RESULTS_DIR = _results_dir()
 GiB = 1 << 30
 
 

@@ -55,7 +55,7 @@ from typing import Any, Callable
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `connectors` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,9 +101,9 @@ def bench_store(result: BenchResult, page: int, batch: int, workers: list[int], 
     from sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server import Hf3fsLocalMetadataClient
     from sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs import HiCacheHF3FS
 
-    from connectors.buffers import HostBuffer
-    from connectors.hf3fs.config import HF3FSConfig
-    from connectors.hf3fs.store import HF3FSStore
+    from kvconnect.connectors.buffers import HostBuffer
+    from kvconnect.connectors.hf3fs.config import HF3FSConfig
+    from kvconnect.connectors.hf3fs.store import HF3FSStore
 
     nbytes = page * batch
     file_size = page * batch * 2
@@ -216,7 +216,7 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
                lease_ahead: int = 4096) -> None:
     from sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server import Hf3fsGlobalMetadataClient
 
-    from connectors.hf3fs.client import RemoteMetadata
+    from kvconnect.connectors.hf3fs.client import RemoteMetadata
 
     B = 128
     num_pages = batches * B * 3  # both passes write new keys; never evict under a read lease
@@ -224,7 +224,7 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     token = os.urandom(8).hex()
     (tmp / "token").write_text(token)
-    ours_p = subprocess.Popen([sys.executable, "-m", "connectors.cli", "--log-level", "WARNING", "hf3fs-meta",
+    ours_p = subprocess.Popen([sys.executable, "-m", "kvconnect.connectors.cli", "--log-level", "WARNING", "hf3fs-meta",
                                "serve", "--host", "127.0.0.1", "--port", str(ours_port), "--data-dir",
                                str(tmp / "meta"), "--token-file", str(tmp / "token")],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

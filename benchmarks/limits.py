@@ -1,7 +1,7 @@
 """Machine limits: memcpy, loopback TCP, disk write+fsync and page-cache read bandwidth.
 
 Every other benchmark quotes its figures as a ratio to these limits, measured in the same
-run (``from benchmarks.limits import measure_all`` or the single ``measure_*`` functions),
+run (``from kvconnect.benchmarks.limits import measure_all`` or the single ``measure_*`` functions),
 because the machines are shared and absolute numbers drift with load.
 
 * memcpy: ``ctypes.memmove`` between two large buffers (the call every kvconnect store
@@ -36,7 +36,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 
 MiB = 1 << 20
 # Page sizes for the per-page memcpy figures: the demo's tiny shape and a Llama-8B page (64 tokens).

@@ -34,10 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import BenchResult  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult  # noqa: E402
 
 LMCACHE_BIN = str(Path(sys.executable).with_name("lmcache"))
-PLUGIN = {"type": "plugin", "module_path": "connectors.engines.lmcache_l2", "class_name": "KVConnectL2Adapter"}
+PLUGIN = {"type": "plugin", "module_path": "kvconnect.connectors.engines.lmcache_l2", "class_name": "KVConnectL2Adapter"}
 # Best round of a run (LMCache reports per-round min/max): on a shared box the round
 # averages mostly measure the neighbours.
 METRICS = [("Store", "store_MBps"), ("Load", "load_MBps"), ("Lookup", "lookup_keys_per_s")]
@@ -100,7 +100,7 @@ class Systems:
                 "store": "hf3fs", "file_path_prefix": str(data / "kvconnect"), "file_size": size,
                 "numjobs": 4, "entries": 8}}, []
         if name == "mooncake":
-            from connectors.mooncake.testing import MooncakeCluster, netns_supported
+            from kvconnect.connectors.mooncake.testing import MooncakeCluster, netns_supported
 
             ok, why = netns_supported()
             if not ok:
@@ -113,7 +113,7 @@ class Systems:
                 "global_segment_size": size, "local_buffer_size": "64mb", "setup_timeout": 20}}, \
                 cluster.exec_prefix()
         if name == "peer_rdma":
-            from connectors.peer_rdma.netns import loopback_ns, netns_available
+            from kvconnect.connectors.peer_rdma.netns import loopback_ns, netns_available
 
             why = netns_available()
             if why:

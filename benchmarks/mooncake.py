@@ -60,7 +60,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable, 
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_here)]
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment", "kvc_inline", "kvc_hicache_inline")
@@ -126,7 +126,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     import torch
 
-    from connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool
+    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool
 
     p = json.loads(args.params)
     n, reps, ps = p["pages"], p["reps"], p["page_size"]
@@ -191,7 +191,7 @@ def _worker(args: argparse.Namespace) -> int:
                     _check("raw_per_segment", "get", s.batch_get_into(sk, fp, fs), lambda r: r > 0)
             systems[name] = (put, get)
         elif name in ("kvc", "kvc_inline"):
-            from connectors.registry import create_store
+            from kvconnect.connectors.registry import create_store
 
             st = create_store("mooncake", {"master_server_address": master, "protocol": "tcp",
                                            "local_hostname": "127.0.0.1", "global_segment_size": 0, **shared,
@@ -218,7 +218,7 @@ def _worker(args: argparse.Namespace) -> int:
                                        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
                                        is_page_first_layout=False, model_name="bench/model", extra_config=extra)
             if name != "sglang":
-                from connectors.engines.sglang_hicache import KVConnectStorage
+                from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage
 
                 b = KVConnectStorage(cfg, {})
             else:
@@ -315,7 +315,7 @@ def _run_worker(cluster, params: dict, timeout: float) -> dict:
     env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", GLOG_minloglevel="2",
                OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    cmd = cluster.exec_prefix() + [sys.executable, "-m", "benchmarks.mooncake", "--worker",
+    cmd = cluster.exec_prefix() + [sys.executable, "-m", "kvconnect.benchmarks.mooncake", "--worker",
                                    "--master", cluster.master.address, "--params", json.dumps(params)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stderr.splitlines():
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from connectors.mooncake.testing import MooncakeCluster, netns_supported
+    from kvconnect.connectors.mooncake.testing import MooncakeCluster, netns_supported
 
     ok, why = netns_supported()
     if not ok:

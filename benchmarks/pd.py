@@ -4,15 +4,15 @@ For 1, 8 and 64 concurrent requests of 8k tokens of Llama-8B-shaped KV (8 KV hea
 head dim, bf16, 4 KiB per token per layer), per kvconnect transport (``peer_rdma`` direct,
 ``mooncake`` and ``hf3fs`` store relay), side by side with SGLang's own ``mooncake``
 transfer backend over TCP (``mooncake_tcp``) in the same run. Both sides are real SGLang
-0.5.23 classes in two processes on CPU (``connectors.engines.sglang_pd_testing``), in a
+0.5.23 classes in two processes on CPU (``kvconnect.connectors.engines.sglang_pd_testing``), in a
 loopback-only network namespace.
 
 Memory: a full Llama-8B request (32 layers, 8k tokens) is 1 GiB; 64 of them do not fit this
 machine, so by default every request carries ``--layers 1`` (32 MiB per request, 2 GiB per
 64-request wave on each side). Bytes scale linearly with layers; say so when quoting.
 
-    .venv/bin/python -m benchmarks.pd            # full: 8192 tokens, waves 1/8/64
-    .venv/bin/python -m benchmarks.pd --quick    # 1024 tokens, same waves (CI smoke)
+    .venv/bin/python -m kvconnect.benchmarks.pd            # full: 8192 tokens, waves 1/8/64
+    .venv/bin/python -m kvconnect.benchmarks.pd --quick    # 1024 tokens, same waves (CI smoke)
 
 Writes benchmarks/results/pd.json (ratio = reference seconds / ours: > 1 means faster).
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 from pathlib import Path
 
-from benchmarks.harness import load_limits, machine_info
+from kvconnect.benchmarks.harness import load_limits, machine_info
 
 LLAMA8B = {"heads": 8, "head_dim": 128, "dtype": "bfloat16"}
 BYTES_PER_TOKEN_LAYER = 2 * 8 * 128 * 2
@@ -42,7 +42,7 @@ def _waves(levels: list[int], npages: int, chunk_pages: int, base: int) -> list[
 
 def run_transport(name: str, pd_config: dict | None, backend: str, args: argparse.Namespace,
                   plugin_path: str | None, stores_env: dict, ns: Any, port: int) -> dict[str, Any]:
-    from connectors.engines import sglang_pd_testing as pdt
+    from kvconnect.connectors.engines import sglang_pd_testing as pdt
 
     npages = args.tokens // args.page_size
     chunk_pages = max(1, args.chunk_tokens // args.page_size)
@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import tempfile
 
-    from benchmarks.harness import BenchResult
-    from connectors.engines import sglang_pd_testing as pdt
+    from kvconnect.benchmarks.harness import BenchResult
+    from kvconnect.connectors.engines import sglang_pd_testing as pdt
 
     t0 = time.time()
     results: list[dict] = []

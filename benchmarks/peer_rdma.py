@@ -40,7 +40,7 @@ if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().p
     sys.path.pop(0)  # run as a script: benchmarks/mooncake.py would shadow the mooncake package
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 
 BATCH = 128
 KiB, MiB = 1 << 10, 1 << 20
@@ -92,7 +92,7 @@ def _timed(fn, repeats: int) -> float:
 def role_ours_bench(args) -> None:
     """The bench node: remote writes then remote reads (placement owner), then local-placement
     writes whose pages a second process reads (``role_ours_reader``)."""
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
 
     page, n = args.page, args.pages
     common = {"discovery_addr": args.seed, "control_port": 0, "protocol": "tcp", "heartbeat_interval": 1.0,
@@ -186,7 +186,7 @@ def role_ours_bench(args) -> None:
 
 def role_ours_local(args) -> None:
     """A writer with the default local placement; waits for the reader, then exits."""
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
 
     page, n = args.page, args.pages
     store = create_store("peer_rdma", {"discovery_addr": args.seed, "control_port": 0, "protocol": "tcp",
@@ -209,7 +209,7 @@ def role_ours_local(args) -> None:
 
 
 def role_ours_reader(args) -> None:
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
 
     page, n = args.page, args.pages
     info = json.loads(args.info)
@@ -370,7 +370,7 @@ def measure_size(r: Runner, page: int, pages: int, repeats: int, port: int) -> d
     tmp = r.tmp
     # kvconnect: memory node + bench node (remote writes, remote reads)
     ready = os.path.join(tmp, f"mem{page}")
-    mem = r.spawn([sys.executable, "-m", "connectors.cli", "--log-level", "WARNING", "peer", "serve",
+    mem = r.spawn([sys.executable, "-m", "kvconnect.connectors.cli", "--log-level", "WARNING", "peer", "serve",
                    "--discovery-addr", seed, "--global-segment-size", str(4 * pages * page + 64 * MiB),
                    "--protocol", "tcp", "--ready-file", ready])
     _wait_file(ready, mem)
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         r.close()
         if ns:
-            from connectors.peer_rdma.netns import delete_namespace
+            from kvconnect.connectors.peer_rdma.netns import delete_namespace
 
             delete_namespace(ns)
     if ok:  # keep the process logs only when something failed

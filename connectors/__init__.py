@@ -1,10 +1,15 @@
 """kvconnect: KV-cache page stores shared across processes, nodes and engines.
 
 Importing this package is cheap: stores and engine adapters import their heavy
-dependencies only when selected (see ``connectors.registry``).
+dependencies only when selected (see ``kvconnect.connectors.registry``).
 """
 
-from connectors.base import (  # noqa: F401
+if __name__ != "kvconnect.connectors":  # the repository root on sys.path makes the folder importable by itself
+    raise ImportError(f"import kvconnect.connectors, not {__name__}: two copies of one module would not "
+                      "share classes (see kvconnect/__init__.py)")
+
+
+from kvconnect.connectors.base import (  # noqa: F401
     BackendUnavailable,
     ConfigError,
     KVStoreError,
@@ -20,6 +25,6 @@ from connectors.base import (  # noqa: F401
     UnknownStore,
     Unsupported,
 )
-from connectors.registry import available_stores, create_store, register_store, store_class  # noqa: F401
+from kvconnect.connectors.registry import available_stores, create_store, register_store, store_class  # noqa: F401
 
 __version__ = "0.1.0"

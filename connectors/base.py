@@ -186,8 +186,8 @@ class PageStore(ABC):
     """A batched, thread-safe store of KV pages addressed by string keys.
 
     Subclasses set ``name`` (the registry name) and ``config_class`` (a
-    ``connectors.config.StoreConfig`` dataclass) and implement the underscore primitives.
-    Build stores with ``connectors.registry.create_store(name, options)``.
+    ``kvconnect.connectors.config.StoreConfig`` dataclass) and implement the underscore primitives.
+    Build stores with ``kvconnect.connectors.registry.create_store(name, options)``.
     """
 
     name: ClassVar[str] = "abstract"
@@ -206,7 +206,7 @@ class PageStore(ABC):
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, **context: Any) -> "PageStore":
         """Build from a plain options mapping (JSON), validated by ``config_class``."""
-        from connectors.config import parse_config
+        from kvconnect.connectors.config import parse_config
 
         config = parse_config(cls.config_class, options or {}, where=f"store {cls.name!r}")
         return cls(config, **cls._accepted_context(context))  # type: ignore[call-arg]

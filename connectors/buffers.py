@@ -13,7 +13,7 @@ import threading
 import zlib
 from typing import Sequence
 
-from connectors.base import Page, Segment, page_nbytes
+from kvconnect.connectors.base import Page, Segment, page_nbytes
 
 memmove = ctypes.memmove
 

@@ -14,12 +14,12 @@ import sys
 
 # name -> (module, one-line help). Keep alphabetical.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "bench": ("connectors.cli_bench", "run a benchmark from benchmarks/ (side by side with its reference)"),
-    "demo": ("connectors.demo", "replay a multi-turn shared-prefix workload through the SGLang adapter"),
-    "hf3fs-meta": ("connectors.hf3fs.cli", "HF3FS metadata service: serve the durable page index over gRPC"),
-    "mooncake-store": ("connectors.mooncake.cli", "Mooncake: run a standalone store process that contributes a memory segment"),
-    "peer": ("connectors.peer_rdma.cli", "peer memory pool: run a memory-only node (serve) or query one (status)"),
-    "stores": ("connectors.cli_stores", "list stores, their options and whether their dependencies are present"),
+    "bench": ("kvconnect.connectors.cli_bench", "run a benchmark from benchmarks/ (side by side with its reference)"),
+    "demo": ("kvconnect.connectors.demo", "replay a multi-turn shared-prefix workload through the SGLang adapter"),
+    "hf3fs-meta": ("kvconnect.connectors.hf3fs.cli", "HF3FS metadata service: serve the durable page index over gRPC"),
+    "mooncake-store": ("kvconnect.connectors.mooncake.cli", "Mooncake: run a standalone store process that contributes a memory segment"),
+    "peer": ("kvconnect.connectors.peer_rdma.cli", "peer memory pool: run a memory-only node (serve) or query one (status)"),
+    "stores": ("kvconnect.connectors.cli_stores", "list stores, their options and whether their dependencies are present"),
 }
 
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a clear one-line error for configuration mistakes
-        from connectors.base import KVStoreError
+        from kvconnect.connectors.base import KVStoreError
 
         if isinstance(e, KVStoreError):
             print(f"kvconnect {args.command}: error: {e}", file=sys.stderr)

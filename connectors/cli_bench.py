@@ -1,8 +1,8 @@
-"""``kvconnect bench NAME [args...]``: run ``benchmarks/NAME.py``'s ``main(argv)``.
+"""``kvconnect bench NAME [args...]``: run ``kvconnect.benchmarks.NAME``'s ``main(argv)``.
 
-``benchmarks/`` is a top-level directory of the repository, not an installed package: it
-is found next to the ``connectors`` package (a checkout or an editable install), else in the
-current directory (or ``$KVCONNECT_BENCHMARKS``). Every benchmark accepts ``--quick``.
+The benchmarks ship with the package (the repository's ``benchmarks/`` folder is installed
+as ``kvconnect.benchmarks``). Every benchmark accepts ``--quick``; where results go is said
+in ``kvconnect.benchmarks.harness``.
 """
 
 from __future__ import annotations
@@ -10,24 +10,17 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
-import os
 import sys
 from pathlib import Path
 
 NOT_BENCHMARKS = {"__init__", "harness"}
 
 
-def find_benchmarks_dir() -> Path | None:
-    """The repository's ``benchmarks/`` directory, or None."""
-    candidates = []
-    if os.environ.get("KVCONNECT_BENCHMARKS"):
-        candidates.append(Path(os.environ["KVCONNECT_BENCHMARKS"]))
-    candidates.append(Path(__file__).resolve().parent.parent / "benchmarks")
-    candidates.append(Path.cwd() / "benchmarks")
-    for c in candidates:
-        if (c / "harness.py").is_file():
-            return c.resolve()
-    return None
+def find_benchmarks_dir() -> Path:
+    """The folder of the ``kvconnect.benchmarks`` package."""
+    import kvconnect.benchmarks
+
+    return Path(kvconnect.benchmarks.__file__).resolve().parent
 
 
 def list_benchmarks(directory: Path) -> dict[str, str]:
@@ -61,11 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     directory = find_benchmarks_dir()
-    if directory is None:
-        print("kvconnect bench: error: no benchmarks/ directory found (looked next to the connectors package "
-              "and in the current directory). Run from a kvconnect checkout or set KVCONNECT_BENCHMARKS.",
-              file=sys.stderr)
-        return 2
     available = list_benchmarks(directory)
     if args.list or not args.name:
         w = max((len(n) for n in available), default=8)
@@ -79,12 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvconnect bench: error: unknown benchmark {args.name!r} in {directory} "
               f"(accepted: {', '.join(available) or 'none'})", file=sys.stderr)
         return 2
-    # `benchmarks` is imported as a package from the directory above it, so benchmarks can
-    # import `benchmarks.harness` and `benchmarks.limits` as they do when run as scripts.
-    root = str(directory.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    module = importlib.import_module(f"benchmarks.{args.name}")
+    module = importlib.import_module(f"kvconnect.benchmarks.{args.name}")
     bench_args = list(args.bench_args)
     if bench_args[:1] == ["--"]:
         bench_args = bench_args[1:]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from connectors.config import describe_config
-from connectors.registry import available_stores, dependency_status, store_class
+from kvconnect.connectors.config import describe_config
+from kvconnect.connectors.registry import available_stores, dependency_status, store_class
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,9 +22,9 @@ GPU/host cache is cold (e.g. requests spread round-robin over many nodes):
    stopping at the first failure, as ``_page_backup``.
 
 With sglang installed the store is reached through the real adapter
-``connectors.engines.sglang_hicache.KVConnectStorage``, built by SGLang's own
+``kvconnect.connectors.engines.sglang_hicache.KVConnectStorage``, built by SGLang's own
 ``StorageBackendFactory.create_backend("dynamic", ...)``, over a real SGLang CPU host pool
-(``connectors.engines.sglang_testing.make_cpu_host_pool``). Without sglang (or with
+(``kvconnect.connectors.engines.sglang_testing.make_cpu_host_pool``). Without sglang (or with
 ``--no-sglang``) it drives the ``PageStore`` directly over a ``HostBuffer`` and says so.
 """
 
@@ -45,7 +45,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from connectors.base import ConfigError, KVStoreError, Segment
+from kvconnect.connectors.base import ConfigError, KVStoreError, Segment
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -277,14 +277,14 @@ class SGLangPath:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-        from connectors.engines.sglang_testing import make_cpu_host_pool
+        from kvconnect.connectors.engines.sglang_testing import make_cpu_host_pool
 
         self.host = make_cpu_host_pool(layout, page_size=page_size, layer_num=shape.layers,
                                        head_num=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,
                                        mla=shape.mla, host_tokens=host_pages * page_size,
                                        rope_dim=shape.rope_dim if shape.mla else None)
         self.page_size = page_size
-        extra = {"backend_name": "kvconnect", "module_path": "connectors.engines.sglang_hicache",
+        extra = {"backend_name": "kvconnect", "module_path": "kvconnect.connectors.engines.sglang_hicache",
                  "class_name": "KVConnectStorage", "interface_v1": 1, "store": store, **store_options}
         self.extra_config = extra
         cfg = HiCacheStorageConfig(
@@ -299,7 +299,7 @@ class SGLangPath:
             self.backend.on_host_pools_registered()
         self._extra_info = HiCacheStorageExtraInfo
         self._alloc_lock = threading.Lock()
-        self.description = (f"SGLang {sglang.__version__} HiCache adapter connectors.engines.sglang_hicache."
+        self.description = (f"SGLang {sglang.__version__} HiCache adapter kvconnect.connectors.engines.sglang_hicache."
                             f"KVConnectStorage (StorageBackendFactory 'dynamic', interface_v1) on a real "
                             f"{type(self.host).__name__} ({layout}, {host_pages} pages)")
         probe = self.host.alloc(page_size)
@@ -404,9 +404,9 @@ class HostBufferPath:
 
     def __init__(self, shape: ModelShape, page_size: int, host_pages: int, store: str,
                  store_options: dict[str, Any], why: str):
-        from connectors.buffers import HostBuffer
-        from connectors.engines.common import build_store
-        from namespace import KeySpace
+        from kvconnect.connectors.buffers import HostBuffer
+        from kvconnect.connectors.engines.common import build_store
+        from kvconnect.namespace import KeySpace
 
         self.page_size = page_size
         self.page_bytes = shape.bytes_per_token * page_size
@@ -458,12 +458,12 @@ class HostBufferPath:
         return [self.buf.page(i) for i in handle[first:first + count]]
 
     def exists(self, hashes: list[str], t: _Timer) -> int:
-        from namespace import count_hits
+        from kvconnect.namespace import count_hits
 
         return self._batched(hashes, t, lambda b, s: count_hits(self.store.exists(self.keyspace.keys(b))))
 
     def get(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
-        from namespace import leading_hits
+        from kvconnect.namespace import leading_hits
 
         return self._batched(hashes, t, lambda b, s: leading_hits(
             self.store.get_into(self.keyspace.keys(b), self._pages(handle, first_page + s, len(b)))))
@@ -715,7 +715,7 @@ def _replay(args, wl: Workload, shape: ModelShape, path, content: PageContent, p
         print(f"  working set  {unique_pages} distinct pages, {_gib(unique_pages * page_bytes):.3f} GiB"
               + (f"; store options {json.dumps(store_options)}" if store_options else ""), file=out)
         try:
-            from connectors.config import parse_size
+            from kvconnect.connectors.config import parse_size
 
             cap = parse_size(store_options["capacity"]) if "capacity" in store_options else None
         except (KVStoreError, ValueError):

@@ -12,9 +12,9 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from connectors.base import Page, PageStore, StoreUsage, page_nbytes
-from connectors.buffers import buffer_address, gather_many, scatter_many
-from connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.base import Page, PageStore, StoreUsage, page_nbytes
+from kvconnect.connectors.buffers import buffer_address, gather_many, scatter_many
+from kvconnect.connectors.config import Size, StoreConfig, field_doc
 
 
 @dataclass(frozen=True)

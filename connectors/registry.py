@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from connectors.base import ConfigError, MissingDependency, PageStore, UnknownStore
+from kvconnect.connectors.base import ConfigError, MissingDependency, PageStore, UnknownStore
 
 
 @dataclass(frozen=True)
@@ -30,13 +30,13 @@ class StoreSpec:
 _BUILTIN: dict[str, StoreSpec] = {
     spec.name: spec
     for spec in (
-        StoreSpec("memory", "connectors.memory:MemoryStore", None,
+        StoreSpec("memory", "kvconnect.connectors.memory:MemoryStore", None,
                   "in-process LRU store (reference, embedded default)"),
-        StoreSpec("hf3fs", "connectors.hf3fs.store:HF3FSStore", "hf3fs",
+        StoreSpec("hf3fs", "kvconnect.connectors.hf3fs.store:HF3FSStore", "hf3fs",
                   "pages in files (3FS usrbio or POSIX) + page index (in-process or durable gRPC service)"),
-        StoreSpec("mooncake", "connectors.mooncake.store:MooncakeStore", "mooncake",
+        StoreSpec("mooncake", "kvconnect.connectors.mooncake.store:MooncakeStore", "mooncake",
                   "Mooncake Store (mooncake_master + client segments), zero-copy", ("mooncake",)),
-        StoreSpec("peer_rdma", "connectors.peer_rdma.store:PeerRdmaStore", "peer",
+        StoreSpec("peer_rdma", "kvconnect.connectors.peer_rdma.store:PeerRdmaStore", "peer",
                   "peer memory pool: gRPC membership, one-sided reads via Mooncake TE", ("grpc", "mooncake")),
     )
 }

@@ -1,5 +1,10 @@
 """Key spaces (which model, layout, dtype, ranks, pool and tenant a page belongs to) and
 hit policies (how many pages of a lookup are usable), shared by every integration."""
 
-from namespace.hits import HitPolicy, count_hits, leading_hits, restorable_prefixes  # noqa: F401
-from namespace.keyspace import KeySpace  # noqa: F401
+if __name__ != "kvconnect.namespace":  # the repository root on sys.path makes the folder importable by itself
+    raise ImportError(f"import kvconnect.namespace, not {__name__}: two copies of one module would not "
+                      "share classes (see kvconnect/__init__.py)")
+
+
+from kvconnect.namespace.hits import HitPolicy, count_hits, leading_hits, restorable_prefixes  # noqa: F401
+from kvconnect.namespace.keyspace import KeySpace  # noqa: F401

@@ -29,7 +29,7 @@ class HitPolicy(str, Enum):
         try:
             return cls(str(v).lower())
         except ValueError:
-            from connectors.base import ConfigError
+            from kvconnect.connectors.base import ConfigError
 
             raise ConfigError("hit_policy", f"invalid value {value!r}", [p.value for p in cls]) from None
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.mooncake.testing import LoopbackNetns, MooncakeCluster, netns_supported
+from kvconnect.connectors.mooncake.testing import LoopbackNetns, MooncakeCluster, netns_supported
 
 ROOT = Path(__file__).resolve().parents[1]
 NS_ENV = "KVCONNECT_MOONCAKE_NS"

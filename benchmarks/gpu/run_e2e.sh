@@ -88,7 +88,7 @@ load_jitcache() {
 }
 
 # -- the stores ------------------------------------------------------------------------------------------
-KVC_BASE='"backend_name":"kvconnect","module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage"'
+KVC_BASE='"backend_name":"kvconnect","module_path":"kvconnect.connectors.engines.sglang_hicache","class_name":"KVConnectStorage"'
 KVC="$KVC_BASE,\"interface_v1\":1"   # SGLang's zero-copy v1 batch interface
 store_args() {  # store, port-suffix -> prints backend args (one per line)
   local s=$1 k=${2:-0}
@@ -172,7 +172,7 @@ meta_start() {
   [ -f /tmp/sglogs/meta.pid ] && return 0
   mkdir -p /tmp/l3/meta
   python3 -c 'import os, sys
-os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m connectors.cli hf3fs-meta serve --host 127.0.0.1 --port 18000 \
+os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m kvconnect hf3fs-meta serve --host 127.0.0.1 --port 18000 \
     --data-dir /tmp/l3/meta > "$LOGD/meta.log" 2>&1 < /dev/null &
   echo $! > /tmp/sglogs/meta.pid; sleep 3; say "metadata service pid $(cat /tmp/sglogs/meta.pid)"
 }
@@ -210,14 +210,14 @@ store_services() {  # store: start what the store needs next to SGLang (all on 1
       svc_start mc_master /tmp/site3/mooncake/mooncake_master --rpc_address=127.0.0.1 --rpc_port=50051 \
         --metrics_host=127.0.0.1 --metrics_port=9003
       wait_port 50051 20 || { say "mooncake_master did not start"; tail -5 "$LOGD/mc_master.log"; return 1; }
-      svc_start mc_store python3 -m connectors.cli mooncake-store --master 127.0.0.1:50051 --segment ${KVC_MC_SEGMENT:-40gb} \
+      svc_start mc_store python3 -m kvconnect mooncake-store --master 127.0.0.1:50051 --segment ${KVC_MC_SEGMENT:-40gb} \
         -o protocol=tcp -o local_hostname=127.0.0.1 -o shared_segment=$shared --metrics-port 9310
       wait_port 9310 60 || { say "mooncake-store did not start"; tail -5 "$LOGD/mc_store.log"; return 1; }
       say "mooncake_master + store (${KVC_MC_SEGMENT:-40gb}, shared_segment=$shared) up" ;;
     kvc_peer_rdma)
       [ -f /tmp/sglogs/svc_peer_seed.pid ] && return 0
       rm -f /tmp/sglogs/peer.ready
-      svc_start peer_seed python3 -m connectors.cli peer serve --discovery-addr 127.0.0.1:31998 --bind-host 127.0.0.1 \
+      svc_start peer_seed python3 -m kvconnect peer serve --discovery-addr 127.0.0.1:31998 --bind-host 127.0.0.1 \
         --local-hostname 127.0.0.1 --protocol tcp --global-segment-size 1gb --ready-file /tmp/sglogs/peer.ready
       for _ in $(seq 1 60); do [ -s /tmp/sglogs/peer.ready ] && break; sleep 0.5; done
       [ -s /tmp/sglogs/peer.ready ] || { say "peer seed did not start"; tail -5 "$LOGD/peer_seed.log"; return 1; }
@@ -255,7 +255,7 @@ phase_install4() {  # Mooncake CUDA build (registers GPU memory: PD) replaces in
   export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   local d=/tmp/site3/kvconnect-0.0.0+gpu.dist-info; mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: kvconnect\nVersion: 0.0.0+gpu\n' > "$d/METADATA"
-  printf '[sglang.srt.plugins]\nkvconnect = connectors.engines.sglang_pd_plugin:register\n' > "$d/entry_points.txt"
+  printf '[sglang.srt.plugins]\nkvconnect = kvconnect.connectors.engines.sglang_pd_plugin:register\n' > "$d/entry_points.txt"
   python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake (CUDA) import failed"; return 1; }
   python3 -c 'from importlib.metadata import entry_points as e; assert "kvconnect" in [x.name for x in e(group="sglang.srt.plugins")]' \
     || { say "kvconnect entry point not found"; return 1; }

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from benchmarks.harness import BenchResult  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult  # noqa: E402
 
 MODELS = {"qwen3": "qwen3-32b", "llama": "llama-8b"}
 PHASES = {"1_cold": "cold", "2_gpu_hit": "gpu_hit", "3_L3_hit": "l3_hit", "4_gpu_hit_again": "gpu_hit_again",

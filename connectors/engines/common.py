@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, TypeVar
 
-from connectors.base import ConfigError, PageStore, UnknownConfigKey
+from kvconnect.connectors.base import ConfigError, PageStore, UnknownConfigKey
 
 log = logging.getLogger("kvconnect.engines")
 
@@ -158,7 +158,7 @@ class EngineOptions:
 
 
 def _accepted_stores() -> list[str]:
-    from connectors.registry import available_stores
+    from kvconnect.connectors.registry import available_stores
 
     return sorted(available_stores())
 
@@ -233,7 +233,7 @@ def build_store(options: Mapping[str, Any] | None, *, where: str, ignore: Collec
     an unknown store lists the registered stores; an unknown option lists the store's
     options and the adapter's keys.
     """
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
 
     eo = split_engine_options(options, where=where, ignore=ignore, engine_keys=engine_keys)
     name = None if ":" in eo.store else eo.store
@@ -246,8 +246,8 @@ def build_store(options: Mapping[str, Any] | None, *, where: str, ignore: Collec
                               where) from e
         if not isinstance(e, UnknownConfigKey) or name is None:
             raise
-        from connectors.config import config_fields
-        from connectors.registry import store_class
+        from kvconnect.connectors.config import config_fields
+        from kvconnect.connectors.registry import store_class
 
         accepted = set(ADAPTER_KEYS) | set(engine_keys) | set(config_fields(store_class(name).config_class))
         raise UnknownConfigKey(e.key, sorted(accepted), f"{where}: store {eo.store!r}") from e
@@ -260,7 +260,7 @@ def serve_store_metrics(store: PageStore, port: int | None, **labels: str) -> in
     A port that cannot be bound is logged, not raised: metrics never stop an engine.
     Returns the bound port (None when not serving).
     """
-    from connectors import metrics
+    from kvconnect.connectors import metrics
 
     try:
         metrics.export_store(store, **labels)

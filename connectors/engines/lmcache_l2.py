@@ -2,7 +2,7 @@
 
 Load it with ``lmcache server ... --l2-adapter`` (LMCache 0.5.6)::
 
-    {"type": "plugin", "module_path": "connectors.engines.lmcache_l2",
+    {"type": "plugin", "module_path": "kvconnect.connectors.engines.lmcache_l2",
      "class_name": "KVConnectL2Adapter",
      "adapter_params": {"store": "hf3fs", "file_path_prefix": "/3fs/kv", ...}}
 
@@ -45,8 +45,8 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
-from connectors.base import ConfigError, Page, PageStore
-from connectors.engines.common import (
+from kvconnect.connectors.base import ConfigError, Page, PageStore
+from kvconnect.connectors.engines.common import (
     EngineOptions,
     ErrorCounter,
     RateLimitedLog,
@@ -54,7 +54,7 @@ from connectors.engines.common import (
     safe_call,
     split_engine_options,
 )
-from namespace.keyspace import KeySpace
+from kvconnect.namespace.keyspace import KeySpace
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
@@ -189,7 +189,7 @@ class KVConnectL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,valid-
     @classmethod
     def help(cls) -> str:
         return (cls.__doc__ or "") + (
-            '\nExample: {"type":"plugin","module_path":"connectors.engines.lmcache_l2",'
+            '\nExample: {"type":"plugin","module_path":"kvconnect.connectors.engines.lmcache_l2",'
             '"class_name":"KVConnectL2Adapter","adapter_params":{"store":"memory","capacity":"4gb"}}'
         )
 
@@ -334,7 +334,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
             self._register_l1(l1_memory_desc)
             self._families = {op: _Family(op, config.workers[op]) for op in OPS}
             if eo.metrics_port is not None:
-                from connectors.engines.common import serve_store_metrics
+                from kvconnect.connectors.engines.common import serve_store_metrics
 
                 serve_store_metrics(self.store, eo.metrics_port, engine="lmcache")
         except BaseException:

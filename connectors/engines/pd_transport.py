@@ -11,7 +11,7 @@ Two ways to move one request's KV pages and aux rows from prefill to decode:
   needs the other to be up at the same moment; keys are deleted after success, failure or
   timeout.
 
-``connectors.engines.sglang_pd`` drives these from SGLang's ``Common*`` classes.
+``kvconnect.connectors.engines.sglang_pd`` drives these from SGLang's ``Common*`` classes.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from typing import Any, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
-from connectors.base import ConfigError, Page, PageStore, page_nbytes
-from connectors.config import Size, StoreConfig, field_doc, parse_config
-from connectors.engines.common import RateLimitedLog
-from connectors.mooncake.engine_env import apply_engine_defaults
+from kvconnect.connectors.base import ConfigError, Page, PageStore, page_nbytes
+from kvconnect.connectors.config import Size, StoreConfig, field_doc, parse_config
+from kvconnect.connectors.engines.common import RateLimitedLog
+from kvconnect.connectors.mooncake.engine_env import apply_engine_defaults
 
 logger = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(logger, interval_s=10.0)  # a dead store must not flood the engine log
@@ -235,7 +235,7 @@ class PeerRdmaTransport:
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
-            from connectors.base import MissingDependency
+            from kvconnect.connectors.base import MissingDependency
 
             raise MissingDependency("peer_rdma", "peer", e) from e
         self.config = config
@@ -421,7 +421,7 @@ class MarkerSlots:
 
 
 def create_relay_store(config: PDConfig, page_bytes: int) -> PageStore:
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
 
     opts = dict(config.store)
     name = opts.pop("store", None) or config.transport

@@ -4,7 +4,7 @@ Load it into SGLang (0.5.23; imports cleanly with 0.5.17) with::
 
     --enable-hierarchical-cache --hicache-storage-backend dynamic \\
     --hicache-storage-backend-extra-config '{"backend_name":"kvconnect",
-        "module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage",
+        "module_path":"kvconnect.connectors.engines.sglang_hicache","class_name":"KVConnectStorage",
         "interface_v1":1,"store":"memory","capacity":"8gb"}'
 
 The extra config holds ``store`` (a registry name, or ``"pkg.mod:Class"``), the store's
@@ -40,16 +40,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from connectors.base import MissingDependency, Page, PageStore, Unsupported
-from connectors.engines.common import (
+from kvconnect.connectors.base import MissingDependency, Page, PageStore, Unsupported
+from kvconnect.connectors.engines.common import (
     ErrorCounter,
     RateLimitedLog,
     build_store,
     guarded,
     serve_store_metrics,
 )
-from namespace import KeySpace
-from namespace.hits import HitPolicy, leading_hits, restorable_prefixes
+from kvconnect.namespace import KeySpace
+from kvconnect.namespace.hits import HitPolicy, leading_hits, restorable_prefixes
 
 log = logging.getLogger("kvconnect.sglang_hicache")
 
@@ -736,7 +736,7 @@ class KVConnectStorage(HiCacheStorage):
             return
         self._closed = True
         try:
-            from connectors import metrics
+            from kvconnect.connectors import metrics
 
             metrics.unexport_store(self.store)
             self.store.close()

@@ -1,11 +1,11 @@
 """kvconnect as an SGLang PD-disaggregation transfer backend (``--disaggregation-transfer-backend kvconnect``).
 
-Registered by the ``sglang.srt.plugins`` entry point (``connectors.engines.sglang_pd_plugin``).
+Registered by the ``sglang.srt.plugins`` entry point (``kvconnect.connectors.engines.sglang_pd_plugin``).
 The classes build on SGLang's ``Common*`` classes, so the bootstrap server, its ``/route``
 protocol, the request state machine (``KVPoll``), timeouts, heartbeats, abort notifications
 and ``failure_exception`` are SGLang's own; kvconnect supplies the control messages between
 one prefill rank and one decode rank and the data plane chosen by ``KVCONNECT_PD_CONFIG``
-(see ``connectors.engines.pd_transport``):
+(see ``kvconnect.connectors.engines.pd_transport``):
 
 * ``peer_rdma``: decode registers its KV/aux/state buffers with prefill over ZMQ; prefill
   writes each chunk's pages one-sided into the slots decode pre-allocated (Transfer Engine),
@@ -18,7 +18,7 @@ one prefill rank and one decode rank and the data plane chosen by ``KVCONNECT_PD
   them, ``retain_s`` after publishing.
 
 The ``Common*`` plumbing named above is SGLang 0.5.23's; on releases without it (0.5.17)
-``connectors.engines.sglang_pd_compat`` supplies it, so this module is written once.
+``kvconnect.connectors.engines.sglang_pd_compat`` supplies it, so this module is written once.
 
 Supported topology: prefill and decode with the same attention TP, CP and PP sizes (any
 such size; MLA, MHA and index-to-index state components). Other shapes fail the request
@@ -44,7 +44,7 @@ from sglang.srt.disaggregation.common.utils import FastQueue
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
-from connectors.engines.pd_transport import (
+from kvconnect.connectors.engines.pd_transport import (
     ENV_CONFIG,
     BufferLayout,
     Deadlines,
@@ -61,8 +61,8 @@ from connectors.engines.pd_transport import (
     state_blocks,
     token_matches,
 )
-from connectors.engines.common import RateLimitedLog
-from connectors.engines.sglang_pd_compat import ABORT_TAG, ManagerBase, ReceiverBase, SenderBase, abort_room
+from kvconnect.connectors.engines.common import RateLimitedLog
+from kvconnect.connectors.engines.sglang_pd_compat import ABORT_TAG, ManagerBase, ReceiverBase, SenderBase, abort_room
 
 logger = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(logger, interval_s=10.0)
@@ -214,7 +214,7 @@ class KVConnectKVManager(ManagerBase):
         if device.startswith("cpu"):
             return
         if cfg.transport == "hf3fs":
-            from connectors.base import ConfigError
+            from kvconnect.connectors.base import ConfigError
 
             raise ConfigError("transport", f"'hf3fs' reads and writes KV pages with file I/O, which cannot reach "
                               f"{device} memory", ["peer_rdma", "mooncake (with a CUDA build of Mooncake)"],

@@ -10,7 +10,7 @@ small things and nothing else:
   ``TransferBackend("kvconnect")`` works and ``TransferBackend.MOONCAKE`` stays the same
   object for code that already holds the class;
 * wraps ``get_kv_class`` (an AROUND hook) so the ``kvconnect`` backend maps to
-  ``connectors.engines.sglang_pd``'s manager, sender, receiver and bootstrap server.
+  ``kvconnect.connectors.engines.sglang_pd``'s manager, sender, receiver and bootstrap server.
 
 It imports nothing heavy: the transfer classes (and Mooncake, stores) are imported only when
 a process actually asks ``get_kv_class`` for the ``kvconnect`` backend. Any error here is
@@ -105,6 +105,6 @@ def get_kv_class_hook(original: Any, transfer_backend: Any, class_type: Any, *ar
             from sglang.srt.disaggregation.base.conn import KVArgs
 
             return KVArgs
-    from connectors.engines import sglang_pd  # heavy: sglang disaggregation + transports
+    from kvconnect.connectors.engines import sglang_pd  # heavy: sglang disaggregation + transports
 
     return sglang_pd.KV_CLASSES[kind]

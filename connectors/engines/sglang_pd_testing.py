@@ -1,6 +1,6 @@
 """One SGLang PD role (prefill or decode) on CPU, driven the way SGLang's schedulers drive it.
 
-``python -m connectors.engines.sglang_pd_testing SPEC.json`` runs one process of a
+``python -m kvconnect.connectors.engines.sglang_pd_testing SPEC.json`` runs one process of a
 two-process PD transfer: real SGLang 0.5.23 (or 0.5.17) classes (``ServerArgs`` + ``publish``, the
 plugin loader, ``get_kv_class``, ``start_disagg_service``'s bootstrap server, an
 ``MHATokenToKVPool`` on ``device="cpu"`` standing in for device KV memory, the real
@@ -402,7 +402,7 @@ class Node:
             out["store_stats"] = {k: getattr(st, k) for k in ("put_calls", "put_bytes", "put_seconds", "get_calls",
                                                               "get_bytes", "get_seconds", "exists_calls")}
         if self.relay_rooms:  # every key a relayed room could have used, still in the store?
-            from connectors.engines.pd_transport import room_namespace
+            from kvconnect.connectors.engines.pd_transport import room_namespace
 
             names = []
             counts = [1] * len(m.layout.state_ptrs)  # the driver sends one state item per component
@@ -497,7 +497,7 @@ import tempfile  # noqa: E402
 @contextlib.contextmanager
 def loopback_netns():
     """A network namespace with only ``lo`` (Mooncake listeners bind every interface)."""
-    from connectors.mooncake.testing import LoopbackNetns
+    from kvconnect.connectors.mooncake.testing import LoopbackNetns
 
     ns = LoopbackNetns(prefix="kvcpd")
     try:
@@ -574,7 +574,7 @@ class Pair:
         with open(path, "w") as f:
             json.dump(self.specs[role], f)
         self.logs[role] = os.path.join(self.workdir, f"{role}.log")
-        cmd = self.ns.exec_prefix() + [sys.executable, "-m", "connectors.engines.sglang_pd_testing", path]
+        cmd = self.ns.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.engines.sglang_pd_testing", path]
         env = {**self.env, **self.role_env.get(role, {})}
         with open(self.logs[role], "w") as log:
             self.procs[role] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

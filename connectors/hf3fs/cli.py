@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 
-from connectors.hf3fs.wal import FSYNC_POLICIES
+from kvconnect.connectors.hf3fs.wal import FSYNC_POLICIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _token(path: str | None) -> str | None:
     if path:
-        from connectors.hf3fs.config import read_token_file
+        from kvconnect.connectors.hf3fs.config import read_token_file
 
         return read_token_file(path, key="--token-file")
     return os.environ.get("KVCONNECT_HF3FS_TOKEN") or None
@@ -49,12 +49,12 @@ def _token(path: str | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     if args.action == "serve":
-        from connectors.hf3fs.service import serve
+        from kvconnect.connectors.hf3fs.service import serve
 
         return serve(args.host, args.port, args.data_dir, _token(args.token_file), fsync=args.fsync,
                      workers=args.workers, snapshot_interval_s=args.snapshot_interval, ready_file=args.ready_file,
                      read_lease_s=args.read_lease, write_lease_s=args.write_lease, tcp_port=args.tcp_port)
-    from connectors.hf3fs.client import RemoteMetadata
+    from kvconnect.connectors.hf3fs.client import RemoteMetadata
 
     c = RemoteMetadata(args.address, _token(args.token_file))
     try:

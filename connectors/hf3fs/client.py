@@ -27,9 +27,9 @@ import time
 from collections import deque
 from typing import Sequence
 
-from connectors.base import BackendUnavailable, ConfigError, KVStoreError
-from connectors.hf3fs import protocol as P
-from connectors.hf3fs.index import EXISTS, INFLIGHT, PUT_DUP, IndexError_, NamespaceInfo, PageIndex
+from kvconnect.connectors.base import BackendUnavailable, ConfigError, KVStoreError
+from kvconnect.connectors.hf3fs import protocol as P
+from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, PUT_DUP, IndexError_, NamespaceInfo, PageIndex
 
 log = logging.getLogger("kvconnect.hf3fs")
 

@@ -22,8 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from connectors.base import ConfigError
-from connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.base import ConfigError
+from kvconnect.connectors.config import Size, StoreConfig, field_doc
 
 ENV_CONFIG_PATH = "SGLANG_HICACHE_HF3FS_CONFIG_PATH"
 ENV_TOKEN = "KVCONNECT_HF3FS_TOKEN"

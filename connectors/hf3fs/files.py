@@ -27,8 +27,8 @@ import queue
 import threading
 import time
 
-from connectors.base import ConfigError, Page
-from connectors.buffers import page_view
+from kvconnect.connectors.base import ConfigError, Page
+from kvconnect.connectors.buffers import page_view
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -373,7 +373,7 @@ class UsrbioFile:
         try:
             from hf3fs_fuse import io as h3io  # package hf3fs-py-usrbio
         except ImportError as e:
-            from connectors.base import MissingDependency
+            from kvconnect.connectors.base import MissingDependency
 
             raise MissingDependency("hf3fs", "hf3fs", e) from e
         import datetime

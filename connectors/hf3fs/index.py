@@ -27,7 +27,7 @@ Why it is safe where SGLang's ``mini_3fs_metadata_server`` is not:
   double-assign or leak a page; unused slots come back with ``unlease`` or when the lease
   expires after ``write_lease_s`` (a dead writer).
 
-Every state change is described to an optional journal (``connectors.hf3fs.wal``) while the
+Every state change is described to an optional journal (``kvconnect.connectors.hf3fs.wal``) while the
 lock is held, so the journal order is the state order; ``replay_*`` methods rebuild state
 from it. Keys are ``bytes`` without ``b"\\n"`` (the wire format joins keys with newlines).
 """

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 
-from connectors.hf3fs import protocol as P
-from connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, IndexError_, PageIndex
-from connectors.hf3fs.wal import Journal
+from kvconnect.connectors.hf3fs import protocol as P
+from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, IndexError_, PageIndex
+from kvconnect.connectors.hf3fs.wal import Journal
 
 log = logging.getLogger("kvconnect.hf3fs.meta")
 

@@ -34,13 +34,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
-from connectors.base import BackendUnavailable, ConfigError, Page, PageStore, StoreUsage
-from connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
-from connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
-from connectors.buffers import page_checksum
-from connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, on_3fs_mount, on_local_fs,
+from kvconnect.connectors.base import BackendUnavailable, ConfigError, Page, PageStore, StoreUsage
+from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
+from kvconnect.connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
+from kvconnect.connectors.buffers import page_checksum
+from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, on_3fs_mount, on_local_fs,
                                    usable_cpus)
-from connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
+from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -120,7 +120,7 @@ class HF3FSStore(PageStore):
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None = None, **context: Any) -> "HF3FSStore":
         """Options overlaid on SGLang's hf3fs JSON (``config_path`` / $SGLANG_HICACHE_HF3FS_CONFIG_PATH)."""
-        from connectors.config import parse_config
+        from kvconnect.connectors.config import parse_config
 
         config = parse_config(cls.config_class, merged_options(options), where=f"store {cls.name!r}")
         return cls(config, **context)
@@ -161,7 +161,7 @@ class HF3FSStore(PageStore):
         if metadata is not None:
             self.meta = metadata
         elif config.metadata_server_url:
-            from connectors.hf3fs.client import AuthError, RemoteMetadata
+            from kvconnect.connectors.hf3fs.client import AuthError, RemoteMetadata
 
             remote = RemoteMetadata(parse_meta_url(config.metadata_server_url), config.token(),
                                     timeout=config.client_timeout, retries=config.meta_retries)

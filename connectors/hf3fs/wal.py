@@ -37,7 +37,7 @@ from array import array
 from collections import OrderedDict
 from pathlib import Path
 
-from connectors.hf3fs.index import Namespace, PageIndex
+from kvconnect.connectors.hf3fs.index import Namespace, PageIndex
 
 log = logging.getLogger(__name__)
 

@@ -47,14 +47,14 @@ def options_from(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
 
     store = create_store("mooncake", options_from(args))
     c = store.config  # type: ignore[attr-defined]
     if c.global_segment_size == 0:
         log.warning("global_segment_size is 0: this process contributes no memory")
     if args.metrics_port is not None:
-        from connectors import metrics
+        from kvconnect.connectors import metrics
 
         metrics.export_store(store, role="mooncake-store")
         port = metrics.serve_metrics(args.metrics_port, host=args.metrics_host)

@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from connectors.base import ConfigError
-from connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.base import ConfigError
+from kvconnect.connectors.config import Size, StoreConfig, field_doc
 
 WHERE = "store 'mooncake'"
 

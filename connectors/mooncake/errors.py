@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from connectors.base import BackendUnavailable, KVStoreError, PageSizeMismatch, Unsupported
+from kvconnect.connectors.base import BackendUnavailable, KVStoreError, PageSizeMismatch, Unsupported
 
 
 class Outcome(Enum):

@@ -5,7 +5,7 @@ A process that lends memory to the store (``global_segment_size`` > 0, and with
 local path: one memcpy worker thread per client (Mooncake 0.3.x), ~4 GiB/s on an H200 host,
 slower than recomputing a long prefix. The replica's address is known to the client
 (``batch_get_replica_desc``) and the memory is mapped in this very process, so kvconnect
-copies it with its own copy threads (``connectors.buffers.copy_many``) instead.
+copies it with its own copy threads (``kvconnect.connectors.buffers.copy_many``) instead.
 
 Why this reads the same bytes Mooncake's own get would:
   * only replicas whose status is COMPLETE (a put has published all their bytes);

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from connectors.mooncake.local_copy import mappings
+from kvconnect.connectors.mooncake.local_copy import mappings
 
 log = logging.getLogger("kvconnect.mooncake")
 

@@ -20,14 +20,14 @@ Memory paths
   * *local copy* (``local_copy``, on by default in a process that lends a segment): pages
     whose replica lies in this process's own segment are copied by kvconnect's copy
     threads under the read lease of a ``batch_get_replica_desc`` query (Mooncake 0.3.x
-    copies local replicas with one thread); see ``connectors.mooncake.local_copy``. The
+    copies local replicas with one thread); see ``kvconnect.connectors.mooncake.local_copy``. The
     same holds for replicas in a same-host store process that lends its segment from
-    shared memory (``shared_segment``; ``connectors.mooncake.shared_segment``). Other
+    shared memory (``shared_segment``; ``kvconnect.connectors.mooncake.shared_segment``). Other
     pages take the paths above.
 
 Deadlines and failures
   ``call_mode="worker"`` (default): every Mooncake call runs on one of ``io_threads``
-  persistent worker threads (``connectors.mooncake.calls``); the calling (engine) thread
+  persistent worker threads (``kvconnect.connectors.mooncake.calls``); the calling (engine) thread
   waits at most ``op_timeout``. ``call_mode="inline"``: calls run on the engine thread (no
   hand-off, no abandoned calls), bounded only by Mooncake's own timeouts, which the store
   derives from ``op_timeout``; they do not bound every case by it (a get from a stopped
@@ -51,7 +51,7 @@ Deadlines and failures
     resets the connection); deployments that cannot rule that out set
     ``io_mode="staged"`` (one extra memcpy per page).
 
-Errors: every Mooncake code is classified in ``connectors.mooncake.errors``; on the data
+Errors: every Mooncake code is classified in ``kvconnect.connectors.mooncake.errors``; on the data
 path they are misses, failed writes or "already stored", never exceptions.
 """
 
@@ -66,17 +66,17 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from connectors.base import (BackendUnavailable, MissingDependency, Page, PageStore, StoreUsage,
+from kvconnect.connectors.base import (BackendUnavailable, MissingDependency, Page, PageStore, StoreUsage,
                              page_nbytes)
-from connectors.buffers import gather_into, scatter, scatter_many
-from connectors.config import parse_config
-from connectors.mooncake import errors as mc_errors
-from connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
-from connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
-from connectors.mooncake.engine_env import apply_engine_defaults, apply_inline_timeouts
-from connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replicas
-from connectors.mooncake.shared_segment import SameHostSegments, SharedSegmentFile, mapping_base
-from connectors.mooncake.staging import StagingBuffer
+from kvconnect.connectors.buffers import gather_into, scatter, scatter_many
+from kvconnect.connectors.config import parse_config
+from kvconnect.connectors.mooncake import errors as mc_errors
+from kvconnect.connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
+from kvconnect.connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
+from kvconnect.connectors.mooncake.engine_env import apply_engine_defaults, apply_inline_timeouts
+from kvconnect.connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replicas
+from kvconnect.connectors.mooncake.shared_segment import SameHostSegments, SharedSegmentFile, mapping_base
+from kvconnect.connectors.mooncake.staging import StagingBuffer
 
 log = logging.getLogger("kvconnect.mooncake")
 

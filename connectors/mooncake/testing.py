@@ -14,7 +14,7 @@ every Mooncake process of a test runs inside a network namespace that has nothin
   Mooncake keeps process-wide I/O threads in the namespace where they started, so Mooncake
   *clients* run in processes started inside the namespace (``exec_prefix()``), never in a
   process that moves between namespaces.
-* ``python -m connectors.mooncake.testing holder --master H:P --segment 1gb``: a process
+* ``python -m kvconnect.connectors.mooncake.testing holder --master H:P --segment 1gb``: a process
   that only contributes a memory segment, until stdin closes or it is terminated.
 """
 
@@ -116,7 +116,7 @@ class LoopbackNetns:
         return box["value"]
 
     def delete(self) -> None:
-        from connectors.peer_rdma.netns import delete_namespace  # one teardown for every test namespace
+        from kvconnect.connectors.peer_rdma.netns import delete_namespace  # one teardown for every test namespace
 
         delete_namespace(self.name)
 
@@ -239,7 +239,7 @@ class MooncakeCluster:
                      master: MasterProcess | None = None) -> subprocess.Popen:
         """A process that contributes ``segment`` bytes of memory to the store (of ``master``,
         default the cluster's)."""
-        cmd = self.exec_prefix() + [sys.executable, "-m", "connectors.mooncake.testing", "holder",
+        cmd = self.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.mooncake.testing", "holder",
                                     "--master", (master or self.master).address, "--segment", segment]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
                                                          + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -261,7 +261,7 @@ class MooncakeCluster:
         """A ``kvconnect mooncake-store`` process lending ``segment`` bytes (from shared memory
         in ``shared_segment_dir``, published there, if given), stopped by ``close()``."""
         cmd = self.exec_prefix() + [
-            sys.executable, "-m", "connectors.cli", "mooncake-store", "--master", (master or self.master).address,
+            sys.executable, "-m", "kvconnect.connectors.cli", "mooncake-store", "--master", (master or self.master).address,
             "--segment", segment, "-o", "protocol=tcp", "-o", "local_hostname=127.0.0.1",
             "-o", "metadata_server=P2PHANDSHAKE", "-o", "local_buffer_size=16mb", "-o", "staging_size=16mb"]
         if shared_segment_dir:
@@ -310,9 +310,9 @@ class MooncakeCluster:
 def _holder_main(argv: list[str]) -> int:
     import argparse
 
-    from connectors.config import parse_size
+    from kvconnect.connectors.config import parse_size
 
-    p = argparse.ArgumentParser(prog="python -m connectors.mooncake.testing holder")
+    p = argparse.ArgumentParser(prog="python -m kvconnect.connectors.mooncake.testing holder")
     p.add_argument("--master", required=True)
     p.add_argument("--segment", default="1gb")
     p.add_argument("--metadata", default="P2PHANDSHAKE")

@@ -22,7 +22,7 @@ _FLAGS = ("discovery_addr", "bind_host", "local_hostname", "control_port", "glob
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from connectors.peer_rdma.config import PeerRdmaConfig  # light: no grpc / mooncake import
+    from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig  # light: no grpc / mooncake import
 
     fields = {f.name: f for f in dataclasses.fields(PeerRdmaConfig)}
     sub = p.add_subparsers(dest="peer_command", metavar="ACTION", required=True)
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.peer_command == "status":
         import os
 
-        from connectors.peer_rdma.rpc import Clients
+        from kvconnect.connectors.peer_rdma.rpc import Clients
 
         c = Clients(args.token if args.token is not None else os.environ.get("KVCONNECT_PEER_TOKEN", ""),
                     args.timeout)
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             c.close()
         return 0
 
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
 
     store = create_store("peer_rdma", options_from_args(args))
     node = store.node

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.config import Size, StoreConfig, field_doc
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class PeerRdmaConfig(StoreConfig):
     join_timeout: float = field(default=5.0, metadata=field_doc("seconds to wait for a seed at start"))
 
     def __post_init__(self) -> None:
-        from connectors.base import ConfigError
+        from kvconnect.connectors.base import ConfigError
 
         if not self.seeds:
             raise ConfigError("discovery_addr", "needs at least one host:port")

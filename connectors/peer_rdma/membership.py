@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from connectors.peer_rdma.rpc import Clients, RpcError
+from kvconnect.connectors.peer_rdma.rpc import Clients, RpcError
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from connectors.base import Page, page_nbytes
-from connectors.buffers import gather_into, scatter
-from connectors.peer_rdma.config import PeerRdmaConfig
-from connectors.peer_rdma.membership import Member, Membership, View
-from connectors.peer_rdma.placement import owners
-from connectors.peer_rdma.rpc import Clients, RpcError, serve
-from connectors.peer_rdma.segment import Segment, Slot, checksum_at, checksum_page
+from kvconnect.connectors.base import Page, page_nbytes
+from kvconnect.connectors.buffers import gather_into, scatter
+from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
+from kvconnect.connectors.peer_rdma.membership import Member, Membership, View
+from kvconnect.connectors.peer_rdma.placement import owners
+from kvconnect.connectors.peer_rdma.rpc import Clients, RpcError, serve
+from kvconnect.connectors.peer_rdma.segment import Segment, Slot, checksum_at, checksum_page
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class PeerNode:
         self._last_view: View | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-io")
 
-        from connectors.peer_rdma.transport import Transport
+        from kvconnect.connectors.peer_rdma.transport import Transport
 
         self.segment = Segment(c.global_segment_size, on_evict=self._on_evict, populate=c.populate_segment)
         self.transport = Transport(self.hostname, c.protocol, c.devices, c.transfer_timeout, c.bounce_buffer_size)
@@ -139,7 +139,7 @@ class PeerNode:
         if c.disk_path:
             import os
 
-            from connectors.peer_rdma.disk import DiskTier
+            from kvconnect.connectors.peer_rdma.disk import DiskTier
 
             self.disk = DiskTier(os.path.join(c.disk_path, self.node_id.replace(":", "_")), c.disk_size,
                                  on_evict=self._on_disk_evict)

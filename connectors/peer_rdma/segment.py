@@ -20,8 +20,8 @@ from typing import Callable
 
 import xxhash
 
-from connectors.base import Page
-from connectors.buffers import gather_into, page_view, scatter_many
+from kvconnect.connectors.base import Page
+from kvconnect.connectors.buffers import gather_into, page_view, scatter_many
 
 ALIGN = 256
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from connectors.base import Page, PageStore, StoreUsage
-from connectors.peer_rdma.config import PeerRdmaConfig
+from kvconnect.connectors.base import Page, PageStore, StoreUsage
+from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ PROM_GAUGES = ("members", "pool_keys", "pool_bytes_used", "pool_capacity_bytes",
 class PeerRdmaStore(PageStore):
     """Pages in a peer-to-peer pool of lent host memory; one-sided reads through Mooncake TE.
 
-    Every store embeds a pool node (see ``connectors.peer_rdma.node``). Options: see
+    Every store embeds a pool node (see ``kvconnect.connectors.peer_rdma.node``). Options: see
     ``PeerRdmaConfig`` (``kvconnect stores peer_rdma``).
     """
 
@@ -35,13 +35,13 @@ class PeerRdmaStore(PageStore):
 
     def __init__(self, config: PeerRdmaConfig | None = None, **context: Any):
         super().__init__()
-        from connectors.peer_rdma.node import PeerNode
+        from kvconnect.connectors.peer_rdma.node import PeerNode
 
         self.config = config or PeerRdmaConfig()
         self.node = PeerNode(self.config)
         self.metrics_port: int | None = None
         if self.config.metrics_port >= 0:
-            from connectors.metrics import export_store, serve_metrics
+            from kvconnect.connectors.metrics import export_store, serve_metrics
 
             export_store(self, node=self.node.node_id)
             self.metrics_port = serve_metrics(self.config.metrics_port, host=self.config.metrics_bind_host)
@@ -83,7 +83,7 @@ class PeerRdmaStore(PageStore):
                           capacity_bytes=m["pool_capacity_bytes"], evictions=m["evictions"], extra=extra)
 
     def metric_families(self, label_names: list[str], label_values: list[str]):
-        """Peer-pool series for ``connectors.metrics`` (counters, gauges, latency quantiles)."""
+        """Peer-pool series for ``kvconnect.connectors.metrics`` (counters, gauges, latency quantiles)."""
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
         m = self.node.metrics()
@@ -108,7 +108,7 @@ class PeerRdmaStore(PageStore):
         yield lat
 
     def _close(self) -> None:
-        from connectors.metrics import unexport_store
+        from kvconnect.connectors.metrics import unexport_store
 
         unexport_store(self)
         self.node.close()

@@ -21,7 +21,7 @@ import threading
 import time
 from typing import Callable
 
-from connectors.mooncake.engine_env import apply_engine_defaults
+from kvconnect.connectors.mooncake.engine_env import apply_engine_defaults
 
 log = logging.getLogger(__name__)
 

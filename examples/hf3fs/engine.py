@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout
 
-EXTRA = {"backend_name": "kvconnect", "module_path": "connectors.engines.sglang_hicache",
+EXTRA = {"backend_name": "kvconnect", "module_path": "kvconnect.connectors.engines.sglang_hicache",
          "class_name": "KVConnectStorage", "interface_v1": 1, "store": "hf3fs"}
 
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes, zero_pages
+    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes, zero_pages
 
     n = int(cfg.get("pages", 300))
     ps = int(cfg.get("page_size", 4))

@@ -11,7 +11,7 @@ TP="${TP:-2}"
 export SGLANG_HICACHE_HF3FS_CONFIG_PATH="${SGLANG_HICACHE_HF3FS_CONFIG_PATH:-$HERE/hf3fs_config.json}"
 # usrbio (3FS mounts only): the hf3fs_py_usrbio library path, as in SGLang's guide
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}:/usr/local/lib/python3.12/dist-packages"
-EXTRA='{"backend_name":"kvconnect","module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage","interface_v1":1,"store":"hf3fs"}'
+EXTRA='{"backend_name":"kvconnect","module_path":"kvconnect.connectors.engines.sglang_hicache","class_name":"KVConnectStorage","interface_v1":1,"store":"hf3fs"}'
 rm -f instance.out
 nohup python3 -m sglang.launch_server \
     --model-path "$MODEL" \

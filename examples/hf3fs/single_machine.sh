@@ -29,7 +29,7 @@ cleanup() {
 trap cleanup EXIT
 
 # 1. the metadata service (durable: journal + snapshots in $WORK/meta)
-"$PY" -m connectors.cli --log-level WARNING hf3fs-meta serve --host 127.0.0.1 --port "$PORT" \
+"$PY" -m kvconnect --log-level WARNING hf3fs-meta serve --host 127.0.0.1 --port "$PORT" \
     --data-dir "$WORK/meta" --token-file "$WORK/token" --ready-file "$WORK/meta.ready" &
 META_PID=$!
 for _ in $(seq 300); do [[ -f "$WORK/meta.ready" ]] && break; sleep 0.1; done
@@ -53,7 +53,7 @@ E2=$!
 wait "$E1"
 wait "$E2" && rc=0 || rc=$?
 
-"$PY" -m connectors.cli --log-level WARNING hf3fs-meta usage --address "127.0.0.1:$PORT" \
+"$PY" -m kvconnect --log-level WARNING hf3fs-meta usage --address "127.0.0.1:$PORT" \
     --token-file "$WORK/token" --namespace 0:kv
 ls -l "$WORK/shared"
 [[ $rc == 0 ]] && echo "OK: engine 2 read every page engine 1 wrote, byte-exact" || echo "FAILED" >&2

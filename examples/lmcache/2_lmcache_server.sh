@@ -21,7 +21,7 @@ case "$STORE" in
   mooncake) PARAMS="{\"store\":\"mooncake\",\"master_server_address\":\"${MOONCAKE_MASTER:-127.0.0.1:50051}\",\"metadata_server\":\"P2PHANDSHAKE\",\"local_hostname\":\"${MOONCAKE_LOCAL_HOSTNAME:-127.0.0.1}\",\"protocol\":\"${MOONCAKE_PROTOCOL:-tcp}\",\"global_segment_size\":\"${MOONCAKE_GLOBAL_SEGMENT_SIZE:-4gb}\"}" ;;
   *) echo "STORE must be memory, hf3fs or mooncake" >&2; exit 2 ;;
 esac
-ADAPTER="{\"type\":\"plugin\",\"module_path\":\"connectors.engines.lmcache_l2\",\"class_name\":\"KVConnectL2Adapter\",\"adapter_params\":$PARAMS}"
+ADAPTER="{\"type\":\"plugin\",\"module_path\":\"kvconnect.connectors.engines.lmcache_l2\",\"class_name\":\"KVConnectL2Adapter\",\"adapter_params\":$PARAMS}"
 echo "L2 adapter: $ADAPTER" >&2
 exec lmcache server "$@" \
   --host 127.0.0.1 \

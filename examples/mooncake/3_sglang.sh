@@ -17,4 +17,4 @@ exec python -m sglang.launch_server \
   --hicache-mem-layout page_first_direct --hicache-io-backend direct \
   --hicache-write-policy write_through \
   --hicache-storage-backend dynamic \
-  --hicache-storage-backend-extra-config '{"backend_name":"kvconnect","module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage","interface_v1":1,"store":"mooncake","metrics_port":9320}'
+  --hicache-storage-backend-extra-config '{"backend_name":"kvconnect","module_path":"kvconnect.connectors.engines.sglang_hicache","class_name":"KVConnectStorage","interface_v1":1,"store":"mooncake","metrics_port":9320}'

@@ -36,8 +36,8 @@ def engine(role: str, pages: int, keys: list[str]) -> dict:
     """One SGLang engine lifetime (runs in its own process)."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    from connectors.engines.sglang_hicache import KVConnectStorage
-    from connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes
+    from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage
+    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes
 
     host = make_cpu_host_pool("page_first_direct", page_size=64, layer_num=4, head_num=2, head_dim=64,
                               host_tokens=64 * (pages + 2))
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(engine(args.engine, args.pages, json.loads(args.keys))), flush=True)
         return 0
 
-    from connectors.mooncake.testing import LoopbackNetns, MasterProcess
+    from kvconnect.connectors.mooncake.testing import LoopbackNetns, MasterProcess
 
     keys = [hashlib.sha256(f"seed4-prefix-page-{i}".encode()).hexdigest() for i in range(args.pages)]
     ns = LoopbackNetns()
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--http_metadata_server_port=8080", "--eviction_high_watermark_ratio=0.95")
         master = MasterProcess(ns, extra_args=extra if args.metadata == "http" else ()).start()
         print(f"[1] mooncake_master up on {master.address} in netns {ns.name}")
-        store = subprocess.Popen(ns.exec_prefix() + [sys.executable, "-m", "connectors.cli", "mooncake-store"],
+        store = subprocess.Popen(ns.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.cli", "mooncake-store"],
                                  env=dict(env, MOONCAKE_GLOBAL_SEGMENT_SIZE="512mb", MOONCAKE_LOCAL_BUFFER_SIZE="0"),
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         procs.append(store)

@@ -11,7 +11,7 @@ TP=${TP:-1}
 DISC="$NODE1_IP:31998,$NODE2_IP:31998"      # two seeds: either one is enough to join
 : "${SELF:?set SELF to this machine's IP}"
 
-PC='{"backend_name":"kvconnect","module_path":"connectors.engines.sglang_hicache","class_name":"KVConnectStorage",'\
+PC='{"backend_name":"kvconnect","module_path":"kvconnect.connectors.engines.sglang_hicache","class_name":"KVConnectStorage",'\
 '"interface_v1":1,"store":"peer_rdma","discovery_addr":"'$DISC'","protocol":"rdma","device_names":"'$DEVS'",'\
 '"local_hostname":"'$SELF'","bind_host":"'$SELF'","global_segment_size":"16gb",'\
 '"disk_path":"/data/kvconnect-peer/","disk_size":"100gb","auth_token":"'$TOKEN'",'\

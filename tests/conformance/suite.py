@@ -21,10 +21,10 @@ import time
 
 import pytest
 
-from connectors.base import PageStore, StoreClosed, UnknownConfigKey
-from connectors.buffers import HostBuffer
-from connectors.registry import create_store
-from namespace import count_hits
+from kvconnect.connectors.base import PageStore, StoreClosed, UnknownConfigKey
+from kvconnect.connectors.buffers import HostBuffer
+from kvconnect.connectors.registry import create_store
+from kvconnect.namespace import count_hits
 
 PAGE = 16 * 1024  # bytes per page (2 segments of 8 KiB)
 HDR = struct.Struct("<32sQ")  # sha256(key), generation

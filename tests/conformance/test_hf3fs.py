@@ -8,8 +8,8 @@ tests/integration/test_hf3fs.py::test_usrbio_client_on_3fs_mount).
 
 import pytest
 
-from connectors.hf3fs.config import HF3FSConfig
-from connectors.hf3fs.store import HF3FSStore
+from kvconnect.connectors.hf3fs.config import HF3FSConfig
+from kvconnect.connectors.hf3fs.store import HF3FSStore
 from tests.conformance.suite import PAGE, PageStoreConformance
 
 CAPACITY_PAGES = 64
@@ -66,7 +66,7 @@ grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (ex
 
 @pytest.fixture(scope="class")
 def meta_server(tmp_path_factory):
-    from connectors.hf3fs.service import MetaServer
+    from kvconnect.connectors.hf3fs.service import MetaServer
 
     d = tmp_path_factory.mktemp("meta")
     srv = MetaServer("127.0.0.1", 0, str(d / "data"), token="s3cret", fsync="never").start()

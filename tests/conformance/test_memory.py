@@ -1,6 +1,6 @@
 """Conformance: the in-process reference store."""
 
-from connectors.memory import MemoryStore, MemoryStoreConfig
+from kvconnect.connectors.memory import MemoryStore, MemoryStoreConfig
 from tests.conformance.suite import PAGE, PageStoreConformance
 
 

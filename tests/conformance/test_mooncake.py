@@ -13,7 +13,7 @@ from tests.mooncake_env import INNER, outer_test
 if not INNER:
     test_conformance_in_loopback_namespace = outer_test(__file__)
 else:
-    from connectors.registry import create_store
+    from kvconnect.connectors.registry import create_store
     from tests.conformance.suite import PageStoreConformance
     from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
 

@@ -57,7 +57,7 @@ if not INNER:
         """A block reserved for a one-sided write (or quarantined after one failed) is not in
         the slot table; clearing the segment must not hand it out again while that write
         may still land in it."""
-        from connectors.peer_rdma.segment import Segment, checksum_at
+        from kvconnect.connectors.peer_rdma.segment import Segment, checksum_at
 
         seg = Segment(16 * PAGE, populate=False)
         try:
@@ -78,7 +78,7 @@ if not INNER:
         """Transport.wait against a scripted engine: a finished batch id is freed by the engine,
         so polling it again would be a use-after-free; a transfer still pending at the timeout
         is given up (-2) and polled later only to free it."""
-        from connectors.peer_rdma.transport import Pending, Transport
+        from kvconnect.connectors.peer_rdma.transport import Pending, Transport
 
         class Engine:
             def __init__(self, script):
@@ -139,7 +139,7 @@ else:
             for i in range(2):
                 ready = os.path.join(tmp, f"ready{i}")
                 procs.append(exec_in(INNER, [
-                    PY, "-m", "connectors.cli", "--log-level", "WARNING", "peer", "serve",
+                    PY, "-m", "kvconnect.connectors.cli", "--log-level", "WARNING", "peer", "serve",
                     "--discovery-addr", seed, "--control-port", "31998" if i == 0 else "0",
                     "--global-segment-size", str(SEG_PAGES * PAGE), "--protocol", "tcp",
                     "--set", "heartbeat_interval=0.5", "--set", "member_ttl=3", "--ready-file", ready],
@@ -171,7 +171,7 @@ else:
                     "heartbeat_interval": 0.5, "member_ttl": 3.0}
 
         def make_store(self):
-            from connectors.registry import create_store
+            from kvconnect.connectors.registry import create_store
 
             store = create_store("peer_rdma", self.store_options())
             assert len(store.node.view.members) == 3, store.node.view.ids
@@ -210,7 +210,7 @@ else:
             assert store.node.metrics()["staged_reads"] > 0
 
         def test_direct_reads_into_registered_caller_memory(self):
-            from connectors.registry import create_store
+            from kvconnect.connectors.registry import create_store
 
             store = create_store("peer_rdma", {**self.store_options(), "direct_reads": True})
             try:
@@ -236,7 +236,7 @@ else:
             """Holders re-home their entries from a snapshot of their slots (after a view
             change); a snapshot taken before a clear must not bring the entries back on the
             owners when it arrives after the clear."""
-            from connectors.peer_rdma.placement import owners
+            from kvconnect.connectors.peer_rdma.placement import owners
 
             keys = self.keys(24)
             assert self.write(store, keys) == [True] * 24
@@ -284,8 +284,8 @@ else:
         """The write-through disk tier: pages the segment evicted come back on demand."""
 
         def test_evicted_pages_are_promoted_from_disk(self, pool, tmp_path):
-            from connectors.buffers import HostBuffer
-            from connectors.registry import create_store
+            from kvconnect.connectors.buffers import HostBuffer
+            from kvconnect.connectors.registry import create_store
 
             store = create_store("peer_rdma", {
                 "discovery_addr": pool, "control_port": 0, "protocol": "tcp", "global_segment_size": 16 * PAGE,
@@ -312,8 +312,8 @@ else:
 
     def test_every_rpc_checks_the_token(tmp_path):
         """A node with a token refuses calls without it (or with another) before any handler runs."""
-        from connectors.peer_rdma.rpc import Clients, RpcError
-        from connectors.registry import create_store
+        from kvconnect.connectors.peer_rdma.rpc import Clients, RpcError
+        from kvconnect.connectors.registry import create_store
 
         store = create_store("peer_rdma", {"discovery_addr": "127.0.0.1:1", "control_port": 0, "protocol": "tcp",
                                            "global_segment_size": 16 * PAGE, "auth_token": "right",

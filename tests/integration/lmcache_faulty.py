@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from connectors.base import BackendUnavailable, Page, PageStore
-from connectors.config import StoreConfig, field_doc
-from connectors.memory import MemoryStore
+from kvconnect.connectors.base import BackendUnavailable, Page, PageStore
+from kvconnect.connectors.config import StoreConfig, field_doc
+from kvconnect.connectors.memory import MemoryStore
 
 
 @dataclass(frozen=True)

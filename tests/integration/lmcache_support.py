@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LMCACHE_BIN = str(Path(sys.executable).with_name("lmcache"))
 ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1",
            PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-MODULE = "connectors.engines.lmcache_l2"
+MODULE = "kvconnect.connectors.engines.lmcache_l2"
 
 
 def plugin_json(params: dict) -> str:

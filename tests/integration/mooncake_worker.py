@@ -23,13 +23,13 @@ import sys
 def _storage(master: str, segment: str, layout: str):
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-    from connectors.engines.sglang_hicache import KVConnectStorage
+    from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage
 
     cfg = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=layout == "page_first",
         model_name="tiny/model",
-        extra_config={"backend_name": "kvconnect", "module_path": "connectors.engines.sglang_hicache",
+        extra_config={"backend_name": "kvconnect", "module_path": "kvconnect.connectors.engines.sglang_hicache",
                       "class_name": "KVConnectStorage", "interface_v1": 1, "store": "mooncake",
                       "master_server_address": master, "protocol": "tcp", "local_hostname": "127.0.0.1",
                       "metadata_server": "P2PHANDSHAKE", "global_segment_size": segment,
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--keys", default="")
     args = p.parse_args(argv)
 
-    from connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes
+    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes
 
     host = make_cpu_host_pool(args.layout, page_size=4, layer_num=3, head_num=2, head_dim=8,
                               host_tokens=4 * (args.pages + 2))

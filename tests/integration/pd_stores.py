@@ -2,7 +2,7 @@
 
 * ``mooncake``: a real ``mooncake_master`` plus a segment-holder process (the seed's
   standalone store service) inside a loopback-only network namespace
-  (``connectors.mooncake.testing.MooncakeCluster``); PD processes are clients that
+  (``kvconnect.connectors.mooncake.testing.MooncakeCluster``); PD processes are clients that
   contribute no memory.
 * ``hf3fs``: the real kvconnect HF3FS metadata service (``kvconnect hf3fs-meta serve``,
   gRPC) in the same namespace, data files in a temporary directory (POSIX client: there is
@@ -31,9 +31,9 @@ class StoreUnavailable(Exception):
 @contextlib.contextmanager
 def mooncake_service(segment: str = "1gb") -> Iterator[tuple[object, dict, Callable[[], None]]]:
     try:
-        from connectors.mooncake.testing import MooncakeCluster, netns_supported
+        from kvconnect.connectors.mooncake.testing import MooncakeCluster, netns_supported
     except ImportError as e:
-        raise StoreUnavailable(f"connectors.mooncake.testing: {e}") from e
+        raise StoreUnavailable(f"kvconnect.connectors.mooncake.testing: {e}") from e
     ok, why = netns_supported()
     if not ok:
         raise StoreUnavailable(why)
@@ -58,7 +58,7 @@ def mooncake_service(segment: str = "1gb") -> Iterator[tuple[object, dict, Calla
 @contextlib.contextmanager
 def hf3fs_service(workdir: str, ns: object | None = None,
                   file_size: str = "1gb") -> Iterator[tuple[object, dict, Callable[[], None]]]:
-    from connectors.engines.sglang_pd_testing import loopback_netns
+    from kvconnect.connectors.engines.sglang_pd_testing import loopback_netns
 
     with contextlib.ExitStack() as stack:
         ns = ns or stack.enter_context(loopback_netns())
@@ -67,7 +67,7 @@ def hf3fs_service(workdir: str, ns: object | None = None,
         ready = os.path.join(data, "ready")
         port = 18000 + os.getpid() % 1000
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        cmd = ns.exec_prefix() + [sys.executable, "-m", "connectors.cli", "hf3fs-meta", "serve", "--host", "127.0.0.1",
+        cmd = ns.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.cli", "hf3fs-meta", "serve", "--host", "127.0.0.1",
                                   "--port", str(port), "--data-dir", os.path.join(data, "meta"), "--ready-file", ready,
                                   "--workers", "4"]
         log = open(os.path.join(data, "meta.log"), "w")

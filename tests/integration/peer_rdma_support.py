@@ -2,7 +2,7 @@
 
 Mooncake's Transfer Engine listens on every interface whatever it is told, so every
 process that runs a pool node runs inside a network namespace the test created
-(``connectors.peer_rdma.netns``). Everything is removed on exit.
+(``kvconnect.connectors.peer_rdma.netns``). Everything is removed on exit.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from connectors.peer_rdma.netns import Bridge, loopback_ns, netns_available  # noqa: F401
+from kvconnect.connectors.peer_rdma.netns import Bridge, loopback_ns, netns_available  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable

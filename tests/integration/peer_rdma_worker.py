@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from connectors.registry import create_store  # noqa: E402
+from kvconnect.connectors.registry import create_store  # noqa: E402
 
 
 def out(obj: dict) -> None:
@@ -34,13 +34,13 @@ class HostPages:
     def __init__(self, spec: dict | None, n_pages: int = 256):
         self.lock = threading.Lock()
         if spec is None:
-            from connectors.buffers import HostBuffer
+            from kvconnect.connectors.buffers import HostBuffer
 
             self.buf = HostBuffer(n_pages, 32 * 1024, 2)
             self.host = None
             self.free = list(range(n_pages))
             return
-        from connectors.engines.sglang_testing import make_cpu_host_pool
+        from kvconnect.connectors.engines.sglang_testing import make_cpu_host_pool
 
         self.host = make_cpu_host_pool(host_tokens=n_pages * spec.get("page_size", 16), **spec)
         self.ps = self.host.page_size
@@ -89,7 +89,7 @@ class HostPages:
                 rnd = random.Random(seed * 1_000_003 + j)
                 self.buf.fill(p, rnd.randbytes(self.buf.page_bytes))
             return
-        from connectors.engines.sglang_testing import fill_pages
+        from kvconnect.connectors.engines.sglang_testing import fill_pages
 
         fill_pages(self.host, [p + t for p in pages for t in range(self.ps)], seed)
 
@@ -98,7 +98,7 @@ class HostPages:
             for p in pages:
                 self.buf.zero(p)
             return
-        from connectors.engines.sglang_testing import zero_pages
+        from kvconnect.connectors.engines.sglang_testing import zero_pages
 
         zero_pages(self.host, [p + t for p in pages for t in range(self.ps)])
 
@@ -106,7 +106,7 @@ class HostPages:
         if self.host is None:
             data = self.buf.read(page)
         else:
-            from connectors.engines.sglang_testing import page_bytes
+            from kvconnect.connectors.engines.sglang_testing import page_bytes
 
             data = page_bytes(self.host, page)
         return hashlib.blake2b(data, digest_size=16).hexdigest()

@@ -26,13 +26,13 @@ from pathlib import Path
 
 import pytest
 
-from connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
-from connectors.buffers import HostBuffer
-from connectors.hf3fs.client import LocalMetadata
-from connectors.hf3fs.config import HF3FSConfig
-from connectors.hf3fs.index import PageIndex
-from connectors.hf3fs.store import HF3FSStore
-from connectors.registry import create_store
+from kvconnect.connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
+from kvconnect.connectors.buffers import HostBuffer
+from kvconnect.connectors.hf3fs.client import LocalMetadata
+from kvconnect.connectors.hf3fs.config import HF3FSConfig
+from kvconnect.connectors.hf3fs.index import PageIndex
+from kvconnect.connectors.hf3fs.store import HF3FSStore
+from kvconnect.connectors.registry import create_store
 from tests.conformance.suite import PAGE, check_page, page_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ class MetaProcess:
     def start(self, timeout: float = 30) -> "MetaProcess":
         ready = self.data_dir.parent / f"ready-{self.port}.json"
         ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "connectors.cli", "--log-level", "WARNING", "hf3fs-meta", "serve",
+        cmd = [sys.executable, "-m", "kvconnect.connectors.cli", "--log-level", "WARNING", "hf3fs-meta", "serve",
                "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(self.data_dir),
                "--fsync", self.fsync, "--ready-file", str(ready)]
         if self.token_file:
@@ -248,7 +248,7 @@ def test_kill9_during_writes_keeps_every_confirmed_page(tmp_path, meta):
 def test_restart_with_a_million_keys_is_ready_fast(tmp_path):
     """1,000,000 confirmed keys (half in a snapshot, half only in the journal): a fresh
     service process is serving in < 5 s and answers for keys from both halves."""
-    from connectors.hf3fs.wal import Journal
+    from kvconnect.connectors.hf3fs.wal import Journal
 
     data = tmp_path / "meta"
     j = Journal(data, fsync="never", snapshot_interval_s=1e9)
@@ -274,7 +274,7 @@ def test_restart_with_a_million_keys_is_ready_fast(tmp_path):
         assert m.recovery["seconds"] < 5.0, m.recovery
         assert m.started_s < 5.0 + 5.0 * max(0.0, os.getloadavg()[0] / (os.cpu_count() or 1) - 1), (
             f"ready after {m.started_s:.2f}s", m.recovery, os.getloadavg())
-        from connectors.hf3fs.client import RemoteMetadata
+        from kvconnect.connectors.hf3fs.client import RemoteMetadata
 
         c = RemoteMetadata(f"127.0.0.1:{m.port}")
         assert c.exists("0:kv", sample) == b"\x01" * len(sample)
@@ -536,8 +536,8 @@ def test_second_process_on_a_file_without_service(tmp_path):
     s = create_store("hf3fs", opts, rank=0)
     try:
         code = ("import sys; sys.path.insert(0, %r)\n"
-                "from connectors.registry import create_store\n"
-                "from connectors.base import ConfigError\n"
+                "from kvconnect.connectors.registry import create_store\n"
+                "from kvconnect.connectors.base import ConfigError\n"
                 "try:\n    create_store('hf3fs', %r, rank=0)\nexcept ConfigError as e:\n    print('refused', e)\n"
                 "t = create_store('hf3fs', %r)\nprint('took', t.path)\nt.close()\n") % (str(ROOT), opts, opts)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -646,7 +646,7 @@ def test_posix_file_batches_are_byte_exact(tmp_path, stage_bytes, mmap_reads):
     runs of adjacent slots become single vectored calls (direct) or pass through a staging
     buffer whose size divides neither the segments nor the pages; every page reads back
     exactly, through the mapping and through preadv."""
-    from connectors.hf3fs.files import PosixFile
+    from kvconnect.connectors.hf3fs.files import PosixFile
 
     pb, n = 24 * 1024, 24
     _keep, pages, want = _pages_with_segments(pb, n, 2, seed=stage_bytes)
@@ -670,7 +670,7 @@ def test_posix_file_batches_are_byte_exact(tmp_path, stage_bytes, mmap_reads):
 
 def test_posix_file_more_segments_than_one_syscall_takes(tmp_path):
     """A run of more than IOV_MAX segments is split across calls, still byte-exact."""
-    from connectors.hf3fs.files import IOV_MAX, PosixFile
+    from kvconnect.connectors.hf3fs.files import IOV_MAX, PosixFile
 
     seg, n = 512, IOV_MAX + 300
     bufs = [HostBuffer(1, seg, 1) for _ in range(n)]  # separate regions: nothing merges
@@ -691,7 +691,7 @@ def test_posix_file_more_segments_than_one_syscall_takes(tmp_path):
 
 @pytest.mark.parametrize("stage_bytes", [0, 4096])
 def test_posix_file_write_after_deadline_writes_nothing(tmp_path, stage_bytes):
-    from connectors.hf3fs.files import PosixFile
+    from kvconnect.connectors.hf3fs.files import PosixFile
 
     pb = 16 * 1024
     _keep, pages, _ = _pages_with_segments(pb, 4, 1, seed=1)
@@ -705,7 +705,7 @@ def test_posix_file_write_after_deadline_writes_nothing(tmp_path, stage_bytes):
 
 def test_posix_file_failures_are_false_not_exceptions(tmp_path):
     """A read past the mapped length and a write that the OS refuses come back False."""
-    from connectors.hf3fs.files import PosixFile
+    from kvconnect.connectors.hf3fs.files import PosixFile
 
     pb = 8192
     _keep, pages, _ = _pages_with_segments(pb, 2, 1, seed=2)
@@ -742,7 +742,7 @@ def test_posix_write_key_is_validated(tmp_path):
 @pytest.mark.parametrize("stage_bytes", [0, 5000])
 def test_striped_file_places_slots_round_robin_byte_exact(tmp_path, stage_bytes):
     """Slot s lies in file s % n at (s // n) * page; batches in any order read back exactly."""
-    from connectors.hf3fs.files import StripedFile
+    from kvconnect.connectors.hf3fs.files import StripedFile
 
     pb, n = 16 * 1024, 20
     _keep, pages, want = _pages_with_segments(pb, n, 2, seed=5)
@@ -800,7 +800,7 @@ def test_posix_files_key_is_validated(tmp_path, bad):
 def test_auto_write_mode(tmp_path):
     """auto stages with one file and two or more workers and CPUs; never when striped (the
     files already copy in parallel) or with one worker."""
-    from connectors.hf3fs.files import usable_cpus
+    from kvconnect.connectors.hf3fs.files import usable_cpus
 
     for i, (opts, staged) in enumerate([({"numjobs": 3}, usable_cpus() >= 2), ({"numjobs": 1}, False),
                                         ({"numjobs": 3, "posix_files": 2}, False)]):

@@ -9,7 +9,7 @@ pytest.importorskip("grpc", reason="the metadata service needs grpcio")
 
 
 def test_quick_benchmark_writes_ratios(tmp_path):
-    from benchmarks import hf3fs
+    from kvconnect.benchmarks import hf3fs
 
     out = tmp_path / "hf3fs.json"
     assert hf3fs.main(["--quick", "--meta-batches", "20", "--out", str(out), "--dir", str(tmp_path)]) == 0

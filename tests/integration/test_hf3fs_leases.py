@@ -16,10 +16,10 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
 
-from connectors.hf3fs import protocol as P  # noqa: E402
-from connectors.hf3fs.client import AuthError, RemoteMetadata  # noqa: E402
-from connectors.hf3fs.index import NEW  # noqa: E402
-from connectors.hf3fs.service import MetaServer  # noqa: E402
+from kvconnect.connectors.hf3fs import protocol as P  # noqa: E402
+from kvconnect.connectors.hf3fs.client import AuthError, RemoteMetadata  # noqa: E402
+from kvconnect.connectors.hf3fs.index import NEW  # noqa: E402
+from kvconnect.connectors.hf3fs.service import MetaServer  # noqa: E402
 from tests.integration.test_hf3fs import MetaProcess  # noqa: E402
 
 NS = "0:kv"

@@ -1,4 +1,4 @@
-"""The kvconnect L2 adapter inside LMCache 0.5.6 (``connectors.engines.lmcache_l2``).
+"""The kvconnect L2 adapter inside LMCache 0.5.6 (``kvconnect.connectors.engines.lmcache_l2``).
 
 Everything here is real LMCache on CPU: the adapter is built by LMCache's own plugin
 factory from the ``--l2-adapter`` JSON, driven with LMCache ``TensorMemoryObj`` buffers,
@@ -37,9 +37,9 @@ from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
 from lmcache.v1.platform import consume_fd  # noqa: E402
 
-from connectors.base import ConfigError  # noqa: E402
-from connectors.engines.lmcache_l2 import KVConnectL2Adapter, ObjectKeyMapper  # noqa: E402
-from connectors.memory import MemoryStore  # noqa: E402
+from kvconnect.connectors.base import ConfigError  # noqa: E402
+from kvconnect.connectors.engines.lmcache_l2 import KVConnectL2Adapter, ObjectKeyMapper  # noqa: E402
+from kvconnect.connectors.memory import MemoryStore  # noqa: E402
 
 from tests.integration.lmcache_support import (  # noqa: E402
     ENV,
@@ -439,7 +439,7 @@ def store_env(name: str, tmp_path: Path):
         why = mooncake_skip_reason()
         if why:
             pytest.skip(why)
-        from connectors.mooncake.testing import MooncakeCluster
+        from kvconnect.connectors.mooncake.testing import MooncakeCluster
         from tests.mooncake_env import store_options
 
         # the master and the bench process share a loopback-only namespace of their own
@@ -449,7 +449,7 @@ def store_env(name: str, tmp_path: Path):
         finally:
             cluster.close()
     elif name == "peer_rdma":
-        from connectors.peer_rdma.netns import loopback_ns, netns_available
+        from kvconnect.connectors.peer_rdma.netns import loopback_ns, netns_available
 
         why = netns_available()
         if why:
@@ -463,11 +463,11 @@ def store_env(name: str, tmp_path: Path):
 
 STORES = [
     pytest.param("memory"),
-    pytest.param("hf3fs", marks=pytest.mark.skipif(not _module_exists("connectors.hf3fs.store"),
+    pytest.param("hf3fs", marks=pytest.mark.skipif(not _module_exists("kvconnect.connectors.hf3fs.store"),
                                                    reason="connectors/hf3fs not written yet")),
-    pytest.param("mooncake", marks=pytest.mark.skipif(not _module_exists("connectors.mooncake.store"),
+    pytest.param("mooncake", marks=pytest.mark.skipif(not _module_exists("kvconnect.connectors.mooncake.store"),
                                                       reason="connectors/mooncake not written yet")),
-    pytest.param("peer_rdma", marks=pytest.mark.skipif(not _module_exists("connectors.peer_rdma.store"),
+    pytest.param("peer_rdma", marks=pytest.mark.skipif(not _module_exists("kvconnect.connectors.peer_rdma.store"),
                                                        reason="connectors/peer_rdma not written yet")),
 ]
 
@@ -519,10 +519,10 @@ def servers(tmp_path_factory):
     """Two servers sharing one HF3FS file through a real metadata service (A drops L1
     copies once they are in L2, so its hits must come from the store), and one whose store
     raises on every call. Started together: each takes a while to import on a busy box."""
-    if not _module_exists("connectors.hf3fs.store"):
+    if not _module_exists("kvconnect.connectors.hf3fs.store"):
         pytest.skip("connectors/hf3fs not written yet")
     pytest.importorskip("grpc", reason="the HF3FS metadata service needs grpcio")
-    from connectors.hf3fs.service import MetaServer
+    from kvconnect.connectors.hf3fs.service import MetaServer
 
     d = tmp_path_factory.mktemp("lmc-srv")
     meta = MetaServer("127.0.0.1", 0, str(d / "meta"), token="t0k", fsync="never").start()
@@ -568,7 +568,7 @@ def test_server_pages_land_in_the_store_and_a_second_server_reads_them(servers):
         assert st["store"] == "hf3fs" and st["store_stats"]["put_failed"] == 0 and st["errors"] == {}
         assert st["store_stats"]["put_bytes"] == 4 * 512 * 1024
         # A third reader, this test process: the metadata service holds A's pages
-        from connectors.registry import create_store
+        from kvconnect.connectors.registry import create_store
 
         reader = create_store("hf3fs", {k: v for k, v in servers.hf3fs.items() if k != "store"})
         try:
@@ -631,7 +631,7 @@ def test_dead_metadata_service_gives_misses_not_a_hung_server(servers):
     assert a.stop() is not None
 
 
-@pytest.mark.skipif(not _module_exists("connectors.mooncake.store"), reason="connectors/mooncake not written yet")
+@pytest.mark.skipif(not _module_exists("kvconnect.connectors.mooncake.store"), reason="connectors/mooncake not written yet")
 def test_two_servers_share_one_mooncake_cluster(tmp_path):
     """Two ``lmcache server`` processes over one Mooncake cluster (real ``mooncake_master``,
     TCP) in a loopback-only namespace: what A stores (``skip_l1``), B finds and retrieves
@@ -656,7 +656,7 @@ def test_two_servers_share_one_mooncake_cluster(tmp_path):
 def test_benchmark_quick_writes_ratios(tmp_path):
     """``benchmarks/lmcache_l2.py --quick``: hf3fs and LMCache's fs adapter through
     ``lmcache bench l2`` on one directory, ratios in the results JSON."""
-    from benchmarks.lmcache_l2 import main
+    from kvconnect.benchmarks.lmcache_l2 import main
 
     out = tmp_path / "lmcache_l2.json"
     assert main(["--quick", "--dir", str(tmp_path / "work"), "--out", str(out)]) == 0

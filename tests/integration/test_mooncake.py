@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from connectors.base import BackendUnavailable
-from connectors.buffers import HostBuffer
-from connectors.mooncake.engine_env import mooncake_timeouts
-from connectors.mooncake.testing import MasterProcess
-from connectors.registry import create_store
+from kvconnect.connectors.base import BackendUnavailable
+from kvconnect.connectors.buffers import HostBuffer
+from kvconnect.connectors.mooncake.engine_env import mooncake_timeouts
+from kvconnect.connectors.mooncake.testing import MasterProcess
+from kvconnect.connectors.registry import create_store
 from tests.conformance.suite import PAGE, check_page, page_bytes
 from tests.mooncake_env import INNER, outer_test
 from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture

@@ -25,7 +25,7 @@ def _run_quick(tmp_path, *options: str) -> dict:
     pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
     out = tmp_path / "mooncake.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    p = subprocess.run([sys.executable, "-m", "benchmarks.mooncake", "--quick", "--reps", "2", *options,
+    p = subprocess.run([sys.executable, "-m", "kvconnect.benchmarks.mooncake", "--quick", "--reps", "2", *options,
                         "--output", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return json.loads(out.read_text())

@@ -1,7 +1,7 @@
 """Same-host shared segments: a standalone ``kvconnect mooncake-store`` process with
 ``shared_segment`` lends its memory from /dev/shm; engines on the host copy pages from it.
 
-Everything real: ``mooncake_master`` and the store process (``python -m connectors.cli
+Everything real: ``mooncake_master`` and the store process (``python -m kvconnect
 mooncake-store``) in a loopback-only namespace, engine-side stores (no segment of their
 own) in this test process.
 
@@ -30,9 +30,9 @@ from tests.mooncake_env import INNER, outer_test
 if not INNER:
     test_in_loopback_namespace = outer_test(__file__)
 else:
-    from connectors.buffers import HostBuffer
-    from connectors.mooncake.testing import MasterProcess
-    from connectors.registry import create_store
+    from kvconnect.connectors.buffers import HostBuffer
+    from kvconnect.connectors.mooncake.testing import MasterProcess
+    from kvconnect.connectors.registry import create_store
     from tests.conformance.suite import PAGE, PageStoreConformance, check_page, page_bytes
     from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
 

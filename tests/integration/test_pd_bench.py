@@ -22,7 +22,7 @@ def test_pd_benchmark_quick(tmp_path):
     pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
     out = tmp_path / "pd.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    p = subprocess.run([sys.executable, "-m", "benchmarks.pd", "--quick", "--levels", "1,8", "--out", str(out)],
+    p = subprocess.run([sys.executable, "-m", "kvconnect.benchmarks.pd", "--quick", "--levels", "1,8", "--out", str(out)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     doc = json.loads(out.read_text())

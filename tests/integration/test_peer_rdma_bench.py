@@ -24,7 +24,7 @@ def test_peer_rdma_benchmark_quick(tmp_path):
         pytest.skip(why)
     out = tmp_path / "peer_rdma.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "benchmarks.peer_rdma", "--quick", "--out", str(out)], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "kvconnect.benchmarks.peer_rdma", "--quick", "--out", str(out)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     doc = json.loads(out.read_text())

@@ -2,7 +2,7 @@
 
 Real: sglang's ``StorageBackendFactory`` (dynamic loading from the extra-config JSON),
 ``HiCacheStorageConfig``, ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` host pools
-built over real CPU device pools (``connectors.engines.sglang_testing``), SGLang's own
+built over real CPU device pools (``kvconnect.connectors.engines.sglang_testing``), SGLang's own
 ``HiCacheFile`` as the v2 reference, and kvconnect's memory store.
 
 Not real, and why: the ``HiCacheController`` (its GPU<->host copies need CUDA); the tests
@@ -33,19 +33,19 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from connectors.base import ConfigError, Page, PageStore, Unsupported, UnknownStore  # noqa: E402
-from connectors.config import Size, StoreConfig  # noqa: E402
-from connectors.engines.sglang_hicache import KVConnectStorage  # noqa: E402
-from connectors.engines.sglang_testing import (  # noqa: E402
+from kvconnect.connectors.base import ConfigError, Page, PageStore, Unsupported, UnknownStore  # noqa: E402
+from kvconnect.connectors.config import Size, StoreConfig  # noqa: E402
+from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage  # noqa: E402
+from kvconnect.connectors.engines.sglang_testing import (  # noqa: E402
     SUPPORTED_LAYOUTS_MHA,
     SUPPORTED_LAYOUTS_MLA,
     fill_pages,
     make_cpu_host_pool,
     page_bytes,
 )
-from connectors.memory import MemoryStore, MemoryStoreConfig  # noqa: E402
+from kvconnect.connectors.memory import MemoryStore, MemoryStoreConfig  # noqa: E402
 
-ISSUE_JSON = {"backend_name": "kvconnect", "module_path": "connectors.engines.sglang_hicache",
+ISSUE_JSON = {"backend_name": "kvconnect", "module_path": "kvconnect.connectors.engines.sglang_hicache",
               "class_name": "KVConnectStorage", "interface_v1": 1}
 SHARED = f"{__name__}:SharedMemoryStore"
 RAISING = f"{__name__}:RaisingStore"
@@ -306,7 +306,7 @@ def test_pages_round_trip_byte_exact_into_a_fresh_pool(case):
 @pytest.mark.parametrize("case", POOL_CASES, ids=pool_id)
 def test_segment_table_equals_get_page_buffer_meta(case):
     """The numpy segment table gives SGLang's own segments, in flat byte order."""
-    from connectors.engines.sglang_hicache import SegmentTable
+    from kvconnect.connectors.engines.sglang_hicache import SegmentTable
 
     mla, layout = case
     host = make_cpu_host_pool(layout, mla=mla, layer_num=5, host_tokens=4 * 40)
@@ -320,7 +320,7 @@ def test_segment_table_equals_get_page_buffer_meta(case):
     got = table.pages(idx[:: host.page_size])
     assert got == io.meta_pages(idx, len(pages))
     # and the flat byte order: gathering a page's segments gives get_data_page's bytes
-    from connectors.buffers import gather
+    from kvconnect.connectors.buffers import gather
 
     fill_pages(host, idx, seed=9)
     for i, p in enumerate(pages):
@@ -777,7 +777,7 @@ def test_metrics_port_serves_the_store_counters_on_loopback():
     import re
     import urllib.request
 
-    from connectors import metrics
+    from kvconnect.connectors import metrics
 
     host = make_cpu_host_pool("page_first")
     b = backend(host, extra={"metrics_port": 0})

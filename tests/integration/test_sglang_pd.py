@@ -5,7 +5,7 @@ Real components: SGLang's plugin loader and ``HookRegistry``, ``ServerArgs`` + `
 ``MHATokenToKVPool(device="cpu")`` as the KV memory, ``MetadataBuffers`` as aux rows, the
 Mooncake Transfer Engine over TCP, and the real ``mooncake`` / ``hf3fs`` kvconnect stores.
 Prefill and decode run as two processes in a loopback-only network namespace, driven the
-way SGLang's schedulers drive senders and receivers (``connectors.engines.sglang_pd_testing``).
+way SGLang's schedulers drive senders and receivers (``kvconnect.connectors.engines.sglang_pd_testing``).
 
 Stand-ins, because they cannot exist here: CPU memory for GPU KV memory (no GPU) and TCP
 for RDMA (no NIC); the scheduler loop is replaced by the driver's poll loop (a real
@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("sglang", reason="needs sglang (the CI venv has it)")
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (the CI venv has it)")
 
-from connectors.engines import sglang_pd_testing as pdt  # noqa: E402
+from kvconnect.connectors.engines import sglang_pd_testing as pdt  # noqa: E402
 from tests.integration import pd_stores  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,10 +112,10 @@ def test_plugin_loader_registers_kvconnect(plugin_path):
     out = _run_python(PLUGIN_CHECK, env)
     assert "kvconnect" in out["choices"]
     assert out["member"] == "KVCONNECT" and out["mooncake_is_member"]
-    assert out["classes"]["manager"] == "connectors.engines.sglang_pd.KVConnectKVManager"
-    assert out["classes"]["sender"] == "connectors.engines.sglang_pd.KVConnectKVSender"
-    assert out["classes"]["receiver"] == "connectors.engines.sglang_pd.KVConnectKVReceiver"
-    assert out["classes"]["bootstrap_server"] == "connectors.engines.sglang_pd.KVConnectKVBootstrapServer"
+    assert out["classes"]["manager"] == "kvconnect.connectors.engines.sglang_pd.KVConnectKVManager"
+    assert out["classes"]["sender"] == "kvconnect.connectors.engines.sglang_pd.KVConnectKVSender"
+    assert out["classes"]["receiver"] == "kvconnect.connectors.engines.sglang_pd.KVConnectKVReceiver"
+    assert out["classes"]["bootstrap_server"] == "kvconnect.connectors.engines.sglang_pd.KVConnectKVBootstrapServer"
     assert out["classes"]["kvargs"] == "sglang.srt.disaggregation.base.conn.KVArgs"
     assert out["subclass_of_common"] == [True] * 4
     assert out["bound_elsewhere"] == [True] * 3
@@ -139,9 +139,9 @@ def test_plugin_is_harmless_and_never_raises():
     """register() is idempotent, imports no transport, and swallows its own failures."""
     code = """
         import json, sys
-        from connectors.engines import sglang_pd_plugin as p
+        from kvconnect.connectors.engines import sglang_pd_plugin as p
         p.register(); p.register()
-        heavy = [m for m in ("mooncake.engine", "connectors.engines.sglang_pd", "connectors.engines.pd_transport")
+        heavy = [m for m in ("mooncake.engine", "kvconnect.connectors.engines.sglang_pd", "kvconnect.connectors.engines.pd_transport")
                  if m in sys.modules]
         from sglang.srt.disaggregation.utils import TransferBackend
         members = [m.value for m in TransferBackend].count("kvconnect")
@@ -155,8 +155,8 @@ def test_plugin_is_harmless_and_never_raises():
 
 
 def test_bad_config_fails_at_manager_start_naming_the_key():
-    from connectors.base import ConfigError
-    from connectors.engines.pd_transport import load_pd_config
+    from kvconnect.connectors.base import ConfigError
+    from kvconnect.connectors.engines.pd_transport import load_pd_config
 
     with pytest.raises(ConfigError, match="transport.*peer_rdma"):
         load_pd_config('{"transport": "nfs"}')

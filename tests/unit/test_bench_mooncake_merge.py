@@ -1,10 +1,10 @@
-"""``benchmarks.mooncake._merge``: figures of several worker processes pooled into one set."""
+"""``kvconnect.benchmarks.mooncake._merge``: figures of several worker processes pooled into one set."""
 
 from __future__ import annotations
 
 import statistics
 
-from benchmarks.mooncake import _merge
+from kvconnect.benchmarks.mooncake import _merge
 
 
 def _fig(put: list[float], get: list[float], path: dict | None = None) -> dict:

@@ -1,11 +1,11 @@
-"""connectors.buffers: the parallel copy path moves exactly the requested bytes."""
+"""kvconnect.connectors.buffers: the parallel copy path moves exactly the requested bytes."""
 
 import os
 
 import pytest
 
-from connectors import buffers
-from connectors.buffers import HostBuffer, copy_many, gather_many, scatter_many
+from kvconnect.connectors import buffers
+from kvconnect.connectors.buffers import HostBuffer, copy_many, gather_many, scatter_many
 
 
 def _random_buffer(num_pages: int, page_bytes: int, segments: int) -> HostBuffer:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from connectors import registry
-from connectors.cli import SUBCOMMANDS, main
-from connectors.memory import MemoryStore
+from kvconnect.connectors import registry
+from kvconnect.connectors.cli import SUBCOMMANDS, main
+from kvconnect.connectors.memory import MemoryStore
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "grpc", "mooncake", "sglang", "lmcache")
@@ -28,9 +28,9 @@ SMALL = ["--clients", "6", "--rounds", "3", "--groups", "2", "--prefix-tokens", 
 
 
 def kvconnect_cmd() -> list[str]:
-    """The installed console script next to this interpreter, else ``python -m connectors.cli``."""
+    """The installed console script next to this interpreter, else ``python -m kvconnect``."""
     script = Path(sys.executable).parent / "kvconnect"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "connectors.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvconnect.connectors.cli"]
 
 
 def kvconnect(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -82,7 +82,7 @@ def _parsers(parser):
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_every_option_of_every_subcommand_says_what_it_does(name):
-    from connectors.cli import build_parser
+    from kvconnect.connectors.cli import build_parser
 
     bare = []
     for parser in _parsers(build_parser(load=name)):
@@ -105,12 +105,29 @@ def _imported_heavy(code: str) -> list[str]:
 
 
 def test_importing_the_packages_imports_no_heavy_dependency():
-    assert _imported_heavy("import connectors, namespace, connectors.registry, connectors.config, "
-                           "connectors.buffers, connectors.memory") == []
+    assert _imported_heavy("import kvconnect, kvconnect.namespace, kvconnect.connectors.registry, "
+                           "kvconnect.connectors.config, kvconnect.connectors.buffers, "
+                           "kvconnect.connectors.memory") == []
+
+
+@pytest.mark.parametrize("folder", ["connectors", "namespace", "benchmarks"])
+def test_the_folders_import_only_under_the_kvconnect_root(folder):
+    """A stale ``module_path`` such as ``connectors.engines...`` fails at once, naming the
+    right one, instead of loading a second copy of every class."""
+    r = subprocess.run([sys.executable, "-c", f"import {folder}"], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT, env=ENV)
+    assert r.returncode != 0 and f"import kvconnect.{folder}, not {folder}" in r.stderr
+
+
+def test_python_dash_m_kvconnect_is_the_command():
+    r = subprocess.run([sys.executable, "-m", "kvconnect", "stores"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=ENV)
+    assert r.returncode == 0, r.stderr
+    assert {line.split()[0] for line in r.stdout.splitlines() if line.strip()} >= {"memory", "hf3fs"}
 
 
 def test_top_level_help_imports_no_heavy_dependency():
-    code = ("from connectors.cli import main\n"
+    code = ("from kvconnect.connectors.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n")
     assert _imported_heavy(code) == []
 
@@ -150,7 +167,7 @@ def test_bench_list_and_unknown():
 
 
 def _benchmark_names() -> list[str]:
-    from connectors.cli_bench import find_benchmarks_dir, list_benchmarks
+    from kvconnect.connectors.cli_bench import find_benchmarks_dir, list_benchmarks
 
     d = find_benchmarks_dir()
     return sorted(list_benchmarks(d)) if d else []
@@ -181,7 +198,7 @@ def test_bench_limits_quick_writes_valid_json(tmp_path):
 
 
 def test_limits_functions_importable_by_other_benchmarks(tmp_path):
-    from benchmarks.limits import measure_disk, measure_loopback_tcp, measure_memcpy
+    from kvconnect.benchmarks.limits import measure_disk, measure_loopback_tcp, measure_memcpy
 
     assert measure_memcpy(8 << 20, repeats=2)["gib_per_s"] > 0
     assert measure_loopback_tcp(16 << 20, repeats=1)["gib_per_s"] > 0
@@ -315,7 +332,7 @@ def test_demo_without_sglang_installed_falls_back_and_says_so(tmp_path):
     (tmp_path / "sglang").mkdir()
     (tmp_path / "sglang" / "__init__.py").write_text("raise ImportError('sglang hidden by the test')\n")
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-m", "connectors.cli", "demo", *SMALL], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "kvconnect.connectors.cli", "demo", *SMALL], capture_output=True, text=True,
                        timeout=120, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]
@@ -336,7 +353,7 @@ def test_demo_bad_configuration(capsys):
 
 
 def test_page_hashes_follow_sglangs_scheme():
-    from connectors.demo import hashlib_page_hashes
+    from kvconnect.connectors.demo import hashlib_page_hashes
 
     import hashlib
     import struct
@@ -357,7 +374,7 @@ def test_page_hashes_follow_sglangs_scheme():
 def test_page_hashes_equal_sglangs_own_function():
     from sglang.srt.mem_cache.utils import get_hash_str
 
-    from connectors.demo import hashlib_page_hashes
+    from kvconnect.connectors.demo import hashlib_page_hashes
 
     import random
 

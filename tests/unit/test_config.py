@@ -1,4 +1,4 @@
-"""``connectors.config``: typed store configs fail at construction, naming key and accepted values."""
+"""``kvconnect.connectors.config``: typed store configs fail at construction, naming key and accepted values."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Literal, Optional
 
 import pytest
 
-from connectors.base import ConfigError, UnknownConfigKey
-from connectors.config import Size, StoreConfig, describe_config, field_doc, parse_config, parse_size
+from kvconnect.connectors.base import ConfigError, UnknownConfigKey
+from kvconnect.connectors.config import Size, StoreConfig, describe_config, field_doc, parse_config, parse_size
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from connectors.base import ConfigError, UnknownConfigKey, UnknownStore
-from connectors.engines.common import (
+from kvconnect.connectors.base import ConfigError, UnknownConfigKey, UnknownStore
+from kvconnect.connectors.engines.common import (
     ErrorCounter,
     RateLimitedLog,
     build_store,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from connectors.hf3fs.index import (CONFIRMED, EXISTS, FREE, INFLIGHT, NEW, NOSPACE, PUT_DUP, PUT_LOST, PUT_OK,
+from kvconnect.connectors.hf3fs.index import (CONFIRMED, EXISTS, FREE, INFLIGHT, NEW, NOSPACE, PUT_DUP, PUT_LOST, PUT_OK,
                                     PageIndex)
-from connectors.hf3fs.wal import Journal, read_records
+from kvconnect.connectors.hf3fs.wal import Journal, read_records
 
 NS = "0:kv"
 

@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
-from connectors.config import parse_config
-from connectors.mooncake import calls, engine_env
-from connectors.mooncake import errors as E
-from connectors.mooncake.config import MooncakeConfig, merged_options
-from connectors.mooncake.staging import StagingBuffer
-from connectors.registry import create_store
+from kvconnect.connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
+from kvconnect.connectors.config import parse_config
+from kvconnect.connectors.mooncake import calls, engine_env
+from kvconnect.connectors.mooncake import errors as E
+from kvconnect.connectors.mooncake.config import MooncakeConfig, merged_options
+from kvconnect.connectors.mooncake.staging import StagingBuffer
+from kvconnect.connectors.registry import create_store
 
 
 def cfg(options=None, env=None) -> MooncakeConfig:

@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from connectors.base import ConfigError
-from namespace import HitPolicy, KeySpace, count_hits, leading_hits
+from kvconnect.connectors.base import ConfigError
+from kvconnect.namespace import HitPolicy, KeySpace, count_hits, leading_hits
 
 H = "ab" * 32  # a 64-hex SGLang page hash
 
@@ -52,7 +52,7 @@ def test_same_identity_same_keys_and_stable_across_processes():
                     geometry="mha:L64:H4:D128", tp_rank=0, tp_size=2)
     assert same.key(H) == BASE.key(H) and same == BASE
     assert BASE.keys([H, "cd" * 32]) == [BASE.key(H), BASE.key("cd" * 32)]
-    code = ("from namespace import KeySpace; import sys; sys.stdout.write(KeySpace(model='Qwen/Qwen3-32B', "
+    code = ("from kvconnect.namespace import KeySpace; import sys; sys.stdout.write(KeySpace(model='Qwen/Qwen3-32B', "
             "layout='page_first', page_size=64, dtype='bfloat16', geometry='mha:L64:H4:D128', tp_rank=0, "
             f"tp_size=2).key('{H}'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

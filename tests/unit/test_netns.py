@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from connectors.peer_rdma.netns import loopback_ns, netns_available
+from kvconnect.connectors.peer_rdma.netns import loopback_ns, netns_available
 
 pytestmark = pytest.mark.skipif(netns_available() is not None, reason=str(netns_available()))
 

@@ -7,8 +7,8 @@ import types
 import numpy as np
 import pytest
 
-from connectors.base import ConfigError
-from connectors.engines.pd_transport import (
+from kvconnect.connectors.base import ConfigError
+from kvconnect.connectors.engines.pd_transport import (
     BufferLayout,
     Marker,
     PDConfig,
@@ -93,7 +93,7 @@ def test_relay_on_gpu_memory_refuses_hf3fs_and_warns_only_for_the_non_cuda_moonc
     import importlib.metadata as md
     import logging
 
-    from connectors.engines import sglang_pd
+    from kvconnect.connectors.engines import sglang_pd
     from sglang.srt import runtime_context
 
     monkeypatch.setattr(runtime_context, "get_device", lambda: types.SimpleNamespace(device="cuda:0"))

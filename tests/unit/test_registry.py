@@ -1,4 +1,4 @@
-"""``connectors.registry``: stores by short name, lazy imports, errors that say what to do."""
+"""``kvconnect.connectors.registry``: stores by short name, lazy imports, errors that say what to do."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import textwrap
 
 import pytest
 
-from connectors import registry
-from connectors.base import ConfigError, MissingDependency, UnknownConfigKey, UnknownStore
-from connectors.memory import MemoryStore
+from kvconnect.connectors import registry
+from kvconnect.connectors.base import ConfigError, MissingDependency, UnknownConfigKey, UnknownStore
+from kvconnect.connectors.memory import MemoryStore
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_missing_dependency_names_the_extra(isolated_registry, plugin_dir):
     """A store whose module imports a package that is not installed: MissingDependency naming the extra."""
     write_module(plugin_dir, "kvc_test_needs_missing_pkg", """
         import kvconnect_test_package_that_does_not_exist  # noqa: F401
-        from connectors.memory import MemoryStore
+        from kvconnect.connectors.memory import MemoryStore
 
         class NeedsMissing(MemoryStore):
             name = "needs-missing"
@@ -97,7 +97,7 @@ def test_missing_dependency_names_the_extra(isolated_registry, plugin_dir):
 def test_importing_connectors_does_not_import_store_modules(isolated_registry, plugin_dir):
     """Registration is a string: the module is imported only when the store is selected."""
     write_module(plugin_dir, "kvc_test_lazy_store", """
-        from connectors.memory import MemoryStore
+        from kvconnect.connectors.memory import MemoryStore
 
         class LazyStore(MemoryStore):
             name = "lazy"
@@ -132,15 +132,15 @@ def test_bad_targets(isolated_registry, plugin_dir):
 
 def test_duplicates_are_errors_unless_replace(isolated_registry):
     with pytest.raises(ValueError, match="already registered"):
-        registry.register_store("memory", "connectors.memory:MemoryStore")
-    registry.register_store("memory", "connectors.memory:MemoryStore", replace=True)
+        registry.register_store("memory", "kvconnect.connectors.memory:MemoryStore")
+    registry.register_store("memory", "kvconnect.connectors.memory:MemoryStore", replace=True)
     with pytest.raises(ValueError, match="module:Class"):
-        registry.register_store("x", "connectors.memory.MemoryStore")
+        registry.register_store("x", "kvconnect.connectors.memory.MemoryStore")
 
 
 def test_out_of_tree_store_by_module_path(plugin_dir):
     write_module(plugin_dir, "kvc_test_oot_store", """
-        from connectors.memory import MemoryStore
+        from kvconnect.connectors.memory import MemoryStore
 
         class OutOfTree(MemoryStore):
             name = "oot"
