@@ -100,10 +100,10 @@ class Systems:
                 "store": "hf3fs", "file_path_prefix": str(data / "kvconnect"), "file_size": size,
                 "numjobs": 4, "entries": 8}}, []
         if name == "mooncake":
-            from kvconnect.connectors.mooncake.testing import MooncakeCluster, netns_supported
+            from kvconnect.connectors.testing.mooncake import MooncakeCluster, mooncake_skip_reason
 
-            ok, why = netns_supported()
-            if not ok:
+            why = mooncake_skip_reason()
+            if why:
                 raise RuntimeError(why)
             cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=self.work)
             self.stack.callback(cluster.close)
@@ -113,7 +113,7 @@ class Systems:
                 "global_segment_size": size, "local_buffer_size": "64mb", "setup_timeout": 20}}, \
                 cluster.exec_prefix()
         if name == "peer_rdma":
-            from kvconnect.connectors.peer_rdma.netns import loopback_ns, netns_available
+            from kvconnect.connectors.testing.netns import loopback_ns, netns_available
 
             why = netns_available()
             if why:

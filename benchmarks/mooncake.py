@@ -126,7 +126,7 @@ def _worker(args: argparse.Namespace) -> int:
 
     import torch
 
-    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool
+    from kvconnect.connectors.testing.sglang import fill_pages, make_cpu_host_pool
 
     p = json.loads(args.params)
     n, reps, ps = p["pages"], p["reps"], p["page_size"]
@@ -356,10 +356,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from kvconnect.connectors.mooncake.testing import MooncakeCluster, netns_supported
+    from kvconnect.connectors.testing.mooncake import MooncakeCluster
+    from kvconnect.connectors.testing.netns import netns_available
 
-    ok, why = netns_supported()
-    if not ok:
+    why = netns_available()
+    if why:
         print(f"mooncake benchmark needs a network namespace: {why}", file=sys.stderr)
         return 2
     systems = [s for s in args.systems.split(",") if s]

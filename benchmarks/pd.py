@@ -4,7 +4,7 @@ For 1, 8 and 64 concurrent requests of 8k tokens of Llama-8B-shaped KV (8 KV hea
 head dim, bf16, 4 KiB per token per layer), per kvconnect transport (``peer_rdma`` direct,
 ``mooncake`` and ``hf3fs`` store relay), side by side with SGLang's own ``mooncake``
 transfer backend over TCP (``mooncake_tcp``) in the same run. Both sides are real SGLang
-0.5.23 classes in two processes on CPU (``kvconnect.connectors.engines.sglang_pd_testing``), in a
+0.5.23 classes in two processes on CPU (``kvconnect.connectors.testing.pd``), in a
 loopback-only network namespace.
 
 Memory: a full Llama-8B request (32 layers, 8k tokens) is 1 GiB; 64 of them do not fit this
@@ -42,7 +42,7 @@ def _waves(levels: list[int], npages: int, chunk_pages: int, base: int) -> list[
 
 def run_transport(name: str, pd_config: dict | None, backend: str, args: argparse.Namespace,
                   plugin_path: str | None, stores_env: dict, ns: Any, port: int) -> dict[str, Any]:
-    from kvconnect.connectors.engines import sglang_pd_testing as pdt
+    from kvconnect.connectors.testing import pd as pdt
 
     npages = args.tokens // args.page_size
     chunk_pages = max(1, args.chunk_tokens // args.page_size)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from kvconnect.benchmarks.harness import BenchResult
-    from kvconnect.connectors.engines import sglang_pd_testing as pdt
+    from kvconnect.connectors.testing import pd as pdt
 
     t0 = time.time()
     results: list[dict] = []
@@ -127,17 +127,15 @@ def main(argv: list[str] | None = None) -> int:
             port += 10
             with contextlib.ExitStack() as stack:
                 if t in ("mooncake", "hf3fs"):
-                    from tests.integration import pd_stores
-
                     try:
-                        ns, opts, _ = stack.enter_context(pd_stores.store_service(t, workdir, segment=segment))
-                    except pd_stores.StoreUnavailable as e:
+                        ns, opts, _ = stack.enter_context(pdt.store_service(t, workdir, segment=segment))
+                    except pdt.StoreUnavailable as e:
                         print(f"[pd] skipping {t}: {e}", file=sys.stderr)
                         continue
                     res = run_transport(f"kvconnect {t} relay", {**extra, "transport": t, "store": opts}, "kvconnect", args,
                                         plugin_path, {}, ns, port)
                 else:
-                    ns = stack.enter_context(pdt.loopback_netns())
+                    ns = stack.enter_context(pdt.loopback_ns("kvcpd"))
                     if t == "sglang_mooncake":
                         res = run_transport("sglang mooncake_tcp (reference)", None, "mooncake_tcp", args, None, {},
                                             ns, port)

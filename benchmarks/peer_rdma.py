@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         r.close()
         if ns:
-            from kvconnect.connectors.peer_rdma.netns import delete_namespace
+            from kvconnect.connectors.testing.netns import delete_namespace
 
             delete_namespace(ns)
     if ok:  # keep the process logs only when something failed

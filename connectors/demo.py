@@ -24,7 +24,7 @@ GPU/host cache is cold (e.g. requests spread round-robin over many nodes):
 With sglang installed the store is reached through the real adapter
 ``kvconnect.connectors.engines.sglang_hicache.KVConnectStorage``, built by SGLang's own
 ``StorageBackendFactory.create_backend("dynamic", ...)``, over a real SGLang CPU host pool
-(``kvconnect.connectors.engines.sglang_testing.make_cpu_host_pool``). Without sglang (or with
+(``kvconnect.connectors.engines.sglang_host_pools.make_cpu_host_pool``). Without sglang (or with
 ``--no-sglang``) it drives the ``PageStore`` directly over a ``HostBuffer`` and says so.
 """
 
@@ -277,7 +277,7 @@ class SGLangPath:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
         from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-        from kvconnect.connectors.engines.sglang_testing import make_cpu_host_pool
+        from kvconnect.connectors.engines.sglang_host_pools import make_cpu_host_pool
 
         self.host = make_cpu_host_pool(layout, page_size=page_size, layer_num=shape.layers,
                                        head_num=shape.kv_heads, head_dim=shape.head_dim, dtype=shape.dtype,

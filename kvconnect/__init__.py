@@ -45,4 +45,7 @@ from kvconnect.connectors import (  # noqa: E402,F401
     store_class,
 )
 
+__all__ = ["BackendUnavailable", "ConfigError", "KVStoreError", "MissingDependency", "NotFound", "Page",
+           "PageSizeMismatch", "PageStore", "Segment", "StoreClosed", "StoreStats", "UnknownConfigKey",
+           "UnknownStore", "Unsupported", "available_stores", "create_store", "register_store", "store_class"]
 __version__ = "0.1.0"

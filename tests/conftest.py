@@ -14,4 +14,4 @@ import pytest  # noqa: E402
 
 # The shared suites are plain modules imported by the test files: rewrite their asserts too,
 # so a failing check shows the values (a flaky store failure must be diagnosable from CI logs).
-pytest.register_assert_rewrite("tests.conformance.suite", "tests.mooncake_env")
+pytest.register_assert_rewrite("kvconnect.connectors.testing.conformance", "kvconnect.connectors.testing.mooncake")

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
-    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes, zero_pages
+    from kvconnect.connectors.testing.sglang import fill_pages, make_cpu_host_pool, page_bytes, zero_pages
 
     n = int(cfg.get("pages", 300))
     ps = int(cfg.get("page_size", 4))

@@ -37,7 +37,7 @@ def engine(role: str, pages: int, keys: list[str]) -> dict:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
     from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage
-    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes
+    from kvconnect.connectors.testing.sglang import fill_pages, make_cpu_host_pool, page_bytes
 
     host = make_cpu_host_pool("page_first_direct", page_size=64, layer_num=4, head_num=2, head_dim=64,
                               host_tokens=64 * (pages + 2))
@@ -74,10 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         print("RESULT " + json.dumps(engine(args.engine, args.pages, json.loads(args.keys))), flush=True)
         return 0
 
-    from kvconnect.connectors.mooncake.testing import LoopbackNetns, MasterProcess
+    from kvconnect.connectors.testing.mooncake import MasterProcess
+    from kvconnect.connectors.testing.netns import Netns
 
     keys = [hashlib.sha256(f"seed4-prefix-page-{i}".encode()).hexdigest() for i in range(args.pages)]
-    ns = LoopbackNetns()
+    ns = Netns("kvc-mc")
     procs: list[subprocess.Popen] = []
     # With a metadata server, Mooncake's Transfer Engine advertises a LAN address of the host
     # (MOONCAKE_LOCAL_HOSTNAME=localhost, as in the seed); a loopback-only namespace has

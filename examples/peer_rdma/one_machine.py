@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kvconnect.connectors.peer_rdma.netns import Bridge, netns_available  # noqa: E402
+from kvconnect.connectors.testing.netns import Bridge, netns_available  # noqa: E402
 
 SERIES = ("members", "write_requests", "read_requests", "read_hits", "read_remote_hits", "bytes_read",
           "pool_keys", "read_timeouts", "read_failures")

@@ -10,7 +10,7 @@ import pytest
 
 from kvconnect.connectors.hf3fs.config import HF3FSConfig
 from kvconnect.connectors.hf3fs.store import HF3FSStore
-from tests.conformance.suite import PAGE, PageStoreConformance
+from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance
 
 CAPACITY_PAGES = 64
 

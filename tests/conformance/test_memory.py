@@ -1,7 +1,7 @@
 """Conformance: the in-process reference store."""
 
 from kvconnect.connectors.memory import MemoryStore, MemoryStoreConfig
-from tests.conformance.suite import PAGE, PageStoreConformance
+from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance
 
 
 class TestMemoryStore(PageStoreConformance):

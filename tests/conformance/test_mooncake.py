@@ -8,14 +8,14 @@ direct (registered, zero-copy) path, failures and two processes.
 
 import pytest
 
-from tests.mooncake_env import INNER, outer_test
+from kvconnect.connectors.testing.mooncake import INNER, outer_test
 
 if not INNER:
     test_conformance_in_loopback_namespace = outer_test(__file__)
 else:
     from kvconnect.connectors.registry import create_store
-    from tests.conformance.suite import PageStoreConformance
-    from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
+    from kvconnect.connectors.testing.conformance import PageStoreConformance
+    from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: F401 - fixture
 
     class TestMooncakeStore(PageStoreConformance):
         store_name = "mooncake"

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conformance.suite import PAGE, PageStoreConformance, page_bytes
-from tests.integration.peer_rdma_support import PY, ROOT, exec_in, loopback_ns, netns_available, stop
+from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance, page_bytes
+from kvconnect.connectors.testing.netns import netns_available, outer_test
+from kvconnect.connectors.testing.peer import exec_in
+from kvconnect.connectors.testing.processes import python, stop
 
 INNER = os.environ.get("KVCONNECT_PEER_NS")
 SEG_PAGES = 64  # pages each node lends
@@ -35,23 +37,7 @@ def _deps() -> str | None:
 
 
 if not INNER:
-    def test_conformance_in_loopback_namespace():
-        why = _deps()
-        if why:
-            pytest.skip(why)
-        with loopback_ns() as ns:
-            proc = exec_in(ns, [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rA",
-                                str(Path(__file__).relative_to(ROOT))],
-                           env={"KVCONNECT_PEER_NS": ns}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
-            try:
-                output, _ = proc.communicate(timeout=280)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                output, _ = proc.communicate()
-            print(output)
-        assert proc.returncode == 0, output[-4000:]
-        assert " passed" in output and "PASSED" in output
+    test_conformance_in_loopback_namespace = outer_test(__file__, "KVCONNECT_PEER_NS", _deps, prefix="kvp")
 
     def test_clear_keeps_reserved_blocks_out_of_reach():
         """A block reserved for a one-sided write (or quarantined after one failed) is not in
@@ -139,7 +125,7 @@ else:
             for i in range(2):
                 ready = os.path.join(tmp, f"ready{i}")
                 procs.append(exec_in(INNER, [
-                    PY, "-m", "kvconnect.connectors.cli", "--log-level", "WARNING", "peer", "serve",
+                    python(), "-m", "kvconnect", "--log-level", "WARNING", "peer", "serve",
                     "--discovery-addr", seed, "--control-port", "31998" if i == 0 else "0",
                     "--global-segment-size", str(SEG_PAGES * PAGE), "--protocol", "tcp",
                     "--set", "heartbeat_interval=0.5", "--set", "member_ttl=3", "--ready-file", ready],

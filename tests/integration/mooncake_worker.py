@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--keys", default="")
     args = p.parse_args(argv)
 
-    from kvconnect.connectors.engines.sglang_testing import fill_pages, make_cpu_host_pool, page_bytes
+    from kvconnect.connectors.testing.sglang import fill_pages, make_cpu_host_pool, page_bytes
 
     host = make_cpu_host_pool(args.layout, page_size=4, layer_num=3, head_num=2, head_dim=8,
                               host_tokens=4 * (args.pages + 2))

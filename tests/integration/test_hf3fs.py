@@ -33,7 +33,7 @@ from kvconnect.connectors.hf3fs.config import HF3FSConfig
 from kvconnect.connectors.hf3fs.index import PageIndex
 from kvconnect.connectors.hf3fs.store import HF3FSStore
 from kvconnect.connectors.registry import create_store
-from tests.conformance.suite import PAGE, check_page, page_bytes
+from kvconnect.connectors.testing.conformance import PAGE, check_page, page_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")

@@ -20,7 +20,7 @@ from kvconnect.connectors.hf3fs import protocol as P  # noqa: E402
 from kvconnect.connectors.hf3fs.client import AuthError, RemoteMetadata  # noqa: E402
 from kvconnect.connectors.hf3fs.index import NEW  # noqa: E402
 from kvconnect.connectors.hf3fs.service import MetaServer  # noqa: E402
-from tests.integration.test_hf3fs import MetaProcess  # noqa: E402
+from kvconnect.connectors.testing.hf3fs import MetaProcess  # noqa: E402
 
 NS = "0:kv"
 

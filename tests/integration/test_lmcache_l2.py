@@ -5,7 +5,7 @@ factory from the ``--l2-adapter`` JSON, driven with LMCache ``TensorMemoryObj`` 
 by ``lmcache bench l2`` (store -> lookup -> load, bytes verified), and by real
 ``lmcache server`` processes that an engine client (LMCache's own ``ServerBenchClient``,
 CPU KV tensors over POSIX SHM, the path SGLang's connector takes with CUDA IPC) stores into
-and retrieves from. The failing stores in ``lmcache_faulty`` stand in for broken backends;
+and retrieves from. The failing stores of ``kvconnect.connectors.testing.stores`` stand in for broken backends;
 the dead-service case kills the real HF3FS metadata service.
 """
 
@@ -41,15 +41,8 @@ from kvconnect.connectors.base import ConfigError  # noqa: E402
 from kvconnect.connectors.engines.lmcache_l2 import KVConnectL2Adapter, ObjectKeyMapper  # noqa: E402
 from kvconnect.connectors.memory import MemoryStore  # noqa: E402
 
-from tests.integration.lmcache_support import (  # noqa: E402
-    ENV,
-    LMCACHE_BIN,
-    ROOT,
-    EngineClient,
-    Server,
-    plugin_json,
-    wait_for,
-)
+from kvconnect.connectors.testing.lmcache import LMCACHE_BIN, EngineClient, Server, plugin_json, wait_for  # noqa: E402
+from kvconnect.connectors.testing.processes import child_env  # noqa: E402
 
 CHUNK = 64 * 1024
 WAIT_S = 20.0
@@ -316,7 +309,7 @@ def test_unlock_always_succeeds_and_delete_respects_locks(memory_adapter):
 
 
 def test_raising_store_fails_tasks_never_raises():
-    a = make_adapter({"store": "tests.integration.lmcache_faulty:RaisingStore"})
+    a = make_adapter({"store": "kvconnect.connectors.testing.stores:RaisingStore"})
     try:
         src, dst = L1(4), L1(4)
         src.fill_random(4)
@@ -340,9 +333,9 @@ def test_raising_store_fails_tasks_never_raises():
 
 
 def test_hung_lookup_reports_misses_in_bounded_time():
-    from tests.integration.lmcache_faulty import FaultyConfig, HangingStore
+    from kvconnect.connectors.testing.stores import HangingStore, HangingStoreConfig
 
-    hanging = HangingStore(FaultyConfig(hang_s=30))
+    hanging = HangingStore(HangingStoreConfig(hang_s=30))
     a = KVConnectL2Adapter({"store": "memory", "lookup_timeout_s": 0.5}, store=hanging)
     try:
         src = L1(2)
@@ -434,13 +427,13 @@ def store_env(name: str, tmp_path: Path):
         yield {"store": "hf3fs", "file_path_prefix": str(tmp_path / "kv"), "file_size": "64mb",
                "numjobs": 4, "entries": 8}, []
     elif name == "mooncake":
-        from tests.mooncake_env import mooncake_skip_reason
+        from kvconnect.connectors.testing.mooncake import mooncake_skip_reason
 
         why = mooncake_skip_reason()
         if why:
             pytest.skip(why)
-        from kvconnect.connectors.mooncake.testing import MooncakeCluster
-        from tests.mooncake_env import store_options
+        from kvconnect.connectors.testing.mooncake import MooncakeCluster
+        from kvconnect.connectors.testing.mooncake import store_options
 
         # the master and the bench process share a loopback-only namespace of their own
         cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=tmp_path)
@@ -449,14 +442,14 @@ def store_env(name: str, tmp_path: Path):
         finally:
             cluster.close()
     elif name == "peer_rdma":
-        from kvconnect.connectors.peer_rdma.netns import loopback_ns, netns_available
+        from kvconnect.connectors.testing.netns import loopback_ns, netns_available
 
         why = netns_available()
         if why:
             pytest.skip(why)
         with loopback_ns() as ns:
             yield {"store": "peer_rdma", "protocol": "tcp", "global_segment_size": "64mb",
-                   "discovery_addr": "127.0.0.1:31998", "join_timeout": 2}, ["ip", "netns", "exec", ns]
+                   "discovery_addr": "127.0.0.1:31998", "join_timeout": 2}, ns.exec_prefix()
     else:
         raise AssertionError(name)
 
@@ -477,7 +470,7 @@ def bench_l2(adapter_json: str, prefix: list[str], *extra: str, keys: int = 8, r
     cmd = prefix + [LMCACHE_BIN, "bench", "l2", "--l2-adapter", adapter_json, "--num-keys", str(keys),
                     "--data-size-kb", str(size_kb), "--rounds", str(rounds), "--lookup-max-hit-rate", "1.0",
                     "--format", "json", *extra]
-    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    p = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=timeout)
     out = p.stdout
     start = out.find('{\n  "title"')
     doc = json.loads(out[start:out.rindex("}") + 1]) if start >= 0 else {}
@@ -500,7 +493,7 @@ def test_lmcache_bench_l2_verifies_round_trip(store_name, tmp_path):
 
 
 def test_lmcache_bench_l2_failing_store_completes_with_failures():
-    params = {"store": "tests.integration.lmcache_faulty:RaisingStore"}
+    params = {"store": "kvconnect.connectors.testing.stores:RaisingStore"}
     p, doc = bench_l2(plugin_json(params), [], keys=4, rounds=1, timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]  # completes: no crash, no hang, no timed-out round
@@ -546,7 +539,7 @@ def servers(tmp_path_factory):
         procs.append(ns.a)
         ns.b = Server(hf3fs, d / "b.log")
         procs.append(ns.b)
-        ns.bad = Server({"store": "tests.integration.lmcache_faulty:RaisingStore"}, d / "bad.log")
+        ns.bad = Server({"store": "kvconnect.connectors.testing.stores:RaisingStore"}, d / "bad.log")
         procs.append(ns.bad)
         for s in procs:
             s.wait_healthy()
@@ -635,12 +628,12 @@ def test_dead_metadata_service_gives_misses_not_a_hung_server(servers):
 def test_two_servers_share_one_mooncake_cluster(tmp_path):
     """Two ``lmcache server`` processes over one Mooncake cluster (real ``mooncake_master``,
     TCP) in a loopback-only namespace: what A stores (``skip_l1``), B finds and retrieves
-    checksum-exact. The engine client runs in the namespace too (lmcache_support share)."""
+    checksum-exact. The engine client runs in the namespace too (``testing.lmcache share``)."""
     with store_env("mooncake", tmp_path) as (params, prefix):
         out = tmp_path / "share.json"
-        p = subprocess.run(prefix + [sys.executable, "-m", "tests.integration.lmcache_support", "share",
+        p = subprocess.run(prefix + [sys.executable, "-m", "kvconnect.connectors.testing.lmcache", "share",
                                      "--params", json.dumps(params), "--out", str(out)],
-                           env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=240)
+                           env=child_env(), capture_output=True, text=True, timeout=240)
         doc = json.loads(out.read_text()) if out.exists() else {"error": (p.stdout + p.stderr)[-3000:]}
     assert "error" not in doc, doc.get("error")
     assert p.returncode == 0

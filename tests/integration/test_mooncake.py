@@ -27,11 +27,12 @@ import pytest
 from kvconnect.connectors.base import BackendUnavailable
 from kvconnect.connectors.buffers import HostBuffer
 from kvconnect.connectors.mooncake.engine_env import mooncake_timeouts
-from kvconnect.connectors.mooncake.testing import MasterProcess
+from kvconnect.connectors.testing.mooncake import MasterProcess
+from kvconnect.connectors.testing.processes import child_env
 from kvconnect.connectors.registry import create_store
-from tests.conformance.suite import PAGE, check_page, page_bytes
-from tests.mooncake_env import INNER, outer_test
-from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
+from kvconnect.connectors.testing.conformance import PAGE, check_page, page_bytes
+from kvconnect.connectors.testing.mooncake import INNER, outer_test
+from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: F401 - fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -567,12 +568,11 @@ def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncak
 
 
 def _worker(cluster, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1")
-    return subprocess.Popen(cluster.exec_prefix() + [sys.executable, "-m", "tests.integration.mooncake_worker",
-                                                           *args, "--master", cluster.master.address],
+    """``mooncake_worker.py`` (next to this file) as a process in the cluster's namespace."""
+    return subprocess.Popen(cluster.exec_prefix() + [sys.executable, str(Path(__file__).with_name("mooncake_worker.py")),
+                                                     *args, "--master", cluster.master.address],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            cwd=ROOT, env=env, text=True)
+                            env=child_env(), text=True)
 
 
 def _line(p: subprocess.Popen, prefix: str, timeout: float = 120) -> dict:

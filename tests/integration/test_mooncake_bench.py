@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mooncake_env import mooncake_skip_reason
+from kvconnect.connectors.testing.mooncake import mooncake_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 

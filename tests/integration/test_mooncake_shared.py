@@ -25,16 +25,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.mooncake_env import INNER, outer_test
+from kvconnect.connectors.testing.mooncake import INNER, outer_test
 
 if not INNER:
     test_in_loopback_namespace = outer_test(__file__)
 else:
     from kvconnect.connectors.buffers import HostBuffer
-    from kvconnect.connectors.mooncake.testing import MasterProcess
+    from kvconnect.connectors.testing.mooncake import MasterProcess
     from kvconnect.connectors.registry import create_store
-    from tests.conformance.suite import PAGE, PageStoreConformance, check_page, page_bytes
-    from tests.mooncake_env import mooncake_cluster, store_options  # noqa: F401 - fixture
+    from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance, check_page, page_bytes
+    from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: F401 - fixture
 
     def _start_holder(cluster, directory: str, segment: str = "128mb", master=None) -> subprocess.Popen:
         return cluster.start_store_process(segment, shared_segment_dir=directory, master=master)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.peer_rdma_support import skip_reason
+from kvconnect.connectors.testing.peer import skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,9 @@ import time
 
 import pytest
 
-from tests.integration.peer_rdma_support import Bridge, Worker, skip_reason, wait_for
+from kvconnect.connectors.testing.netns import Bridge
+from kvconnect.connectors.testing.peer import Worker, skip_reason
+from kvconnect.connectors.testing.processes import wait_for
 
 TOKEN = "s3cret-pool-token"
 HOST_POOL = {"layout": "page_first", "page_size": 16, "layer_num": 4, "head_num": 4, "head_dim": 64,

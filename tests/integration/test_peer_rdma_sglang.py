@@ -17,7 +17,9 @@ import time
 
 import pytest
 
-from tests.integration.peer_rdma_support import PY, exec_in, loopback_ns, skip_reason, stop
+from kvconnect.connectors.testing.netns import loopback_ns
+from kvconnect.connectors.testing.peer import exec_in, skip_reason
+from kvconnect.connectors.testing.processes import python, stop
 
 
 def test_sglang_adapter_over_the_peer_pool(tmp_path):
@@ -27,13 +29,13 @@ def test_sglang_adapter_over_the_peer_pool(tmp_path):
     tmp = str(tmp_path)
     with loopback_ns() as ns:
         ready = os.path.join(tmp, "ready")
-        node = exec_in(ns, [PY, "-m", "kvconnect.connectors.cli", "--log-level", "WARNING", "peer", "serve",
+        node = exec_in(ns, [python(), "-m", "kvconnect", "--log-level", "WARNING", "peer", "serve",
                             "--discovery-addr", "127.0.0.1:31998", "--global-segment-size", "256mb",
                             "--protocol", "rdma", "--auth-token", "t0k"],
                        stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "node.log"), "w"))
         try:
             deadline = time.monotonic() + 60
-            while subprocess.run(["ip", "netns", "exec", ns, PY, "-m", "kvconnect.connectors.cli", "peer", "status",
+            while subprocess.run(ns.exec_prefix() + [python(), "-m", "kvconnect", "peer", "status",
                                   "127.0.0.1:31998", "--token", "t0k"], capture_output=True).returncode:
                 assert node.poll() is None and time.monotonic() < deadline, open(os.path.join(tmp, "node.log")).read()
                 time.sleep(0.5)
@@ -43,7 +45,7 @@ def test_sglang_adapter_over_the_peer_pool(tmp_path):
                     "control_port": 0, "auth_token": "t0k"}
             figs = []
             for run in range(2):
-                p = exec_in(ns, [PY, "-m", "kvconnect.connectors.cli", "demo", "--store", "peer_rdma", "--store-options",
+                p = exec_in(ns, [python(), "-m", "kvconnect", "demo", "--store", "peer_rdma", "--store-options",
                                  json.dumps(opts), "--clients", "4", "--rounds", "2", "--groups", "2",
                                  "--prefix-tokens", "512", "--turn-tokens", "128", "--threads", "2", "--json",
                                  "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -59,7 +61,7 @@ def test_sglang_adapter_over_the_peer_pool(tmp_path):
             st = second["store_stats"]["store"]
             assert st["extra"]["read_remote_hits"] >= second["pages_loaded"] and st["extra"]["members"] == 2
             assert second["store_stats"]["adapter_errors"] == {}
-            status = json.loads(subprocess.run(["ip", "netns", "exec", ns, PY, "-m", "kvconnect.connectors.cli", "peer",
+            status = json.loads(subprocess.run(ns.exec_prefix() + [python(), "-m", "kvconnect", "peer",
                                                 "status", "127.0.0.1:31998", "--token", "t0k"],
                                                capture_output=True, text=True).stdout)
             assert status["pool_keys"] == first["pages_stored"]

@@ -2,22 +2,23 @@
 
 Real: sglang's ``StorageBackendFactory`` (dynamic loading from the extra-config JSON),
 ``HiCacheStorageConfig``, ``MHATokenToKVPoolHost`` / ``MLATokenToKVPoolHost`` host pools
-built over real CPU device pools (``kvconnect.connectors.engines.sglang_testing``), SGLang's own
+built over real CPU device pools (``kvconnect.connectors.testing.sglang``), SGLang's own
 ``HiCacheFile`` as the v2 reference, and kvconnect's memory store.
 
 Not real, and why: the ``HiCacheController`` (its GPU<->host copies need CUDA); the tests
 call the backend the way the controller's ``_page_get_zero_copy`` / ``_generic_page_get`` /
 ``_generic_page_set`` / hybrid ``batch_*_v2`` do (those few lines are copied below). Several
 SGLang ranks sharing one backend are several adapter instances in one process over a
-``SharedMemoryStore`` (a memory store whose instances with the same ``space`` share pages),
-standing in for a shared backend such as HF3FS or Mooncake.
+``SharedMemoryStore`` (``kvconnect.connectors.testing.stores``: memory stores with the same
+``space`` share pages), standing in for a shared backend such as HF3FS or Mooncake; the
+multi-process version over the real shared stores is ``test_ranks.py``.
 """
 
 from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -33,87 +34,28 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kvconnect.connectors.base import ConfigError, Page, PageStore, Unsupported, UnknownStore  # noqa: E402
-from kvconnect.connectors.config import Size, StoreConfig  # noqa: E402
+from kvconnect.connectors.base import ConfigError, Page, Unsupported, UnknownStore  # noqa: E402
+from kvconnect.connectors.config import StoreConfig  # noqa: E402
 from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage  # noqa: E402
-from kvconnect.connectors.engines.sglang_testing import (  # noqa: E402
+from kvconnect.connectors.testing.sglang import (  # noqa: E402
     SUPPORTED_LAYOUTS_MHA,
     SUPPORTED_LAYOUTS_MLA,
     fill_pages,
     make_cpu_host_pool,
     page_bytes,
 )
-from kvconnect.connectors.memory import MemoryStore, MemoryStoreConfig  # noqa: E402
+from kvconnect.connectors.testing.stores import SharedMemoryConfig, SharedMemoryStore, clear_spaces  # noqa: E402
 
 ISSUE_JSON = {"backend_name": "kvconnect", "module_path": "kvconnect.connectors.engines.sglang_hicache",
               "class_name": "KVConnectStorage", "interface_v1": 1}
-SHARED = f"{__name__}:SharedMemoryStore"
-RAISING = f"{__name__}:RaisingStore"
-REGISTERING = f"{__name__}:RegisteringStore"
+SHARED = "kvconnect.connectors.testing.stores:SharedMemoryStore"
+RAISING = "kvconnect.connectors.testing.stores:RaisingStore"
+REGISTERING = f"{__name__}:RegisteringStore"  # an out-of-tree store, named by module path
 
 
 # ---------------------------------------------------------------------------------
 # Test stores (out-of-tree stores, named "module:Class" in the extra config)
 # ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SharedMemoryConfig(StoreConfig):
-    space: str = "default"
-    capacity: Size = 64 << 20
-
-
-_SPACES: dict[str, MemoryStore] = {}
-
-
-class SharedMemoryStore(PageStore):
-    """Memory store instances with the same ``space`` share pages (a shared backend)."""
-
-    name = "shared-memory"
-    config_class = SharedMemoryConfig
-
-    def __init__(self, config: SharedMemoryConfig):
-        super().__init__()
-        self.inner = _SPACES.setdefault(config.space, MemoryStore(MemoryStoreConfig(config.capacity)))
-
-    def _exists(self, keys):
-        return self.inner._exists(keys)
-
-    def _get_into(self, keys, pages):
-        return self.inner._get_into(keys, pages)
-
-    def _put_from(self, keys, pages):
-        return self.inner._put_from(keys, pages)
-
-    def _delete(self, keys):
-        return self.inner._delete(keys)
-
-    def _clear(self):
-        self.inner._clear()
-
-    def _usage(self):
-        return self.inner._usage()
-
-
-@dataclass(frozen=True)
-class RaisingConfig(StoreConfig):
-    message: str = "backend exploded"
-
-
-class RaisingStore(PageStore):
-    """Every data-path primitive raises: a backend that died mid-flight."""
-
-    name = "raising"
-    config_class = RaisingConfig
-
-    def __init__(self, config: RaisingConfig):
-        super().__init__()
-        self.message = config.message
-
-    def _boom(self, *a):
-        raise RuntimeError(self.message)
-
-    _exists = _get_into = _put_from = _delete = _clear = _boom
 
 
 @dataclass(frozen=True)
@@ -129,8 +71,8 @@ class RegisteringStore(SharedMemoryStore):
     needs_registered_memory = True
     spans: list = []
 
-    def __init__(self, config: RegisteringConfig):
-        super().__init__(SharedMemoryConfig(space=config.space))
+    def __init__(self, config: RegisteringConfig, context=None):
+        super().__init__(SharedMemoryConfig(space=config.space), context)
         self.spans = []
 
     def _register_memory(self, address, nbytes):
@@ -150,9 +92,9 @@ class RegisteringStore(SharedMemoryStore):
 
 @pytest.fixture(autouse=True)
 def _fresh_spaces():
-    _SPACES.clear()
+    clear_spaces()
     yield
-    _SPACES.clear()
+    clear_spaces()
 
 
 # ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ Real components: SGLang's plugin loader and ``HookRegistry``, ``ServerArgs`` + `
 ``MHATokenToKVPool(device="cpu")`` as the KV memory, ``MetadataBuffers`` as aux rows, the
 Mooncake Transfer Engine over TCP, and the real ``mooncake`` / ``hf3fs`` kvconnect stores.
 Prefill and decode run as two processes in a loopback-only network namespace, driven the
-way SGLang's schedulers drive senders and receivers (``kvconnect.connectors.engines.sglang_pd_testing``).
+way SGLang's schedulers drive senders and receivers (``kvconnect.connectors.testing.pd``).
 
 Stand-ins, because they cannot exist here: CPU memory for GPU KV memory (no GPU) and TCP
 for RDMA (no NIC); the scheduler loop is replaced by the driver's poll loop (a real
@@ -27,8 +27,7 @@ import pytest
 pytest.importorskip("sglang", reason="needs sglang (the CI venv has it)")
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda (the CI venv has it)")
 
-from kvconnect.connectors.engines import sglang_pd_testing as pdt  # noqa: E402
-from tests.integration import pd_stores  # noqa: E402
+from kvconnect.connectors.testing import pd as pdt  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -198,12 +197,12 @@ def transport_setup(transport: str, workdir: str):
     cfg = {"transport": transport, "timeout_s": TIMEOUT_S, "retain_s": 15.0}
     if transport == "peer_rdma":
         cfg["protocol"] = "tcp"
-        with pdt.loopback_netns() as ns:
+        with pdt.loopback_ns("kvcpd") as ns:
             yield ns, cfg, None
         return
     cfg["key_bytes"] = 4096 if transport == "mooncake" else None  # several pages per key vs one (hf3fs)
     cfg["call_bytes"] = 12288  # a room moves in several store calls (GPU rooms: 64 MiB of 1 GiB per call)
-    with pd_stores.store_service(transport, workdir) as (ns, opts, outage):
+    with pdt.store_service(transport, workdir) as (ns, opts, outage):
         cfg["store"] = opts
         yield ns, cfg, outage
 
@@ -250,7 +249,7 @@ def scenario(request, plugin_path, tmp_path_factory):
     port = 19011 + 10 * SCENARIOS.index(request.param)
     try:
         return run_scenario(transport, last_wave, plugin_path, str(tmp_path_factory.mktemp(transport)), port)
-    except pd_stores.StoreUnavailable as e:
+    except pdt.StoreUnavailable as e:
         pytest.fail(f"{transport} store service did not start: {e}")
 
 

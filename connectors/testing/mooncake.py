@@ -1,30 +1,24 @@
-"""A real ``mooncake_master`` inside a loopback-only network namespace (tests, benchmark, demo).
+"""A real ``mooncake_master`` inside a loopback-only network namespace, for tests and benchmarks.
 
-Some Mooncake listeners bind every interface whatever address they are given (the
-embedded HTTP metadata server, the Transfer Engine's handshake and data sockets), so
-every Mooncake process of a test runs inside a network namespace that has nothing but
-``lo``. Needs root (``ip netns``) and ``iproute2``.
-
-* ``LoopbackNetns``: ``ip netns add kvc-mc-<random>`` + ``lo`` up; ``exec_prefix()`` runs a
-  program inside it; ``run(fn)`` runs ``fn`` on a short-lived thread moved into it with
-  ``setns(2)`` (Python 3.11 has no ``os.setns``: libc's, through ctypes); ``delete()``.
-* ``MasterProcess``: the ``mooncake_master`` ELF shipped in the wheel, listening on
-  127.0.0.1 only; ``kill()`` / ``start()`` again for failure tests.
-* ``MooncakeCluster``: namespace + master (+ segment holders), removed by ``close()``.
-  Mooncake keeps process-wide I/O threads in the namespace where they started, so Mooncake
-  *clients* run in processes started inside the namespace (``exec_prefix()``), never in a
-  process that moves between namespaces.
-* ``python -m kvconnect.connectors.mooncake.testing holder --master H:P --segment 1gb``: a process
-  that only contributes a memory segment, until stdin closes or it is terminated.
+* ``MasterProcess``: the ``mooncake_master`` ELF shipped in the Mooncake wheel, listening
+  on 127.0.0.1 only; ``kill()`` / ``start()`` again for failure tests.
+* ``MooncakeCluster``: namespace + master (+ segment holders, + ``kvconnect mooncake-store``
+  processes), removed by ``close()``. Mooncake keeps process-wide I/O threads in the
+  namespace where they started, so Mooncake *clients* run in processes started inside the
+  namespace (``exec_prefix()``), never in a process that moves between namespaces.
+* pytest: a module that talks to Mooncake runs in its own pytest process inside a
+  namespace made for it. ``outer_test(__file__)`` is the module's one test in the normal
+  run: it makes the namespace and re-runs the module there with ``KVCONNECT_MOONCAKE_NS``
+  set (``INNER`` is then true, and the ``mooncake_cluster`` fixture starts a master in that
+  namespace with 500 ms leases).
+* ``python -m kvconnect.connectors.testing.mooncake holder --master H:P --segment 1gb``:
+  a process that only contributes a memory segment, until stdin closes or it is terminated.
 """
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
-import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,99 +26,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
 
-CLONE_NEWNET = 0x40000000
-T = TypeVar("T")
+from kvconnect.connectors.testing.netns import Netns, netns_available
+from kvconnect.connectors.testing.netns import outer_test as netns_outer_test
+from kvconnect.connectors.testing.processes import child_env
 
-
-def netns_supported() -> tuple[bool, str]:
-    """(usable, why not): root, ``ip`` present, and a test namespace can be created."""
-    if os.geteuid() != 0:
-        return False, "network namespaces need root"
-    if not shutil.which("ip"):
-        return False, "iproute2 ('ip') is not installed"
-    return True, ""
-
-
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-class LoopbackNetns:
-    """A network namespace with only ``lo`` (up), removed by ``delete()``."""
-
-    def __init__(self, prefix: str = "kvc-mc"):
-        self.name = f"{prefix}-{secrets.token_hex(4)}"
-        self._saved: list[int] = []
-        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True, timeout=10)
-        try:
-            subprocess.run(self.exec_prefix() + ["ip", "link", "set", "lo", "up"], check=True,
-                           capture_output=True, timeout=10)
-        except BaseException:
-            self.delete()
-            raise
-
-    def exec_prefix(self) -> list[str]:
-        return ["ip", "netns", "exec", self.name]
-
-    @property
-    def path(self) -> str:
-        return f"/var/run/netns/{self.name}"
-
-    def enter(self) -> None:
-        """Move the calling thread into the namespace (nestable with ``leave``)."""
-        saved = os.open(f"/proc/thread-self/ns/net", os.O_RDONLY)
-        target = os.open(self.path, os.O_RDONLY)
-        try:
-            _setns(target)
-        except BaseException:
-            os.close(saved)
-            raise
-        finally:
-            os.close(target)
-        self._saved.append(saved)
-
-    def leave(self) -> None:
-        saved = self._saved.pop()
-        try:
-            _setns(saved)
-        finally:
-            os.close(saved)
-
-    def run(self, fn: Callable[..., T], *args: Any, timeout: float = 30) -> T:
-        """``fn(*args)`` on a fresh thread inside the namespace; returns its result."""
-        box: dict[str, Any] = {}
-
-        def body() -> None:
-            try:
-                self.enter()
-                box["value"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-                box["error"] = e
-
-        t = threading.Thread(target=body, daemon=True)
-        t.start()
-        t.join(timeout)
-        if t.is_alive():
-            raise TimeoutError(f"{fn!r} did not finish within {timeout}s in netns {self.name}")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
-
-    def delete(self) -> None:
-        from kvconnect.connectors.peer_rdma.netns import delete_namespace  # one teardown for every test namespace
-
-        delete_namespace(self.name)
-
-    def __enter__(self) -> "LoopbackNetns":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.delete()
+NS_ENV = "KVCONNECT_MOONCAKE_NS"
+INNER = bool(os.environ.get(NS_ENV))
+LEASE_TTL_MS = 500
 
 
 def master_binary() -> str:
@@ -138,6 +47,20 @@ def master_binary() -> str:
     return str(path)
 
 
+def mooncake_skip_reason() -> str | None:
+    """Why Mooncake tests cannot run here (the wheel missing, no namespaces), or None."""
+    if importlib.util.find_spec("mooncake") is None:
+        return "mooncake-transfer-engine is not installed (pip install \"kvconnect[mooncake]\")"
+    why = netns_available()
+    if why:
+        return why
+    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True,
+                           timeout=60)
+    if probe.returncode != 0:
+        return f"mooncake.store does not import (install libibverbs1): {probe.stderr.strip()[-300:]}"
+    return None
+
+
 def _port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -149,7 +72,7 @@ def _port_open(port: int) -> bool:
 class MasterProcess:
     """A real ``mooncake_master`` on 127.0.0.1 inside ``netns`` (or the current namespace)."""
 
-    def __init__(self, netns: LoopbackNetns | None, *, rpc_port: int = 50051, metrics_port: int = 9003,
+    def __init__(self, netns: Netns | None, *, rpc_port: int = 50051, metrics_port: int = 9003,
                  lease_ttl_ms: int = 10000, log_path: str | os.PathLike | None = None,
                  extra_args: tuple[str, ...] = ()):
         self.netns = netns
@@ -209,20 +132,14 @@ class MooncakeCluster:
     """A master (+ optional segment holders) in a loopback-only namespace; ``close()``
     removes everything.
 
-    ``netns=None`` creates a namespace ``kvc-mc-<random>`` and starts the master in it
-    (through ``ip netns exec``); pass ``inside_current=True`` instead when the calling
-    process already runs in a loopback-only namespace made for it (the inner side of a
-    test that re-ran itself under ``ip netns exec``).
-
-    Mooncake keeps process-wide I/O threads that open their sockets in the namespace they
-    were created in, so one process uses Mooncake in one namespace for its whole life:
-    clients live in processes started inside the namespace, never in a process that
-    moves between namespaces.
+    ``inside_current=True``: the calling process already runs in a loopback-only namespace
+    made for it (the inner side of ``outer_test``); otherwise a namespace is made here and
+    the master started in it.
     """
 
     def __init__(self, *, lease_ttl_ms: int = 500, log_dir: str | os.PathLike | None = None,
                  inside_current: bool = False):
-        self.netns = None if inside_current else LoopbackNetns()
+        self.netns = None if inside_current else Netns("kvc-mc")
         self.holders: list[subprocess.Popen] = []
         try:
             log = Path(log_dir) / "mooncake_master.log" if log_dir else None
@@ -239,12 +156,10 @@ class MooncakeCluster:
                      master: MasterProcess | None = None) -> subprocess.Popen:
         """A process that contributes ``segment`` bytes of memory to the store (of ``master``,
         default the cluster's)."""
-        cmd = self.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.mooncake.testing", "holder",
+        cmd = self.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.testing.mooncake", "holder",
                                     "--master", (master or self.master).address, "--segment", segment]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2])]
-                                                         + [p for p in [os.environ.get("PYTHONPATH")] if p]))
         p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             env=env, start_new_session=True)
+                             env=child_env(), start_new_session=True)
         self.holders.append(p)
         deadline = time.monotonic() + timeout
         line = b""
@@ -261,15 +176,13 @@ class MooncakeCluster:
         """A ``kvconnect mooncake-store`` process lending ``segment`` bytes (from shared memory
         in ``shared_segment_dir``, published there, if given), stopped by ``close()``."""
         cmd = self.exec_prefix() + [
-            sys.executable, "-m", "kvconnect.connectors.cli", "mooncake-store", "--master", (master or self.master).address,
+            sys.executable, "-m", "kvconnect", "mooncake-store", "--master", (master or self.master).address,
             "--segment", segment, "-o", "protocol=tcp", "-o", "local_hostname=127.0.0.1",
             "-o", "metadata_server=P2PHANDSHAKE", "-o", "local_buffer_size=16mb", "-o", "staging_size=16mb"]
         if shared_segment_dir:
             cmd += ["-o", "shared_segment=true", "-o", f"shared_segment_dir={shared_segment_dir}"]
-        root = str(Path(__file__).resolve().parents[2])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-        p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             env=env, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             env=child_env(), start_new_session=True)
         self.holders.append(p)
         ready = "kvconnect mooncake-store: contributing"
         lines: list[str] = []
@@ -307,18 +220,77 @@ class MooncakeCluster:
             self.netns.delete()
 
 
+def store_options(cluster: MooncakeCluster, **over) -> dict:
+    """Options of a ``mooncake`` store that contributes a small segment of its own."""
+    opts = {
+        "master_server_address": cluster.master.address,
+        "metadata_server": "P2PHANDSHAKE",
+        "local_hostname": "127.0.0.1",
+        "protocol": "tcp",
+        "global_segment_size": "64mb",
+        "local_buffer_size": "16mb",
+        "staging_size": "16mb",
+        "setup_timeout": 15,
+        "op_timeout": 5,
+        "lease_wait": 2 * LEASE_TTL_MS / 1000,
+        "lease_ttl": LEASE_TTL_MS / 1000,
+        "reconnect_interval": 0.5,
+    }
+    opts.update(over)
+    return opts
+
+
+# ---------------------------------------------------------------------------------
+# pytest: run a module inside a loopback-only namespace of its own
+# ---------------------------------------------------------------------------------
+
+
+def outer_test(module_file: str, timeout: float = 280):
+    """The test that re-runs ``module_file`` inside a fresh loopback-only namespace
+    (``INNER`` is true there)."""
+    return netns_outer_test(module_file, NS_ENV, mooncake_skip_reason, prefix="kvc-mc", timeout=timeout)
+
+
+def _cluster_fixture():
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def mooncake_cluster(tmp_path_factory):
+        """A master in the namespace ``outer_test`` made (inner runs only)."""
+        if not INNER:
+            pytest.skip("runs only inside its loopback namespace (outer_test)")
+        cluster = MooncakeCluster(lease_ttl_ms=LEASE_TTL_MS, log_dir=tmp_path_factory.mktemp("mooncake"),
+                                  inside_current=True)
+        try:
+            yield cluster
+        finally:
+            cluster.close()
+
+    return mooncake_cluster
+
+
+def __getattr__(name: str):
+    # The fixture needs pytest; made on first use so importing this module does not.
+    if name == "mooncake_cluster":
+        return _cluster_fixture()
+    raise AttributeError(name)
+
+
 def _holder_main(argv: list[str]) -> int:
     import argparse
 
     from kvconnect.connectors.config import parse_size
 
-    p = argparse.ArgumentParser(prog="python -m kvconnect.connectors.mooncake.testing holder")
+    p = argparse.ArgumentParser(prog="python -m kvconnect.connectors.testing.mooncake holder")
     p.add_argument("--master", required=True)
     p.add_argument("--segment", default="1gb")
     p.add_argument("--metadata", default="P2PHANDSHAKE")
     args = p.parse_args(argv)
     from mooncake.store import MooncakeDistributedStore
 
+    from kvconnect.connectors.mooncake.engine_env import apply_engine_defaults
+
+    apply_engine_defaults()  # the TCP queue limits every engine kvconnect starts gets
     s = MooncakeDistributedStore()
     rc = s.setup("127.0.0.1", args.metadata, parse_size(args.segment), 16 << 20, "tcp", "", args.master)
     if rc != 0:

@@ -1,8 +1,12 @@
-"""A peer-pool node with a real SGLang host KV pool, driven by JSON lines on stdin.
+"""Peer-pool nodes as processes in network namespaces, driven by a test.
 
-Run by ``peer_rdma_support.Worker`` inside a network namespace. Pages are written from
-and read into the host pool's own memory (``get_page_buffer_meta``), and checked by a
-BLAKE2b digest of SGLang's flat page bytes, so "byte-exact" means what SGLang would see.
+Mooncake's Transfer Engine listens on every interface whatever it is told, so every
+process that runs a pool node runs inside a namespace the test made
+(``kvconnect.connectors.testing.netns``). ``Worker`` starts ``python -m
+kvconnect.connectors.testing.peer SPEC`` there: a node with a real SGLang host KV pool (or a
+plain ``HostBuffer``) that answers JSON requests on stdin. Pages are written from and read
+into the host pool's own memory (``get_page_buffer_meta``) and checked by a BLAKE2b digest
+of SGLang's flat page bytes, so "byte-exact" means what SGLang would see.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import hashlib
 import json
 import logging
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -18,14 +23,43 @@ import traceback
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from kvconnect.connectors.registry import create_store
+from kvconnect.connectors.testing.netns import Netns, netns_available
+from kvconnect.connectors.testing.processes import MOONCAKE_QUIET_ENV, JsonWorker, child_env, python, serve_json_lines
 
-from kvconnect.connectors.registry import create_store  # noqa: E402
+
+def skip_reason(*modules: str) -> str | None:
+    """Why a peer-pool test cannot run here (a module missing, no network namespaces), or None."""
+    import importlib.util
+
+    for mod in modules:
+        if importlib.util.find_spec(mod) is None:
+            return f"needs {mod} (installed by scripts/install.sh)"
+    return netns_available()
 
 
-def out(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+def exec_in(ns: Netns | str, argv: list[str], **kw) -> subprocess.Popen:
+    """``argv`` as a process inside namespace ``ns`` (a ``Netns`` or a name)."""
+    env = child_env({**MOONCAKE_QUIET_ENV, **kw.pop("env", {})})
+    return subprocess.Popen(["ip", "netns", "exec", getattr(ns, "name", ns), *argv], env=env, **kw)
+
+
+class Worker(JsonWorker):
+    """A pool node in namespace ``ns``, driven by JSON lines (``worker_main`` is its side)."""
+
+    def __init__(self, ns: Netns | str, options: dict, host_pool: dict | None = None, name: str = "w",
+                 log_dir: Path | None = None):
+        self.ns = ns
+        spec = json.dumps({"options": options, "host_pool": host_pool, "name": name})
+        super().__init__([python(), "-u", "-m", "kvconnect.connectors.testing.peer", spec], name=name,
+                         log_dir=log_dir, prefix=["ip", "netns", "exec", getattr(ns, "name", ns)],
+                         env=MOONCAKE_QUIET_ENV)
+        self.node_id = self.ready["node_id"]
+
+
+# ---------------------------------------------------------------------------------
+# The worker process
+# ---------------------------------------------------------------------------------
 
 
 class HostPages:
@@ -40,7 +74,7 @@ class HostPages:
             self.host = None
             self.free = list(range(n_pages))
             return
-        from kvconnect.connectors.engines.sglang_testing import make_cpu_host_pool
+        from kvconnect.connectors.testing.sglang import make_cpu_host_pool
 
         self.host = make_cpu_host_pool(host_tokens=n_pages * spec.get("page_size", 16), **spec)
         self.ps = self.host.page_size
@@ -89,7 +123,7 @@ class HostPages:
                 rnd = random.Random(seed * 1_000_003 + j)
                 self.buf.fill(p, rnd.randbytes(self.buf.page_bytes))
             return
-        from kvconnect.connectors.engines.sglang_testing import fill_pages
+        from kvconnect.connectors.testing.sglang import fill_pages
 
         fill_pages(self.host, [p + t for p in pages for t in range(self.ps)], seed)
 
@@ -98,7 +132,7 @@ class HostPages:
             for p in pages:
                 self.buf.zero(p)
             return
-        from kvconnect.connectors.engines.sglang_testing import zero_pages
+        from kvconnect.connectors.testing.sglang import zero_pages
 
         zero_pages(self.host, [p + t for p in pages for t in range(self.ps)])
 
@@ -106,13 +140,13 @@ class HostPages:
         if self.host is None:
             data = self.buf.read(page)
         else:
-            from kvconnect.connectors.engines.sglang_testing import page_bytes
+            from kvconnect.connectors.testing.sglang import page_bytes
 
             data = page_bytes(self.host, page)
         return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-class Node:
+class WorkerNode:
     def __init__(self, spec: dict):
         self.name = spec["name"]
         # the host pool first: importing sglang takes seconds of GIL, which would stall
@@ -205,32 +239,28 @@ class Node:
         return self.load_report
 
 
-def main() -> None:
+def worker_main() -> None:
+    """The worker process: one pool node, JSON requests on stdin, JSON answers on stdout."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(sys.argv[1])
-    node = Node(spec)
-    out({"node_id": node.store.node.node_id})
-    for line in sys.stdin:
-        try:
-            req = json.loads(line)
-            op = req.pop("op")
-            if op == "exit":
-                node.store.close()
-                out({"bye": True})
-                return
-            fn = {"write": lambda: node.write(req["keys"], req["seed"]),
-                  "read": lambda: node.read(req["keys"], req["digests"]),
-                  "exists": lambda: {"ok": node.store.exists(req["keys"])},
-                  "metrics": node.metrics,
-                  "load_start": lambda: node.load_start(req["known"], req["tag"], req.get("batch", 8),
-                                                        req.get("seed", 1)),
-                  "load_report": node.load_report_now,
-                  "load_end": node.load_end}[op]
-            out(fn())
-        except Exception as e:  # noqa: BLE001
-            out({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+    node: WorkerNode | None = None
+
+    def ready() -> dict:
+        nonlocal node
+        node = WorkerNode(spec)
+        return {"node_id": node.store.node.node_id}
+
+    serve_json_lines(ready, {
+        "write": lambda keys, seed: node.write(keys, seed),
+        "read": lambda keys, digests: node.read(keys, digests),
+        "exists": lambda keys: {"ok": node.store.exists(keys)},
+        "metrics": lambda: node.metrics(),
+        "load_start": lambda known, tag, batch=8, seed=1: node.load_start(known, tag, batch, seed),
+        "load_report": lambda: node.load_report_now(),
+        "load_end": lambda: node.load_end(),
+    }, on_exit=lambda: node.store.close())
 
 
 if __name__ == "__main__":
-    main()
+    worker_main()

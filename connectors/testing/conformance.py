@@ -1,7 +1,21 @@
-"""One conformance suite for every ``PageStore``.
+"""One conformance suite for every ``PageStore``, in-tree or not.
 
 A store's test module subclasses ``PageStoreConformance`` and provides ``make_store`` (and
-``store_options`` for the config tests). Capability flags on the subclass switch checks:
+``store_options`` for the config tests); pytest collects the inherited tests::
+
+    from kvconnect.connectors.testing.conformance import PageStoreConformance
+
+    class TestMyStore(PageStoreConformance):
+        store_name = "mine"                 # registry name, or "" for a store built directly
+        capacity_bytes = 1 << 20            # what make_store configured (None: no eviction test)
+
+        def make_store(self):
+            return MyStore(MyStoreConfig(capacity=self.capacity_bytes))
+
+        def store_options(self):
+            return {"capacity": self.capacity_bytes}
+
+Class attributes switch checks, as flags to object_store's integration functions do:
 
 * ``capacity_bytes``: the capacity ``make_store`` configured, for the eviction test (None:
   the store cannot be made small enough, the test is skipped with that reason).

@@ -1,9 +1,9 @@
 """Real ``lmcache server`` processes with the kvconnect L2 plugin, and LMCache's own engine
-client, for tests/integration/test_lmcache_l2.py.
+client (``lmcache bench server``'s), for tests and benchmarks.
 
 Also runnable inside a network namespace (Mooncake listens on every interface, so its
 servers live in a loopback-only namespace the test made, where the test process cannot
-reach them): ``python -m tests.integration.lmcache_support share --params JSON --out FILE``
+reach them): ``python -m kvconnect.connectors.testing.lmcache share --params JSON --out FILE``
 starts two servers on one store, stores on the first, retrieves from the second and
 writes what it saw as JSON.
 """
@@ -14,29 +14,21 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from kvconnect.connectors.testing.processes import child_env, free_port
+
 LMCACHE_BIN = str(Path(sys.executable).with_name("lmcache"))
-ENV = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", LMCACHE_DISABLE_BANNER="1",
-           PYTHONPATH=os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
 MODULE = "kvconnect.connectors.engines.lmcache_l2"
 
 
 def plugin_json(params: dict) -> str:
     return json.dumps({"type": "plugin", "module_path": MODULE, "class_name": "KVConnectL2Adapter",
                        "adapter_params": params})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -49,8 +41,8 @@ class Server:
         cmd = [LMCACHE_BIN, "server", "--host", "127.0.0.1", "--port", str(self.port), "--l1-size-gb", "0.25",
                "--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
                "--disable-metrics", "--l2-adapter", plugin_json(params), *extra]
-        self.proc = subprocess.Popen(cmd, env=ENV, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                                     cwd=ROOT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env=child_env(LMCACHE_DISABLE_BANNER="1"), stdout=open(log_path, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
     def rpc_url(self) -> str:

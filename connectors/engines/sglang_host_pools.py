@@ -1,4 +1,5 @@
-"""Small *real* SGLang host KV pools on CPU, for tests, the demo and benchmarks.
+"""Small *real* SGLang host KV pools in CPU memory: the engine the demo runs, and the pools
+``kvconnect.connectors.testing.sglang`` hands to tests, examples and benchmarks.
 
 ``make_cpu_host_pool`` builds a real SGLang device pool on ``device="cpu"`` (a tiny one:
 the host pool only reads its geometry) and the real host pool SGLang's HiCache uses
@@ -32,7 +33,7 @@ def _torch_dtype(dtype: Any):
     return value
 
 
-def _budget_scope(nbytes: int):
+def budget_scope(nbytes: int):
     """Book the pool against a fixed budget instead of psutil minus a 10 GiB reserve.
 
     SGLang sizes host pools against free RAM minus 10 GiB; on a small shared test machine
@@ -99,7 +100,7 @@ def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num
                                start_layer=0, end_layer=layer_num)
         per_token = (head_dim + rope) * layer_num * td.itemsize
         tokens = capacity or 2 * device_tokens + page_size
-        with _budget_scope(per_token * tokens):
+        with budget_scope(per_token * tokens):
             if _takes_device_pool(MLATokenToKVPoolHost):  # sglang <= 0.5.17
                 host = MLATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
             else:
@@ -116,7 +117,7 @@ def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num
         per_token = 2 * head_num * head_dim * layer_num * td.itemsize
         tokens = capacity or 2 * device_tokens + page_size
         cap = dev.size if getattr(dev, "host_capacity_tokens", None) is None else dev.host_capacity_tokens
-        with _budget_scope(per_token * tokens):
+        with budget_scope(per_token * tokens):
             if _takes_device_pool(MHATokenToKVPoolHost):  # sglang <= 0.5.17
                 host = MHATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
             else:
@@ -131,37 +132,3 @@ def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num
     host._kvconnect_device_pool = dev
     del torch
     return host
-
-
-def fill_pages(host, host_indices, seed: int = 0) -> None:
-    """Fill every page starting at ``host_indices[i * page_size]`` with distinct bytes.
-
-    Page ``i`` gets pseudo-random bytes from ``(seed, i)``, so two pages (and two seeds)
-    never hold the same bytes.
-    """
-    import torch
-
-    ps = host.page_size
-    n_pages = len(host_indices) // ps
-    template = host.get_dummy_flat_data_page()
-    nbytes = template.numel() * template.element_size()
-    for i in range(n_pages):
-        g = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-        host.set_from_flat_data_page(int(host_indices[i * ps]), raw.view(template.dtype))
-
-
-def page_bytes(host, index: int) -> bytes:
-    """The flat bytes of the page that starts at token slot ``index``."""
-    import torch
-
-    page = host.get_data_page(int(index), flat=True)
-    return page.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def zero_pages(host, host_indices) -> None:
-    """Zero the pages starting at ``host_indices[i * page_size]``."""
-    ps = host.page_size
-    zero = host.get_dummy_flat_data_page()
-    for i in range(len(host_indices) // ps):
-        host.set_from_flat_data_page(int(host_indices[i * ps]), zero)

@@ -1,12 +1,14 @@
-"""One SGLang PD role (prefill or decode) on CPU, driven the way SGLang's schedulers drive it.
+"""The PD role driver: one SGLang PD role (prefill or decode) on CPU, driven the way SGLang's
+schedulers drive it, and the store services its relay runs over.
 
-``python -m kvconnect.connectors.engines.sglang_pd_testing SPEC.json`` runs one process of a
+``python -m kvconnect.connectors.testing.pd SPEC.json`` runs one process of a
 two-process PD transfer: real SGLang 0.5.23 (or 0.5.17) classes (``ServerArgs`` + ``publish``, the
 plugin loader, ``get_kv_class``, ``start_disagg_service``'s bootstrap server, an
 ``MHATokenToKVPool`` on ``device="cpu"`` standing in for device KV memory, the real
 ``MetadataBuffers`` as aux rows), and the transfer backend named in the spec (``kvconnect``,
 or SGLang's own ``mooncake`` as the benchmark reference). Used by
-``tests/integration/test_sglang_pd.py`` and ``benchmarks/pd.py``.
+``tests/integration/test_sglang_pd.py`` and ``benchmarks/pd.py``; ``pair`` starts both roles
+in one loopback-only network namespace, ``store_service`` a shared store for the relay.
 
 Page content is a pure function of ``(seed, room, position)``, so decode checks every
 byte it received, in exactly the slots it asked for, and that no other slot changed.
@@ -15,16 +17,23 @@ The spec is a JSON object (see ``_defaults``); results go to ``spec["result"]`` 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 import json
 import logging
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
+
+from kvconnect.connectors.testing.netns import Netns, loopback_ns
+from kvconnect.connectors.testing.processes import child_env, import_root
 
 UNTOUCHED = 0xEE  # decode fills its KV pool with this; slots nobody asked for must keep it
 
@@ -484,30 +493,9 @@ def main(argv: list[str]) -> int:
     os._exit(0)  # SGLang's daemon threads (bootstrap server, heartbeats) must not keep us alive
 
 
-
 # ---------------------------------------------------------------------------------
 # Orchestration (tests, benchmarks): both roles in one loopback-only network namespace
 # ---------------------------------------------------------------------------------
-
-import contextlib  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-
-@contextlib.contextmanager
-def loopback_netns():
-    """A network namespace with only ``lo`` (Mooncake listeners bind every interface)."""
-    from kvconnect.connectors.mooncake.testing import LoopbackNetns
-
-    ns = LoopbackNetns(prefix="kvcpd")
-    try:
-        yield ns
-    finally:
-        out = subprocess.run(["ip", "netns", "pids", ns.name], capture_output=True, text=True).stdout.split()
-        for pid in out:  # only processes this harness started live in a namespace it created
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-        ns.delete()
 
 
 def plugin_dist_dir(root: str) -> str | None:
@@ -523,8 +511,7 @@ def plugin_dist_dir(root: str) -> str | None:
         return None
     import tomllib
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(repo, "pyproject.toml"), "rb") as f:
+    with open(os.path.join(import_root(), "pyproject.toml"), "rb") as f:
         eps = tomllib.load(f)["project"]["entry-points"]["sglang.srt.plugins"]
     dist = os.path.join(root, "kvconnect_entrypoints-0.0.dist-info")
     os.makedirs(dist, exist_ok=True)
@@ -536,9 +523,8 @@ def plugin_dist_dir(root: str) -> str | None:
 
 
 def node_env(pd_config: dict | None, extra_path: str | None, **env: str) -> dict[str, str]:
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = dict(os.environ)
-    out["PYTHONPATH"] = os.pathsep.join(p for p in (repo, extra_path, out.get("PYTHONPATH")) if p)
+    out = child_env()
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (import_root(), extra_path, os.environ.get("PYTHONPATH")) if p)
     if pd_config is not None:
         out["KVCONNECT_PD_CONFIG"] = json.dumps(pd_config)
     out.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
@@ -553,7 +539,7 @@ def node_env(pd_config: dict | None, extra_path: str | None, **env: str) -> dict
 class Pair:
     """A prefill and a decode process (``Node``) started in namespace ``ns``."""
 
-    def __init__(self, ns: str, workdir: str, common: dict, prefill: dict, decode: dict, env: dict[str, str]):
+    def __init__(self, ns: Netns, workdir: str, common: dict, prefill: dict, decode: dict, env: dict[str, str]):
         self.ns, self.workdir, self.env = ns, workdir, env
         self.stop_file = os.path.join(workdir, "stop")
         self.progress_file = os.path.join(workdir, "progress")
@@ -574,7 +560,7 @@ class Pair:
         with open(path, "w") as f:
             json.dump(self.specs[role], f)
         self.logs[role] = os.path.join(self.workdir, f"{role}.log")
-        cmd = self.ns.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.engines.sglang_pd_testing", path]
+        cmd = self.ns.exec_prefix() + [sys.executable, "-m", "kvconnect.connectors.testing.pd", path]
         env = {**self.env, **self.role_env.get(role, {})}
         with open(self.logs[role], "w") as log:
             self.procs[role] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -622,10 +608,10 @@ class Pair:
 
 @contextlib.contextmanager
 def pair(common: dict, prefill: dict, decode: dict, pd_config: dict | None, extra_path: str | None,
-         ns: str | None = None, **env: str):
+         ns: Netns | None = None, **env: str):
     with contextlib.ExitStack() as stack:
         workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvcpd-"))
-        ns = ns or stack.enter_context(loopback_netns())
+        ns = ns or stack.enter_context(loopback_ns("kvcpd"))
         p = Pair(ns, workdir, common, prefill, decode, node_env(pd_config, extra_path, **env))
         try:
             yield p
@@ -633,6 +619,79 @@ def pair(common: dict, prefill: dict, decode: dict, pd_config: dict | None, extr
             for role in list(p.procs):
                 if p.procs[role].poll() is None:
                     p.kill(role)
+
+
+# ---------------------------------------------------------------------------------
+# Store services for the relay: ``store_service(name, ...)`` yields ``(netns, store_options,
+# outage)``; ``outage()`` kills the backend (master / metadata service) for outage tests.
+# * ``mooncake``: a real ``mooncake_master`` plus a segment-holder process (a standalone
+#   store service) in a loopback-only namespace; PD processes are clients lending nothing.
+# * ``hf3fs``: the real HF3FS metadata service in the same namespace, data files in a
+#   temporary directory (POSIX client: there is no 3FS mount here).
+# ---------------------------------------------------------------------------------
+
+
+class StoreUnavailable(Exception):
+    """The store's service cannot run here (reason in the message)."""
+
+
+@contextlib.contextmanager
+def mooncake_service(segment: str = "1gb") -> Iterator[tuple[Netns, dict, Callable[[], None]]]:
+    from kvconnect.connectors.testing.mooncake import MooncakeCluster, mooncake_skip_reason
+
+    why = mooncake_skip_reason()
+    if why:
+        raise StoreUnavailable(why)
+    cluster = MooncakeCluster(lease_ttl_ms=2000)  # reads on a loaded 2-core machine can take a while
+    try:
+        cluster.start_holder(segment)
+        opts = {"master_server_address": cluster.master.address, "protocol": "tcp",
+                "local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 0,
+                "setup_timeout": 10, "op_timeout": 5, "lease_wait": 0.5}
+
+        def outage() -> None:
+            cluster.master.kill()
+            for p in cluster.holders:
+                with contextlib.suppress(Exception):
+                    p.kill()
+
+        yield cluster.netns, opts, outage
+    finally:
+        cluster.close()
+
+
+@contextlib.contextmanager
+def hf3fs_service(workdir: str, ns: Netns | None = None,
+                  file_size: str = "1gb") -> Iterator[tuple[Netns, dict, Callable[[], None]]]:
+    from pathlib import Path
+
+    from kvconnect.connectors.testing.hf3fs import MetaProcess
+
+    with contextlib.ExitStack() as stack:
+        ns = ns or stack.enter_context(loopback_ns("kvcpd"))
+        data = os.path.join(workdir, "hf3fs")
+        meta = MetaProcess(Path(data) / "meta", port=18000 + os.getpid() % 1000, exec_prefix=ns.exec_prefix(),
+                           workers=4, log_path=Path(data) / "meta.log")
+        try:
+            meta.start(timeout=60)
+        except (RuntimeError, TimeoutError) as e:
+            raise StoreUnavailable(f"hf3fs metadata service did not start: {e}") from e
+        stack.callback(meta.kill9)
+        opts = {"file_path_prefix": os.path.join(data, "pd"), "file_size": file_size, "numjobs": 2, "entries": 16,
+                "metadata_server_url": meta.address, "client": "posix", "client_timeout": 5, "meta_retries": 2}
+        yield ns, opts, meta.kill9
+
+
+@contextlib.contextmanager
+def store_service(name: str, workdir: str, ns: object | None = None, segment: str = "1gb"):
+    if name == "mooncake":
+        with mooncake_service(segment) as out:
+            yield out
+    elif name == "hf3fs":
+        with hf3fs_service(workdir, ns, file_size=segment) as out:
+            yield out
+    else:
+        raise ValueError(f"no store service for {name!r}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,20 @@
+"""Test kits that ship with kvconnect, for its own tests and benchmarks and for third-party stores.
+
+* ``conformance``: ``PageStoreConformance``, the one suite every store runs (subclass it,
+  provide ``make_store``);
+* ``stores``: ``FaultyStore`` (a wrapper that makes operations raise or hang) and
+  ``SharedMemoryStore`` (memory stores sharing pages by name);
+* ``netns``: network namespaces, one loopback-only (``Netns``) or several on a bridge
+  (``Bridge``), for multi-host tests on one machine and for fencing Mooncake processes;
+* ``processes``: how child processes import kvconnect, stop, and are waited for;
+* ``mooncake``: a real ``mooncake_master`` cluster in a namespace, and the pytest pieces
+  that run a test module inside one;
+* ``hf3fs``: the HF3FS metadata service as a process;
+* ``sglang``: real SGLang host KV pools on CPU, page contents, storage configs;
+* ``pd``: the PD role driver (a prefill or decode process on CPU) and the relay's store services;
+* ``peer``: peer-pool node processes driven by JSON lines;
+* ``lmcache``: ``lmcache server`` processes with the kvconnect plugin and LMCache's engine client.
+
+Nothing in the rest of the package imports these modules; they import pytest, sglang,
+lmcache or mooncake only where a kit needs them.
+"""
