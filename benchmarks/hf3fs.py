@@ -102,6 +102,7 @@ def bench_store(result: BenchResult, page: int, batch: int, workers: list[int], 
     from sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs import HiCacheHF3FS
 
     from kvconnect.connectors.buffers import HostBuffer
+    from kvconnect.connectors.context import EngineContext
     from kvconnect.connectors.hf3fs.config import HF3FSConfig
     from kvconnect.connectors.hf3fs.store import HF3FSStore
 
@@ -124,7 +125,8 @@ def bench_store(result: BenchResult, page: int, batch: int, workers: list[int], 
     for w in workers:
         ours_dir, ref_dir = tmp / f"ours-{tag}-{w}", tmp / f"ref-{tag}-{w}"
         ours = HF3FSStore(HF3FSConfig(file_path_prefix=str(ours_dir / "hicache"), file_size=file_size,
-                                      numjobs=w, entries=max(1, batch // w), **(options or {})), page_bytes=page)
+                                      numjobs=w, entries=max(1, batch // w), **(options or {})),
+                          EngineContext(engine="bench", page_bytes=page))
         with _no_process_hooks():
             ref = HiCacheHF3FS(rank=0, file_path=str(ref_dir / "hicache.0.bin"), file_size=file_size, numjobs=w,
                                bytes_per_page=page, entries=8, client_timeout=5, dtype=torch.uint8,

@@ -132,15 +132,16 @@ def main(argv: list[str] | None = None) -> int:
                     except pdt.StoreUnavailable as e:
                         print(f"[pd] skipping {t}: {e}", file=sys.stderr)
                         continue
-                    res = run_transport(f"kvconnect {t} relay", {**extra, "transport": t, "store": opts}, "kvconnect", args,
-                                        plugin_path, {}, ns, port)
+                    res = run_transport(f"kvconnect {t} relay", {**extra, "transport": "relay",
+                                                                  "store": {"store": t, **opts}},
+                                        "kvconnect", args, plugin_path, {}, ns, port)
                 else:
                     ns = stack.enter_context(pdt.loopback_ns("kvcpd"))
                     if t == "sglang_mooncake":
                         res = run_transport("sglang mooncake_tcp (reference)", None, "mooncake_tcp", args, None, {},
                                             ns, port)
                     elif t == "peer_rdma":
-                        res = run_transport("kvconnect peer_rdma", {**extra, "transport": "peer_rdma", "protocol": "tcp"},
+                        res = run_transport("kvconnect peer_rdma", {**extra, "transport": "direct", "protocol": "tcp"},
                                             "kvconnect", args, plugin_path, {}, ns, port)
                     else:
                         raise SystemExit(f"unknown transport {t!r}")

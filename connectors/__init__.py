@@ -11,8 +11,10 @@ if __name__ != "kvconnect.connectors":  # the repository root on sys.path makes 
 
 from kvconnect.connectors.base import (  # noqa: F401
     BackendUnavailable,
+    Capability,
     ConfigError,
     KVStoreError,
+    MissingCapability,
     MissingDependency,
     NotFound,
     Page,
@@ -25,6 +27,7 @@ from kvconnect.connectors.base import (  # noqa: F401
     UnknownStore,
     Unsupported,
 )
+from kvconnect.connectors.context import EngineContext  # noqa: F401
 from kvconnect.connectors.registry import available_stores, create_store, register_store, store_class  # noqa: F401
 
 __version__ = "0.1.0"

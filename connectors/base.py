@@ -12,7 +12,9 @@ Two layers (object_store's "contract" split):
   ``clear``, ``stats``, ``close``) are written once here: argument checks, batching
   contract, counters, closed-store checks.
 * A store implements the ``_exists`` / ``_get_into`` / ``_put_from`` / ``_delete`` /
-  ``_clear`` primitives (and optionally ``_register_memory``).
+  ``_clear`` primitives (and optionally ``_clear_prefix``, ``_register_memory``), declares
+  its ``capabilities`` and is built as ``Store(config, context)``: its typed config and the
+  engine's ``EngineContext`` (None when no engine built it).
 
 Contract for every store:
   * every call is batched and thread-safe; results keep the order of ``keys``;
@@ -29,7 +31,11 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from kvconnect.connectors.context import EngineContext
 
 Segment = tuple[int, int]
 """``(address, nbytes)`` of one contiguous host-memory region."""
@@ -38,92 +44,59 @@ Page = Sequence[Segment]
 """A page: its segments, in byte order."""
 
 
+# Errors live in ``errors`` (the ground floor's ground floor: config imports it too); they
+# are re-exported here, where store authors look for them.
+from kvconnect.connectors.errors import (  # noqa: E402,F401
+    BackendUnavailable,
+    ConfigError,
+    KVStoreError,
+    MissingCapability,
+    MissingDependency,
+    NotFound,
+    PageSizeMismatch,
+    StoreClosed,
+    UnknownConfigKey,
+    UnknownStore,
+    Unsupported,
+)
+
+
 # ---------------------------------------------------------------------------------
-# Errors: one hierarchy, carrying context. Data-path outcomes (hits, misses, failed
-# writes) are values; exceptions are for misuse, configuration and lifecycle.
+# Capabilities
 # ---------------------------------------------------------------------------------
 
 
-class KVStoreError(Exception):
-    """Base of every error kvconnect raises."""
+class Capability(str, Enum):
+    """What a store can do beyond the interface. A store declares its capabilities; an
+    integration names the ones it needs and the factory refuses a store without them
+    (``MissingCapability``), so no integration ever asks which store it was given."""
+
+    SHARED = "shared"
+    """Pages one process writes, other processes (on other hosts, where the store spans
+    hosts) read."""
+    DURABLE = "durable"
+    """Pages outlive the process that wrote them (an engine restart finds them again)."""
+    DEVICE_MEMORY = "device_memory"
+    """Page segments may be accelerator (GPU) memory addresses, not only host memory."""
+    ZERO_COPY = "zero_copy"
+    """Bytes move straight between the caller's segments and the medium, no staging copy
+    (into memory registered with ``register_memory`` where the store needs that)."""
+    ANY_PAGE_SIZE = "any_page_size"
+    """Pages of many different sizes cost nothing extra (a store that keeps one file or
+    slot table per page size lacks it: callers should keep to a few sizes)."""
+
+    @property
+    def meaning(self) -> str:
+        return _MEANINGS[self]
 
 
-class ConfigError(KVStoreError, ValueError):
-    """A configuration value is missing, unknown or invalid.
-
-    The message always names the key and, where there is a closed set, the accepted values.
-    """
-
-    def __init__(self, key: str, problem: str, accepted: Iterable[str] | str | None = None,
-                 where: str | None = None):
-        self.key = key
-        self.problem = problem
-        self.where = where
-        if accepted is not None and not isinstance(accepted, str):
-            accepted = ", ".join(repr(a) for a in accepted)
-        self.accepted = accepted
-        msg = f"{where + ': ' if where else ''}config key {key!r}: {problem}"
-        if accepted:
-            msg += f" (accepted: {accepted})"
-        super().__init__(msg)
-
-
-class UnknownConfigKey(ConfigError):
-    """A key that the store does not know (never silently dropped)."""
-
-    def __init__(self, key: str, accepted: Iterable[str], where: str | None = None):
-        super().__init__(key, "unknown key", sorted(accepted), where)
-
-
-class UnknownStore(ConfigError):
-    """A store name that is not registered."""
-
-    def __init__(self, name: str, accepted: Iterable[str]):
-        super().__init__("store", f"unknown store {name!r}", sorted(accepted))
-        self.name = name
-
-
-class MissingDependency(KVStoreError, ImportError):
-    """An optional dependency of a store is not installed; names the extra to install."""
-
-    def __init__(self, store: str, extra: str | None, cause: BaseException | None = None):
-        self.store = store
-        self.extra = extra
-        hint = f'pip install "kvconnect[{extra}]"' if extra else "install its dependencies"
-        detail = f" ({cause})" if cause else ""
-        super().__init__(f"store {store!r} cannot be loaded{detail}: {hint}")
-
-
-class Unsupported(KVStoreError, NotImplementedError):
-    """An operation, layout or capability a store or adapter does not support."""
-
-    def __init__(self, operation: str, adapter: str, accepted: Iterable[str] | None = None):
-        self.operation = operation
-        self.adapter = adapter
-        msg = f"{adapter}: {operation} is not supported"
-        if accepted is not None:
-            msg += f" (supported: {', '.join(repr(a) for a in accepted)})"
-        super().__init__(msg)
-
-
-class BackendUnavailable(KVStoreError, ConnectionError):
-    """The store's backend (service, master, peer) cannot be reached."""
-
-    def __init__(self, store: str, detail: str):
-        self.store = store
-        super().__init__(f"{store}: backend unavailable: {detail}")
-
-
-class StoreClosed(KVStoreError, RuntimeError):
-    """The store was closed."""
-
-
-class NotFound(KVStoreError, KeyError):
-    """A key is not present (raised only by convenience APIs; the data path returns misses)."""
-
-
-class PageSizeMismatch(KVStoreError, ValueError):
-    """The caller's page and the stored page differ in size."""
+_MEANINGS = {
+    Capability.SHARED: "lets other processes read the pages one writes",
+    Capability.DURABLE: "keeps pages after the process that wrote them exits",
+    Capability.DEVICE_MEMORY: "reads and writes pages in accelerator (GPU) memory",
+    Capability.ZERO_COPY: "moves bytes without a staging copy",
+    Capability.ANY_PAGE_SIZE: "takes pages of any size at no extra cost",
+}
 
 
 # ---------------------------------------------------------------------------------
@@ -185,45 +158,52 @@ def page_nbytes(page: Page) -> int:
 class PageStore(ABC):
     """A batched, thread-safe store of KV pages addressed by string keys.
 
-    Subclasses set ``name`` (the registry name) and ``config_class`` (a
-    ``kvconnect.connectors.config.StoreConfig`` dataclass) and implement the underscore primitives.
-    Build stores with ``kvconnect.connectors.registry.create_store(name, options)``.
+    Subclasses set ``name`` (the registry name), ``config_class`` (a
+    ``kvconnect.connectors.config.StoreConfig`` dataclass) and ``capabilities``, take
+    ``(config, context)`` in their constructor and implement the underscore primitives.
+    Build stores with ``kvconnect.connectors.registry.create_store(name, options, context=...)``.
     """
 
     name: ClassVar[str] = "abstract"
     config_class: ClassVar[type] = type(None)
-    zero_copy: ClassVar[bool] = False
-    """True when the store moves bytes straight between caller memory and its medium."""
+    capabilities: ClassVar[frozenset[Capability]] = frozenset()
+    """What every instance can do; ``capabilities_of(config)`` says what a configured one can."""
     needs_registered_memory: ClassVar[bool] = False
     """True when ``register_memory`` must cover caller pages before zero-copy I/O."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: "EngineContext | None" = None) -> None:
+        self.context = context
         self._stats_lock = threading.Lock()
         self._stats = StoreStats(store=self.name)
         self._closed = False
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None = None, **context: Any) -> "PageStore":
-        """Build from a plain options mapping (JSON), validated by ``config_class``."""
+    def config_from_options(cls, options: Mapping[str, Any] | None = None) -> Any:
+        """The typed config of a plain options mapping (JSON), validated by ``config_class``.
+        Stores that also read files or the environment (SGLang's own) override this."""
         from kvconnect.connectors.config import parse_config
 
-        config = parse_config(cls.config_class, options or {}, where=f"store {cls.name!r}")
-        return cls(config, **cls._accepted_context(context))  # type: ignore[call-arg]
+        return parse_config(cls.config_class, options or {}, where=f"store {cls.name!r}")
 
     @classmethod
-    def _accepted_context(cls, context: Mapping[str, Any]) -> dict[str, Any]:
-        """The engine facts (rank, pool, ...) this store's constructor takes.
+    def from_options(cls, options: Mapping[str, Any] | None = None,
+                     context: "EngineContext | None" = None) -> "PageStore":
+        """Build from a plain options mapping (use ``registry.create_store`` to check capabilities)."""
+        return cls(cls.config_from_options(options), context)  # type: ignore[call-arg]
 
-        Adapters pass the same context to every store; a store that has no use for a fact
-        (the in-process store and the rank, say) simply does not declare it.
-        """
-        import inspect
+    @classmethod
+    def capabilities_of(cls, config: Any) -> frozenset[Capability]:
+        """The capabilities of a store built with ``config`` (default: the declared ones)."""
+        return cls.capabilities
 
-        params = inspect.signature(cls.__init__).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            return dict(context)
-        return {k: v for k, v in context.items() if k in params}
+    @classmethod
+    def capability_hint(cls, capability: Capability, config: Any) -> str:
+        """How a configuration of this store would get ``capability``, if it can ('' if not)."""
+        return ""
+
+    def supports(self, capability: Capability | str) -> bool:
+        return Capability(capability) in type(self).capabilities_of(getattr(self, "config", None))
 
     # -- public API (final) -------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -301,6 +281,13 @@ class PageStore(ABC):
         self._check_open()
         self._clear()
 
+    def clear_prefix(self, prefix: str) -> None:
+        """Remove every key that starts with ``prefix`` (a key space's whole contents)."""
+        self._check_open()
+        if not prefix:
+            raise ValueError("clear_prefix needs a non-empty prefix (clear() removes everything)")
+        self._clear_prefix(prefix)
+
     def register_memory(self, address: int, nbytes: int) -> None:
         """Declare caller memory that pages will live in (needed by RDMA / Mooncake)."""
         self._check_open()
@@ -359,6 +346,9 @@ class PageStore(ABC):
 
     @abstractmethod
     def _clear(self) -> None: ...
+
+    def _clear_prefix(self, prefix: str) -> None:
+        raise Unsupported("removing the keys of a prefix", self.name)
 
     def _register_memory(self, address: int, nbytes: int) -> None:
         """Default: nothing to register."""

@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal, Mapping, TypeVar, Union, get_args, get_origin
 
-from kvconnect.connectors.base import ConfigError, UnknownConfigKey
+from kvconnect.connectors.errors import ConfigError, UnknownConfigKey
 
 
 class _SizeMarker:

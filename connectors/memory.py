@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvconnect.connectors.base import Page, PageStore, StoreUsage, page_nbytes
+from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage, page_nbytes
 from kvconnect.connectors.buffers import buffer_address, gather_many, scatter_many
 from kvconnect.connectors.config import Size, StoreConfig, field_doc
 
@@ -31,9 +31,10 @@ class MemoryStore(PageStore):
 
     name = "memory"
     config_class = MemoryStoreConfig
+    capabilities = frozenset({Capability.ANY_PAGE_SIZE})  # one process's memory: shared with nobody
 
-    def __init__(self, config: MemoryStoreConfig | None = None):
-        super().__init__()
+    def __init__(self, config: MemoryStoreConfig | None = None, context=None):
+        super().__init__(context)
         self.config = config or MemoryStoreConfig()
         self._lock = threading.Lock()
         self._pages: OrderedDict[str, bytearray] = OrderedDict()  # never mutated once stored
@@ -99,6 +100,11 @@ class MemoryStore(PageStore):
         with self._lock:
             self._pages.clear()
             self._used = 0
+
+    def _clear_prefix(self, prefix: str) -> None:
+        with self._lock:
+            for k in [k for k in self._pages if k.startswith(prefix)]:
+                self._used -= len(self._pages.pop(k))
 
     def _usage(self) -> StoreUsage:
         with self._lock:

@@ -1,21 +1,34 @@
-"""Stores by short name, imported lazily from ``"module:Class"`` strings.
+"""Stores by short name, imported lazily from ``"module:Class"`` strings; the one factory.
 
-Importing ``connectors`` never imports an optional heavy dependency (mooncake, grpc,
-torch, hf3fs bindings): a store's module is imported when the store is first selected, and
-an ``ImportError`` of a third-party module becomes ``MissingDependency`` naming the extra.
+Importing ``kvconnect.connectors`` never imports an optional heavy dependency (mooncake,
+grpc, torch, hf3fs bindings): a store's module is imported when the store is first
+selected. Every store declares the modules it needs (``requires``) and the pip extra that
+brings them; a store whose modules are missing, or whose import or construction fails on
+a missing module, raises ``MissingDependency`` naming that extra, and ``kvconnect stores``
+says which modules are missing without importing anything.
+
+``create_store`` is the factory every integration goes through: it validates the options
+with the store's typed config, checks the capabilities the integration requires
+(``MissingCapability`` names the store and the capability), then builds the store with the
+engine's ``EngineContext``.
 
 Third-party stores: the ``kvconnect.stores`` entry-point group (``name = "pkg.mod:Class"``),
-``register_store()``, or ``{"module_path": "pkg.mod", "class_name": "Class"}`` in options.
+``register_store()``, or ``"pkg.mod:Class"`` in place of a name.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
-from kvconnect.connectors.base import ConfigError, MissingDependency, PageStore, UnknownStore
+from kvconnect.connectors.base import Capability, PageStore
+from kvconnect.connectors.errors import ConfigError, MissingCapability, MissingDependency, UnknownStore, install_hint
+
+if TYPE_CHECKING:
+    from kvconnect.connectors.context import EngineContext
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,14 @@ class StoreSpec:
     target: str  # "module:Class"
     extra: str | None  # pip extra that brings its dependencies
     summary: str
-    requires: tuple[str, ...] = ()  # top-level modules it needs (for `kvconnect stores`)
+    requires: tuple[str, ...] = ()  # top-level modules the store cannot load without
+    optional: tuple[tuple[str, str], ...] = ()  # (module, what needs it): features that need more
+
+    def missing(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """(required modules not installed, optional (module, feature) pairs not installed)."""
+        absent = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        absent_opt = [(m, why) for m, why in self.optional if importlib.util.find_spec(m) is None]
+        return absent, absent_opt
 
 
 _BUILTIN: dict[str, StoreSpec] = {
@@ -33,11 +53,13 @@ _BUILTIN: dict[str, StoreSpec] = {
         StoreSpec("memory", "kvconnect.connectors.memory:MemoryStore", None,
                   "in-process LRU store (reference, embedded default)"),
         StoreSpec("hf3fs", "kvconnect.connectors.hf3fs.store:HF3FSStore", "hf3fs",
-                  "pages in files (3FS usrbio or POSIX) + page index (in-process or durable gRPC service)"),
+                  "pages in files (3FS usrbio or POSIX) + page index (in-process or durable gRPC service)",
+                  optional=(("grpc", "metadata_server_url"),)),
         StoreSpec("mooncake", "kvconnect.connectors.mooncake.store:MooncakeStore", "mooncake",
                   "Mooncake Store (mooncake_master + client segments), zero-copy", ("mooncake",)),
         StoreSpec("peer_rdma", "kvconnect.connectors.peer_rdma.store:PeerRdmaStore", "peer",
-                  "peer memory pool: gRPC membership, one-sided reads via Mooncake TE", ("grpc", "mooncake")),
+                  "peer memory pool: gRPC membership, one-sided reads via Mooncake TE",
+                  ("grpc", "msgpack", "xxhash", "mooncake")),
     )
 }
 
@@ -77,14 +99,18 @@ def available_stores() -> dict[str, StoreSpec]:
         return dict(_registry)
 
 
+def _own_module(missing: str | None, module_name: str) -> bool:
+    """True when the module that failed to import is the target itself (a bad module path,
+    not a missing extra)."""
+    return bool(missing) and (missing == module_name or module_name.startswith(missing + "."))
+
+
 def _import_target(target: str, *, store: str, extra: str | None) -> type[PageStore]:
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        missing = getattr(e, "name", None) or ""
-        # Our own module missing is a bug or a bad module_path, not a missing extra.
-        if missing and (missing == module_name or module_name.startswith(missing + ".")):
+        if _own_module(getattr(e, "name", None), module_name):
             raise ConfigError("module_path", f"cannot import {module_name!r}: {e}") from e
         raise MissingDependency(store, extra, e) from e
     try:
@@ -96,33 +122,73 @@ def _import_target(target: str, *, store: str, extra: str | None) -> type[PageSt
     return cls
 
 
-def store_class(name: str) -> type[PageStore]:
-    """The class registered under ``name`` (imports its module now)."""
+def _spec(name: str) -> StoreSpec:
+    if ":" in name:  # "pkg.mod:Class": an out-of-tree store named by its class
+        return StoreSpec(name, name, None, "")
     stores = available_stores()
     if name not in stores:
         raise UnknownStore(name, stores)
-    spec = stores[name]
+    return stores[name]
+
+
+def store_class(name: str) -> type[PageStore]:
+    """The class registered under ``name`` (or named ``"pkg.mod:Class"``); imports it now."""
+    spec = _spec(name)
+    absent, _ = spec.missing()
+    if absent:
+        raise MissingDependency(name, spec.extra, ModuleNotFoundError(f"No module named {absent[0]!r}",
+                                                                      name=absent[0]))
     return _import_target(spec.target, store=name, extra=spec.extra)
 
 
 def dependency_status(name: str) -> tuple[bool, str]:
-    """(importable, detail) without raising: for ``kvconnect stores``."""
+    """(loadable, detail) for ``kvconnect stores``: the declared modules first (nothing is
+    imported while one is missing), then an import of the store's module, which also
+    catches a dependency it never declared."""
+    spec = _spec(name)
+    absent, absent_opt = spec.missing()
+    if absent:
+        return False, f"missing {', '.join(absent)}: {install_hint(spec.extra)}"
     try:
         store_class(name)
-        return True, "ok"
     except MissingDependency as e:
         return False, str(e)
     except Exception as e:  # noqa: BLE001 - a report, not control flow
         return False, f"{type(e).__name__}: {e}"
+    if absent_opt:
+        needs = "; ".join(f"{why} needs {m}" for m, why in absent_opt)
+        return True, f"ok; missing for {needs}: {install_hint(spec.extra)}"
+    return True, "ok"
 
 
-def create_store(name: str | None, options: Mapping[str, Any] | None = None, **context: Any) -> PageStore:
-    """Build a store by registry name (or by ``module_path``/``class_name`` in ``options``).
+def check_capabilities(cls: type[PageStore], config: Any, name: str, require: Collection[Capability | str],
+                       why: Mapping[Capability, str] | None = None, where: str | None = None) -> None:
+    """``MissingCapability`` for the first capability in ``require`` that a ``cls`` store
+    configured with ``config`` lacks; ``why[capability]`` says what the caller needs it for."""
+    have = cls.capabilities_of(config)
+    for cap in require:
+        cap = Capability(cap)
+        if cap not in have:
+            reason = (why or {}).get(cap) or cap.meaning
+            raise MissingCapability(name, cap.value, reason, cls.capability_hint(cap, config), where)
+
+
+def create_store(name: str | None, options: Mapping[str, Any] | None = None, *,
+                 context: "EngineContext | None" = None, require: Collection[Capability | str] = (),
+                 why: Mapping[Capability, str] | None = None, where: str | None = None) -> PageStore:
+    """Build a store by registry name, by ``"pkg.mod:Class"``, or by ``module_path`` /
+    ``class_name`` in ``options``.
 
     Args:
-        name: registry name (``"memory"``, ``"hf3fs"``, ...); None means take ``options["store"]``.
+        name: registry name (``"memory"``, ``"hf3fs"``, ...) or ``"pkg.mod:Class"``; None
+            means take ``options["store"]``.
         options: the store's options (validated by its config class; unknown keys are errors).
-        context: keyword arguments the engine adapter passes to the constructor (e.g. rank).
+        context: the engine process the store serves (ranks, pool, device), or None.
+        require: capabilities the caller needs; a store without one is refused.
+        why: per required capability, what the caller needs it for (for the error message).
+        where: prefix for error messages (the integration).
+    Raises:
+        UnknownStore, ConfigError, MissingCapability, MissingDependency.
     """
     opts = dict(options or {})
     if name is None:
@@ -132,10 +198,18 @@ def create_store(name: str | None, options: Mapping[str, Any] | None = None, **c
         if not mod or not cls_name:
             raise ConfigError("module_path" if not mod else "class_name",
                               "both module_path and class_name are needed for an out-of-tree store")
-        cls = _import_target(f"{mod}:{cls_name}", store=name or cls_name, extra=None)
-        return cls.from_options(opts, **context)
+        name = f"{mod}:{cls_name}"
     if not name:
         raise ConfigError("store", "is required", sorted(available_stores()))
     if not isinstance(name, str):
         raise ConfigError("store", f"expected a store name, got {name!r}", sorted(available_stores()))
-    return store_class(name).from_options(opts, **context)
+    spec = _spec(name)
+    cls = store_class(name)
+    config = cls.config_from_options(opts)
+    check_capabilities(cls, config, name, require, why, where)
+    try:
+        return cls(config, context)  # type: ignore[call-arg]
+    except ImportError as e:  # a dependency the store imports only when it starts
+        if _own_module(getattr(e, "name", None), spec.target.partition(":")[0]) or isinstance(e, MissingDependency):
+            raise
+        raise MissingDependency(name, spec.extra, e) from e

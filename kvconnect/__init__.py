@@ -26,8 +26,11 @@ if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "connectors")):
 
 from kvconnect.connectors import (  # noqa: E402,F401
     BackendUnavailable,
+    Capability,
     ConfigError,
+    EngineContext,
     KVStoreError,
+    MissingCapability,
     MissingDependency,
     NotFound,
     Page,
@@ -45,7 +48,8 @@ from kvconnect.connectors import (  # noqa: E402,F401
     store_class,
 )
 
-__all__ = ["BackendUnavailable", "ConfigError", "KVStoreError", "MissingDependency", "NotFound", "Page",
+__all__ = ["BackendUnavailable", "Capability", "ConfigError", "EngineContext", "KVStoreError", "MissingCapability",
+           "MissingDependency", "NotFound", "Page",
            "PageSizeMismatch", "PageStore", "Segment", "StoreClosed", "StoreStats", "UnknownConfigKey",
            "UnknownStore", "Unsupported", "available_stores", "create_store", "register_store", "store_class"]
 __version__ = "0.1.0"

@@ -6,5 +6,6 @@ if __name__ != "kvconnect.namespace":  # the repository root on sys.path makes t
                       "share classes (see kvconnect/__init__.py)")
 
 
-from kvconnect.namespace.hits import HitPolicy, count_hits, leading_hits, restorable_prefixes  # noqa: F401
+from kvconnect.namespace.hits import (  # noqa: F401
+    HitPolicy, block_group_pages, count_hits, leading_hits, restorable_prefixes)
 from kvconnect.namespace.keyspace import KeySpace  # noqa: F401

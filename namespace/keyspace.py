@@ -7,7 +7,8 @@ bytes. A store key is ``keyspace.key(page_hash)``: the page hash under a digest 
 field that changes what the bytes mean.
 
 MLA (and any rank-replicated KV): every rank holds the same KV, so the rank is left out of
-the key; one writer rank (0) writes and every rank reads.
+the key. Which rank writes it is the engine's business (``kvconnect.connectors.context.
+EngineContext.is_writer``), not the key's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class KeySpace:
         rank_replicated: KV identical on every TP rank (MLA): rank left out of the key.
         pool: which pool the page belongs to (``kv``, ``mamba``, ``swa``, ``indexer``, ...).
         tenant: tenant or cache salt; different tenants never share pages.
-        writer_rank: the TP rank that writes rank-replicated KV.
     """
 
     model: str
@@ -55,7 +55,6 @@ class KeySpace:
     rank_replicated: bool = False
     pool: str = "kv"
     tenant: str = ""
-    writer_rank: int = 0
     _prefix: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,7 +72,6 @@ class KeySpace:
         """The fields that go into the key (rank left out for rank-replicated KV)."""
         d = asdict(self)
         d.pop("_prefix", None)
-        d.pop("writer_rank", None)
         if self.rank_replicated:
             d["tp_rank"] = None
             d["tp_size"] = None
@@ -94,11 +92,6 @@ class KeySpace:
     def keys(self, page_hashes: list[str]) -> list[str]:
         p = self._prefix + "-"
         return [p + h for h in page_hashes]
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this rank writes: every rank for per-rank KV; ``writer_rank`` for MLA."""
-        return not self.rank_replicated or self.tp_rank == self.writer_rank
 
     def for_pool(self, pool: str, **changes: Any) -> "KeySpace":
         """The key space of a side pool (mamba, swa, indexer, ...) of the same engine rank."""

@@ -21,7 +21,7 @@
 #   pd:TRANSPORT   prefill server on GPU 0, decode server on GPU 1 (Llama-3-8B shape), pd_driver.py routes 8k-token
 #                  prompts at PD_LEVELS (default 1,8,32) concurrent requests; TRANSPORT mooncake_ref (SGLang's own
 #                  mooncake backend, Transfer Engine over TCP: MC_FORCE_TCP=1) | kvc_peer_rdma | kvc_mooncake
-#                  (kvconnect backend, KVCONNECT_PD_CONFIG transport peer_rdma over TCP / mooncake store relay)
+#                  (kvconnect backend, KVCONNECT_PD_CONFIG transport direct over TCP / relay through the mooncake store)
 # Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384),
 #      HICACHE_LAYOUT (--hicache-mem-layout for every server; default: SGLang's),
 #      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES.
@@ -286,9 +286,9 @@ run_pd() {  # transport
   case $tr in
     mooncake_ref) backend=mooncake; export MC_FORCE_TCP=1; unset KVCONNECT_PD_CONFIG ;;
     kvc_peer_rdma) unset MC_FORCE_TCP
-      export KVCONNECT_PD_CONFIG='{"transport":"peer_rdma","protocol":"tcp","timeout_s":120,"workers":4}' ;;
+      export KVCONNECT_PD_CONFIG='{"transport":"direct","protocol":"tcp","timeout_s":120,"workers":4}' ;;
     kvc_mooncake) unset MC_FORCE_TCP; store_services kvc_mooncake || return 1
-      export KVCONNECT_PD_CONFIG='{"transport":"mooncake","timeout_s":120,"workers":4,"store":{"master_server_address":"127.0.0.1:50051","metadata_server":"P2PHANDSHAKE","local_hostname":"127.0.0.1","protocol":"tcp","global_segment_size":0,"local_buffer_size":0}}' ;;
+      export KVCONNECT_PD_CONFIG='{"transport":"relay","timeout_s":120,"workers":4,"store":{"store":"mooncake","master_server_address":"127.0.0.1:50051","metadata_server":"P2PHANDSHAKE","local_hostname":"127.0.0.1","protocol":"tcp","global_segment_size":0,"local_buffer_size":0}}' ;;
     *) say "unknown PD transport $tr"; return 1 ;;
   esac
   export SGLANG_HOST_IP=127.0.0.1

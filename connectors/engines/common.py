@@ -1,9 +1,12 @@
 """Behaviour every engine adapter shares (SGLang HiCache, LMCache L2, SGLang PD).
 
-* ``build_store``: a store from an engine's flat options dict. The engine's own keys are
-  dropped (``ignore``), the adapter's keys (``store``, ``store_options``, ``tenant``,
-  ``model_fingerprint``, ``metrics_port`` + any ``engine_keys``) are split out, and every
-  other key is a store option, validated by the store's typed config at construction.
+* ``build_store``: a store from an engine's flat options dict, for the engine process its
+  ``EngineContext`` describes and with the capabilities the integration needs. The engine's
+  own keys are dropped (``ignore``), the adapter's keys (``store``, ``store_options``,
+  ``tenant``, ``model_fingerprint``, ``metrics_port``, ``metrics_bind_host`` + any
+  ``engine_keys``) are split out, and every other key is a store option, validated by the
+  store's typed config at construction. ``metrics_port`` is always this process's one
+  Prometheus endpoint (a store takes no port of its own).
 * ``guarded`` / ``safe_call``: an engine calls adapters from its own threads; an
   exception there kills a prefetch or backup thread or wedges a request. Data-path calls
   therefore catch everything, count it, log it (rate-limited) and return a miss.
@@ -20,14 +23,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, TypeVar
 
-from kvconnect.connectors.base import ConfigError, PageStore, UnknownConfigKey
+from kvconnect.connectors.base import Capability, ConfigError, PageStore, UnknownConfigKey
+from kvconnect.connectors.context import EngineContext
 
 log = logging.getLogger("kvconnect.engines")
 
 T = TypeVar("T")
 
 # Keys every adapter understands, next to the store's own options.
-ADAPTER_KEYS = ("store", "store_options", "tenant", "model_fingerprint", "metrics_port")
+ADAPTER_KEYS = ("store", "store_options", "tenant", "model_fingerprint", "metrics_port", "metrics_bind_host")
 
 
 # ---------------------------------------------------------------------------------
@@ -153,6 +157,7 @@ class EngineOptions:
     tenant: str = ""
     model_fingerprint: str = ""
     metrics_port: int | None = None
+    metrics_bind_host: str = "127.0.0.1"
     extra: dict[str, Any] = field(default_factory=dict)
     """The adapter-specific keys it asked for (``engine_keys``), raw."""
 
@@ -203,6 +208,7 @@ def split_engine_options(options: Mapping[str, Any] | None, *, where: str,
 
     tenant = _str("tenant")
     fingerprint = _str("model_fingerprint")
+    bind_host = _str("metrics_bind_host") or "127.0.0.1"
     port = opts.pop("metrics_port", None)
     if port is not None:
         if isinstance(port, str) and port.strip().isdigit():
@@ -222,12 +228,18 @@ def split_engine_options(options: Mapping[str, Any] | None, *, where: str,
         mod, _, cls = store.partition(":")
         store_options["module_path"], store_options["class_name"] = mod, cls
     return EngineOptions(store=store, store_options=store_options, tenant=tenant,
-                         model_fingerprint=fingerprint, metrics_port=port, extra=extra)
+                         model_fingerprint=fingerprint, metrics_port=port, metrics_bind_host=bind_host, extra=extra)
 
 
 def build_store(options: Mapping[str, Any] | None, *, where: str, ignore: Collection[str] = (),
-                engine_keys: Collection[str] = ()) -> tuple[PageStore, EngineOptions]:
+                engine_keys: Collection[str] = (), context: EngineContext | None = None,
+                require: Mapping[Capability, str] | None = None) -> tuple[PageStore, EngineOptions]:
     """The store an engine's options name, plus the adapter's own options.
+
+    Args:
+        context: the engine process the store serves.
+        require: the capabilities the integration needs, each with what for; a store
+            without one is refused (``MissingCapability``), before it starts.
 
     Errors are raised here, at construction, and name the key and the accepted values:
     an unknown store lists the registered stores; an unknown option lists the store's
@@ -238,7 +250,8 @@ def build_store(options: Mapping[str, Any] | None, *, where: str, ignore: Collec
     eo = split_engine_options(options, where=where, ignore=ignore, engine_keys=engine_keys)
     name = None if ":" in eo.store else eo.store
     try:
-        store = create_store(name, eo.store_options)
+        store = create_store(name, eo.store_options, context=context, require=tuple(require or ()), why=require,
+                             where=where)
     except ConfigError as e:
         if name is None and e.key in ("module_path", "class_name"):
             # The user wrote "store": "pkg.mod:Class"; name that key, not our translation.
@@ -254,8 +267,9 @@ def build_store(options: Mapping[str, Any] | None, *, where: str, ignore: Collec
     return store, eo
 
 
-def serve_store_metrics(store: PageStore, port: int | None, **labels: str) -> int | None:
-    """Export ``store.stats()`` to Prometheus and, if ``port`` is set, serve ``/metrics``.
+def serve_store_metrics(store: PageStore, port: int | None, host: str = "127.0.0.1", **labels: str) -> int | None:
+    """Export ``store.stats()`` to Prometheus and, if ``port`` is set, serve ``/metrics`` on
+    ``host`` (127.0.0.1 unless the operator says otherwise).
 
     A port that cannot be bound is logged, not raised: metrics never stop an engine.
     Returns the bound port (None when not serving).
@@ -266,7 +280,7 @@ def serve_store_metrics(store: PageStore, port: int | None, **labels: str) -> in
         metrics.export_store(store, **labels)
         if port is None:
             return None
-        return metrics.serve_metrics(port)
+        return metrics.serve_metrics(port, host=host)
     except Exception as e:  # noqa: BLE001 - metrics are optional
         log.error("kvconnect: cannot serve metrics on port %s: %s", port, e)
         return None

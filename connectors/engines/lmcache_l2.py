@@ -17,9 +17,11 @@ How LMCache's contract maps onto the store:
   own event fd, notified whenever results are ready; each result is handed out once.
 * A chunk's page is its L1 ``MemoryObj`` buffer, ``[(address, nbytes)]``: stores read
   straight from it and loads write straight into it (no intermediate copy here).
-* ``ObjectKey`` (model, kv_rank, object group, chunk hash, cache salt) becomes a store key
-  in a ``KeySpace`` of the model, object group and tenant+salt, with the packed kv_rank and
-  the chunk hash in the page hash: two models, ranks, groups or tenants never share a key.
+* ``ObjectKey`` (model, kv_rank, object group, chunk hash, cache salt) becomes a page of a
+  ``KeySpace`` of the model, object group and tenant+salt, with the packed kv_rank and the
+  chunk hash in the page hash: two models, ranks, groups or tenants never share a key. Each
+  key space is a view of the store (``PrefixedStore``); a batch spanning several goes to
+  the store in one call per operation.
 * Lookup "locks" are reference counts that keep LMCache's own L2 eviction (``delete``) off
   the keys between lookup and load. The store's own eviction is not stopped by them: a
   page evicted in between is a failed load for that key, which LMCache recomputes.
@@ -46,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
 from kvconnect.connectors.base import ConfigError, Page, PageStore
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import (
     EngineOptions,
     ErrorCounter,
@@ -54,6 +57,7 @@ from kvconnect.connectors.engines.common import (
     safe_call,
     split_engine_options,
 )
+from kvconnect.connectors.views import PrefixedStore, delete_many, exists_many, get_many, put_many
 from kvconnect.namespace.keyspace import KeySpace
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
@@ -188,10 +192,9 @@ class KVConnectL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,valid-
 
     @classmethod
     def help(cls) -> str:
-        return (cls.__doc__ or "") + (
-            '\nExample: {"type":"plugin","module_path":"kvconnect.connectors.engines.lmcache_l2",'
-            '"class_name":"KVConnectL2Adapter","adapter_params":{"store":"memory","capacity":"4gb"}}'
-        )
+        import sys
+
+        return (cls.__doc__ or "") + "\n" + (sys.modules[__name__].__doc__ or "")
 
 
 # ---------------------------------------------------------------------------------
@@ -219,7 +222,7 @@ def _hash_hex(chunk_hash: Any) -> str:
 
 
 class ObjectKeyMapper:
-    """``ObjectKey`` -> store key; key spaces cached per (model, object group, salt).
+    """``ObjectKey`` -> (key space, page hash); key spaces cached per (model, object group, salt).
 
     The key space carries the model, the pool (``kv`` for object group 0, ``kv.g<N>`` for
     the others), the tenant and cache salt (``"<tenant>/<salt>"``: a salt never holds '/',
@@ -251,14 +254,68 @@ class ObjectKeyMapper:
                 self._spaces.popitem(last=False)
         return ks
 
-    def key(self, key: Any) -> str:
+    def locate(self, key: Any) -> tuple[KeySpace, str]:
+        """The key space and page hash of an ``ObjectKey``."""
         model = str(getattr(key, "model_name", "") or "")
         group = int(getattr(key, "object_group_id", 0) or 0)
         salt = str(getattr(key, "cache_salt", "") or "")
-        return self.space(model, group, salt).key(f"{_rank_tag(key)}-{_hash_hex(key.chunk_hash)}")
+        return self.space(model, group, salt), f"{_rank_tag(key)}-{_hash_hex(key.chunk_hash)}"
+
+    def key(self, key: Any) -> str:
+        """The store key an ``ObjectKey`` ends up as (for bookkeeping and tests)."""
+        space, page = self.locate(key)
+        return space.key(page)
 
     def keys(self, keys: Sequence[Any]) -> list[str]:
         return [self.key(k) for k in keys]
+
+
+class _Batch:
+    """A batch of ``ObjectKey``s as calls on key-space views: one per key space, results
+    put back in the batch's order."""
+
+    def __init__(self, views: "_Views", keys: Sequence[Any]):
+        self.n = len(keys)
+        self.store_keys: list[str] = []
+        groups: dict[int, tuple[PrefixedStore, list[int], list[str]]] = {}
+        for i, k in enumerate(keys):
+            space, page = views.mapper.locate(k)
+            self.store_keys.append(space.key(page))
+            view = views.view(space)
+            group = groups.setdefault(id(view), (view, [], []))
+            group[1].append(i)
+            group[2].append(page)
+        self.groups = list(groups.values())
+
+    def run(self, many: Callable, pages: Sequence[Page] | None = None) -> list[bool]:
+        calls = [(v, hashes) if pages is None else (v, hashes, [pages[i] for i in pos]) for v, pos, hashes in self.groups]
+        out = [False] * self.n
+        for (_, pos, _), res in zip(self.groups, many(calls) if calls else []):
+            for i, ok in zip(pos, res):
+                out[i] = ok
+        return out
+
+
+class _Views:
+    """Key-space views of the adapter's store, made once per key space."""
+
+    def __init__(self, store: PageStore, mapper: ObjectKeyMapper):
+        self.store = store
+        self.mapper = mapper
+        self._lock = threading.Lock()
+        self._views: dict[str, PrefixedStore] = {}
+
+    def view(self, space: KeySpace) -> PrefixedStore:
+        with self._lock:
+            v = self._views.get(space.prefix)
+            if v is None:
+                v = self._views[space.prefix] = PrefixedStore.for_keyspace(self.store, space)
+                while len(self._views) > 4 * 4096:  # bounded like the mapper's cache
+                    self._views.pop(next(iter(self._views)))
+            return v
+
+    def batch(self, keys: Sequence[Any]) -> _Batch:
+        return _Batch(self, keys)
 
 
 # ---------------------------------------------------------------------------------
@@ -327,16 +384,19 @@ class KVConnectL2Adapter(L2AdapterInterface):
         self.lookup_timeouts = 0
         self._consecutive_failures = 0  # store calls that raised in a row
 
-        self.store = store if store is not None else build_store(config.params, where=WHERE,
-                                                                 engine_keys=ENGINE_KEYS)[0]
+        # One LMCache server serves many engines and ranks (ObjectKey carries them): no rank here.
+        self.context = EngineContext(engine="lmcache")
+        self.store = store if store is not None else build_store(config.params, where=WHERE, engine_keys=ENGINE_KEYS,
+                                                                 context=self.context)[0]
         self.mapper = ObjectKeyMapper(eo.tenant, eo.model_fingerprint)
+        self.views = _Views(self.store, self.mapper)
         try:
             self._register_l1(l1_memory_desc)
             self._families = {op: _Family(op, config.workers[op]) for op in OPS}
             if eo.metrics_port is not None:
                 from kvconnect.connectors.engines.common import serve_store_metrics
 
-                serve_store_metrics(self.store, eo.metrics_port, engine="lmcache")
+                serve_store_metrics(self.store, eo.metrics_port, eo.metrics_bind_host, engine="lmcache")
         except BaseException:
             self.store.close()
             raise
@@ -404,16 +464,16 @@ class KVConnectL2Adapter(L2AdapterInterface):
                              op, type(e).__name__, e, exc_info=True)
             fail()
 
-    def _prepare(self, keys: Sequence[Any], objects: Sequence[Any] | None) -> tuple[list[Any], list[str], list[Page] | None]:
+    def _prepare(self, keys: Sequence[Any], objects: Sequence[Any] | None) -> tuple[list[Any], _Batch, list[Page] | None]:
         keys = list(keys)
-        store_keys = self.mapper.keys(keys)
+        batch = self.views.batch(keys)
         pages = None
         if objects is not None:
             objects = list(objects)
             if len(objects) != len(keys):
                 raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
             pages = [object_page(o) for o in objects]
-        return keys, store_keys, pages
+        return keys, batch, pages
 
     def _guarded(self, what: str, fn: Callable[..., list[bool]], *args: Any, n: int) -> list[bool]:
         """``fn(*args)``; an exception is ``n`` failures (counted, rate-limited log)."""
@@ -435,20 +495,21 @@ class KVConnectL2Adapter(L2AdapterInterface):
         tid = self._new_task("store")
         fail = lambda: self._finish("store", tid, _store_result(False, 0))  # noqa: E731
         try:
-            okeys, skeys, pages = self._prepare(keys, objects)
+            okeys, batch, pages = self._prepare(keys, objects)
         except Exception as e:  # noqa: BLE001
             self._errors.add("lmcache.store")
             self._rlog.error(f"store-args:{type(e).__name__}", "kvconnect L2 store: bad arguments: %s", e)
             fail()
             return tid
-        if not skeys:
+        if not batch.n:
             self._finish("store", tid, _store_result(True, 0))
             return tid
-        self._submit("store", tid, lambda: self._run_store(tid, okeys, skeys, pages), fail)
+        self._submit("store", tid, lambda: self._run_store(tid, okeys, batch, pages), fail)
         return tid
 
-    def _run_store(self, tid: int, okeys: list[Any], skeys: list[str], pages: list[Page]) -> None:
-        ok = self._guarded("store", self.store.put_from, skeys, pages, n=len(skeys))
+    def _run_store(self, tid: int, okeys: list[Any], batch: _Batch, pages: list[Page]) -> None:
+        skeys = batch.store_keys
+        ok = self._guarded("store", batch.run, put_many, pages, n=len(skeys))
         sizes = [p[0][1] for p in pages]
         nbytes = sum(s for s, good in zip(sizes, ok) if good)
         new_keys, new_sizes = [], []
@@ -479,7 +540,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
         tid = self._new_task("lookup")
         n = len(keys)
         try:
-            _, skeys, _ = self._prepare(keys, None)
+            _, batch, _ = self._prepare(keys, None)
         except Exception as e:  # noqa: BLE001
             self._errors.add("lmcache.lookup")
             self._rlog.error(f"lookup-args:{type(e).__name__}", "kvconnect L2 lookup: bad arguments: %s", e)
@@ -488,11 +549,12 @@ class KVConnectL2Adapter(L2AdapterInterface):
         fail = lambda: self._finish_lookup(tid, n, [], [])  # noqa: E731
         with self._lock:
             self._lookup_deadlines[tid] = (time.monotonic() + self.config.lookup_timeout_s, n)
-        self._submit("lookup", tid, lambda: self._run_lookup(tid, skeys), fail)
+        self._submit("lookup", tid, lambda: self._run_lookup(tid, batch), fail)
         return tid
 
-    def _run_lookup(self, tid: int, skeys: list[str]) -> None:
-        present = self._guarded("exists", self.store.exists, skeys, n=len(skeys)) if skeys else []
+    def _run_lookup(self, tid: int, batch: _Batch) -> None:
+        skeys = batch.store_keys
+        present = self._guarded("exists", batch.run, exists_many, n=len(skeys)) if skeys else []
         self._finish_lookup(tid, len(skeys), skeys, present)
 
     def _finish_lookup(self, tid: int, n: int, skeys: list[str], present: list[bool]) -> None:
@@ -550,21 +612,21 @@ class KVConnectL2Adapter(L2AdapterInterface):
         n = len(keys)
         fail = lambda: self._finish("load", tid, Bitmap(n))  # noqa: E731
         try:
-            okeys, skeys, pages = self._prepare(keys, objects)
+            okeys, batch, pages = self._prepare(keys, objects)
         except Exception as e:  # noqa: BLE001
             self._errors.add("lmcache.load")
             self._rlog.error(f"load-args:{type(e).__name__}", "kvconnect L2 load: bad arguments: %s", e)
             fail()
             return tid
-        if not skeys:
+        if not batch.n:
             fail()
             return tid
-        self._submit("load", tid, lambda: self._run_load(tid, okeys, skeys, pages), fail)
+        self._submit("load", tid, lambda: self._run_load(tid, okeys, batch, pages), fail)
         return tid
 
-    def _run_load(self, tid: int, okeys: list[Any], skeys: list[str], pages: list[Page]) -> None:
-        ok = self._guarded("load", self.store.get_into, skeys, pages, n=len(skeys))
-        bm = Bitmap(len(skeys))
+    def _run_load(self, tid: int, okeys: list[Any], batch: _Batch, pages: list[Page]) -> None:
+        ok = self._guarded("load", batch.run, get_many, pages, n=batch.n)
+        bm = Bitmap(batch.n)
         hits = []
         for i, good in enumerate(ok):
             if good:
@@ -590,7 +652,8 @@ class KVConnectL2Adapter(L2AdapterInterface):
             pairs = [(k, sk) for k, sk in pairs if sk not in self._locks]
         if not pairs or self._closed:
             return
-        gone = self._guarded("delete", self.store.delete, [sk for _, sk in pairs], n=len(pairs))
+        batch = self.views.batch([k for k, _ in pairs])
+        gone = self._guarded("delete", batch.run, delete_many, n=len(pairs))
         deleted, sizes = [], []
         with self._lock:
             for (k, sk), g in zip(pairs, gone):

@@ -1,15 +1,18 @@
 """Data planes of the ``kvconnect`` PD transfer backend (no SGLang imports here).
 
-Two ways to move one request's KV pages and aux rows from prefill to decode:
+Two ways to move one request's KV pages and aux rows from prefill to decode, behind one
+``DataPlane`` interface (``open_data_plane``; ``transport`` in ``KVCONNECT_PD_CONFIG``):
 
-* ``PeerRdmaTransport`` (direct): every process registers its KV, aux and state buffers
-  with a Mooncake Transfer Engine; prefill writes pages one-sided into the slots decode
-  pre-allocated (RDMA where a NIC exists, TCP otherwise).
-* ``StoreRelay`` (``mooncake`` / ``hf3fs``): prefill writes each request's pages and aux
-  rows under room-scoped keys of a kvconnect ``PageStore``, then a completion marker;
-  decode waits for the marker and reads straight into its pre-allocated slots. Neither side
-  needs the other to be up at the same moment; keys are deleted after success, failure or
-  timeout.
+* ``DirectPlane`` (``"direct"``): every process registers its KV, aux and state buffers
+  with a Transfer Engine; prefill writes pages one-sided into the slots decode
+  pre-allocated (RDMA where a NIC exists, TCP otherwise). Prefill waits for decode's
+  destinations.
+* ``StoreRelay`` (``"relay"``): prefill writes each request's pages and aux rows into a
+  kvconnect store, under a key-space view of the room (``PrefixedStore``), then a
+  completion marker; decode waits for the marker and reads straight into its
+  pre-allocated slots. Neither side needs the other to be up at the same moment; keys are
+  deleted after success, failure or timeout. Any store with the ``shared`` capability will
+  do (and ``device_memory`` where the KV lives on a GPU); the factory refuses others.
 
 ``kvconnect.connectors.engines.sglang_pd`` drives these from SGLang's ``Common*`` classes.
 """
@@ -24,21 +27,23 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
-from kvconnect.connectors.base import ConfigError, Page, PageStore, page_nbytes
+from kvconnect.connectors import auth, transfer_engine
+from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, page_nbytes
 from kvconnect.connectors.config import Size, StoreConfig, field_doc, parse_config
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import RateLimitedLog
-from kvconnect.connectors.mooncake.engine_env import apply_engine_defaults
+from kvconnect.connectors.views import PrefixedStore, delete_many, exists_many
 
 logger = logging.getLogger(__name__)
 _rate_limited = RateLimitedLog(logger, interval_s=10.0)  # a dead store must not flood the engine log
 
 ENV_CONFIG = "KVCONNECT_PD_CONFIG"
-ENV_TOKEN = "KVCONNECT_PD_TOKEN"
-TRANSPORTS = ("peer_rdma", "mooncake", "hf3fs")
+ENV_TOKEN = auth.env_var("pd")
+TRANSPORTS = ("direct", "relay")
 
 
 # ---------------------------------------------------------------------------------
@@ -48,22 +53,22 @@ TRANSPORTS = ("peer_rdma", "mooncake", "hf3fs")
 
 @dataclass(frozen=True)
 class PDConfig(StoreConfig):
-    transport: Literal["peer_rdma", "mooncake", "hf3fs"] = field(
-        default="peer_rdma", metadata=field_doc("data plane: direct one-sided writes or a store relay"))
+    transport: Literal["direct", "relay"] = field(
+        default="direct", metadata=field_doc("data plane: direct one-sided writes, or a relay through a shared store"))
     timeout_s: Optional[float] = field(
         default=None, metadata=field_doc(
             "bound on one transfer: decode fails a request this long after it sent its "
             "destinations, prefill fails one whose decode never sent them; None keeps SGLang's "
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT / _BOOTSTRAP_TIMEOUT"))
     protocol: Literal["rdma", "tcp"] = field(
-        default="rdma", metadata=field_doc("peer_rdma: Transfer Engine protocol (rdma falls back to TCP without a NIC)"))
-    device: str = field(default="", metadata=field_doc("peer_rdma: RDMA device(s), '' = auto"))
+        default="rdma", metadata=field_doc("direct: Transfer Engine protocol (rdma falls back to TCP without a NIC)"))
+    device: str = field(default="", metadata=field_doc("direct: RDMA device(s), '' = auto"))
     store: dict = field(default_factory=dict, metadata=field_doc(
-        "mooncake/hf3fs: options of the kvconnect store (as for create_store)"))
+        "relay: the store, {\"store\": NAME or \"pkg.mod:Class\", ...its options} (as for create_store)"))
     key_prefix: str = field(default="kvcpd", metadata=field_doc("relay: first component of every key"))
     key_bytes: Optional[Size] = field(default=None, metadata=field_doc(
-        "relay: about this many KV bytes per store key; None: 4 MiB, or one KV page for hf3fs "
-        "(its files hold pages of one size per lane)"))
+        "relay: about this many KV bytes per store key; None: 4 MiB, or one KV page for a store "
+        "without the 'any_page_size' capability (one file or slot table per page size)"))
     retain_s: float = field(default=600.0, metadata=field_doc(
         "relay: prefill deletes a room's keys this long after publishing them if decode never took them"))
     poll_interval_s: float = field(default=0.01, metadata=field_doc(
@@ -73,10 +78,11 @@ class PDConfig(StoreConfig):
         "call ends well within the store's op_timeout also while other rooms transfer"))
     workers: int = field(default=2, metadata=field_doc(
         "transfer threads per process (2 measured best on a 2-core host; raise with cores and NICs)"))
-    max_batch: int = field(default=4096, metadata=field_doc("peer_rdma: most blocks per Transfer Engine call"))
+    max_batch: int = field(default=4096, metadata=field_doc("direct: most blocks per Transfer Engine call"))
     auth_token: Optional[str] = field(default=None, metadata=field_doc(
-        "shared secret decode's control messages must carry (default: $KVCONNECT_PD_TOKEN); "
-        "prefill drops registrations and destinations without it"))
+        "shared secret decode's control messages must carry (else auth_token_file, else "
+        "$KVCONNECT_PD_TOKEN); prefill drops registrations and destinations without it"))
+    auth_token_file: Optional[str] = field(default=None, metadata=field_doc("file holding the shared secret"))
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and self.timeout_s <= 0:
@@ -89,10 +95,13 @@ class PDConfig(StoreConfig):
             raise ValueError("call_bytes must be > 0")
         if self.poll_interval_s <= 0 or self.retain_s <= 0:
             raise ValueError("poll_interval_s and retain_s must be > 0")
+        if self.transport == "relay" and not self.store.get("store"):
+            raise ConfigError("store", "the relay needs a store: {\"store\": NAME, ...its options}",
+                              "a store with the capability 'shared'", ENV_CONFIG)
 
     @property
     def is_relay(self) -> bool:
-        return self.transport != "peer_rdma"
+        return self.transport == "relay"
 
 
 def load_pd_config(raw: str | Mapping[str, Any] | None) -> PDConfig:
@@ -115,18 +124,7 @@ def load_pd_config(raw: str | Mapping[str, Any] | None) -> PDConfig:
         except json.JSONDecodeError as e:
             raise ConfigError("<root>", f"invalid JSON: {e}", None, where) from e
     config = parse_config(PDConfig, raw, where=where)
-    if config.auth_token is None and os.environ.get(ENV_TOKEN):
-        config = dataclasses.replace(config, auth_token=os.environ[ENV_TOKEN])
-    return config
-
-
-def token_matches(expected: Optional[str], got: Any) -> bool:
-    """Constant-time check of a control message's token (no token configured: accept all)."""
-    import hmac
-
-    if not expected:
-        return True
-    return isinstance(got, str) and hmac.compare_digest(expected.encode(), got.encode())
+    return dataclasses.replace(config, auth_token=auth.resolve_token(config.auth_token, config.auth_token_file, "pd"))
 
 
 # ---------------------------------------------------------------------------------
@@ -220,7 +218,7 @@ class BufferLayout:
 
 
 # ---------------------------------------------------------------------------------
-# Direct: Mooncake Transfer Engine, one-sided writes into decode's slots
+# The data planes
 # ---------------------------------------------------------------------------------
 
 
@@ -228,55 +226,40 @@ class TransferFailed(Exception):
     """A one-sided write or a store operation did not complete."""
 
 
-class PeerRdmaTransport:
-    """One Transfer Engine per process with this process's buffers registered."""
+class DataPlane:
+    """How a room's bytes move from prefill to decode (one per SGLang process)."""
 
-    def __init__(self, config: PDConfig, layout: BufferLayout, local_ip: str):
-        try:
-            from mooncake.engine import TransferEngine
-        except ImportError as e:
-            from kvconnect.connectors.base import MissingDependency
-
-            raise MissingDependency("peer_rdma", "peer", e) from e
-        self.config = config
-        self.layout = layout
-        apply_engine_defaults()
-        self.engine = TransferEngine()
-        rc = self.engine.initialize(local_ip, "P2PHANDSHAKE", config.protocol, config.device)
-        if rc != 0:
-            raise TransferFailed(f"Transfer Engine initialize({local_ip!r}, {config.protocol!r}) returned {rc}")
-        self.session_id = f"{local_ip}:{self.engine.get_rpc_port()}"
-        regions = layout.regions()
-        if regions:
-            ptrs, lens = zip(*regions)
-            rc = self.engine.batch_register_memory(list(ptrs), list(lens))
-            if rc != 0:
-                raise TransferFailed(f"Transfer Engine could not register {len(regions)} buffers (rc={rc})")
-        self._registered = [p for p, _ in regions]
-
-    def write(self, session: str, blocks: Sequence[tuple[int, int, int]]) -> None:
-        """One-sided writes ``(local_src, remote_dst, nbytes)``; raises ``TransferFailed``.
-
-        One Transfer Engine call per ``max_batch`` blocks: the engine spreads a batch over its
-        own workers, and concurrent calls were slower (loopback TCP, 2 cores: 1.7 GiB/s for one
-        call of 2 x 16 MiB, 1.3 GiB/s for two parallel calls, 1.0 GiB/s for four).
-        """
-        step = self.config.max_batch
-        for i in range(0, len(blocks), step):
-            piece = blocks[i:i + step]
-            srcs, dsts, lens = (list(x) for x in zip(*piece))
-            rc = self.engine.batch_transfer_sync_write(session, srcs, dsts, lens)
-            if rc != 0:
-                raise TransferFailed(f"Transfer Engine write of {len(piece)} blocks "
-                                     f"({sum(lens)} bytes) to {session} returned {rc}")
+    waits_for_decode: ClassVar[bool]
+    """Prefill needs decode's destination slots before it moves a byte (direct), or not (relay)."""
 
     def close(self) -> None:
-        if self._registered:
-            try:
-                self.engine.batch_unregister_memory(self._registered)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
-            self._registered = []
+        raise NotImplementedError
+
+
+class DirectPlane(DataPlane):
+    """One-sided writes into decode's pre-allocated slots, over this process's Transfer Engine."""
+
+    waits_for_decode = True
+
+    def __init__(self, config: PDConfig, layout: BufferLayout, local_ip: str):
+        self.config = config
+        self.layout = layout
+        self.engine = transfer_engine.EngineClient(local_ip, config.protocol, config.device, user="PD direct plane")
+        self.session_id = self.engine.name
+        try:
+            self.engine.register_many(layout.regions())
+        except transfer_engine.TransferFailed as e:
+            raise TransferFailed(str(e)) from e
+
+    def write(self, session: str, blocks: Sequence[tuple[int, int, int]]) -> None:
+        """One-sided writes ``(local_src, remote_dst, nbytes)``; raises ``TransferFailed``."""
+        try:
+            self.engine.write_sync(session, blocks, self.config.max_batch)
+        except transfer_engine.TransferFailed as e:
+            raise TransferFailed(str(e)) from e
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 def kv_blocks(src: BufferLayout, dst_kv_ptrs: Sequence[int], src_pages: np.ndarray,
@@ -344,15 +327,17 @@ class Marker:
 
 
 def room_namespace(prefix: str, prefill_ip: str, prefill_port: int, room: int) -> str:
-    """Keys of one room written by one prefill rank (its ZMQ endpoint names the rank instance)."""
+    """The key space of one room written by one prefill rank (its ZMQ endpoint names the
+    rank instance): the relay sees the store through a view under ``<namespace>.``."""
     return f"{prefix}.{prefill_ip.replace(':', '_')}_{prefill_port}.{room}"
 
 
 class RelayKeys:
-    """The keys of one room: KV blocks of ``block_pages`` positions, aux, state items, marker.
+    """The keys of one room, inside its view: KV blocks of ``block_pages`` positions, aux,
+    state items, marker.
 
     Every state item (one index of one component) is its own key, so each kind of key has
-    one size: stores that keep one file per page size (hf3fs) stay at a few files.
+    one size: stores that keep one file per page size stay at a few files.
     """
 
     def __init__(self, namespace: str, npages: int, block_pages: int, state_counts: Sequence[int] = ()):
@@ -366,21 +351,21 @@ class RelayKeys:
         return -(-self.npages // self.block_pages)
 
     def block(self, b: int) -> str:
-        return f"{self.namespace}.kv.{b}"
+        return f"kv.{b}"
 
     def block_range(self, b: int) -> tuple[int, int]:
         return b * self.block_pages, min((b + 1) * self.block_pages, self.npages)
 
     @property
     def aux(self) -> str:
-        return f"{self.namespace}.aux"
+        return "aux"
 
     def state(self, c: int, k: int) -> str:
-        return f"{self.namespace}.state.{c}.{k}"
+        return f"state.{c}.{k}"
 
     @property
     def marker(self) -> str:
-        return f"{self.namespace}.done"
+        return "done"
 
     def all(self) -> list[str]:
         return ([self.block(b) for b in range(self.nblocks)] + [self.aux]
@@ -420,12 +405,21 @@ class MarkerSlots:
         return ctypes.string_at(self.base + slot * MARKER_BYTES, MARKER_BYTES)
 
 
-def create_relay_store(config: PDConfig, page_bytes: int) -> PageStore:
+def relay_requirements(context: EngineContext) -> dict[Capability, str]:
+    """What a relay store must be able to do, and why."""
+    need = {Capability.SHARED: "the PD relay needs: prefill writes a room, decode (another process) reads it"}
+    if context.on_device:
+        need[Capability.DEVICE_MEMORY] = f"the PD relay needs: SGLang's KV lives in {context.device} memory"
+    return need
+
+
+def create_relay_store(config: PDConfig, context: EngineContext) -> PageStore:
     from kvconnect.connectors.registry import create_store
 
     opts = dict(config.store)
-    name = opts.pop("store", None) or config.transport
-    return create_store(name, opts, page_bytes=page_bytes)
+    name = opts.pop("store")
+    return create_store(name, opts, context=context, require=tuple(relay_requirements(context)),
+                        why=relay_requirements(context), where=ENV_CONFIG)
 
 
 class KeyCleaner:
@@ -449,9 +443,9 @@ class KeyCleaner:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="kvconnect-pd-cleaner")
         self._thread.start()
 
-    def submit(self, names: Sequence[str]) -> None:
+    def submit(self, view: PrefixedStore, names: Sequence[str]) -> None:
         if names:
-            self._pending.append((list(names), time.monotonic(), 0.0))
+            self._pending.append((view, list(names), time.monotonic(), 0.0))
             self._wake.set()
 
     @property
@@ -466,23 +460,23 @@ class KeyCleaner:
             batch, later = [], []
             while self._pending:
                 item = self._pending.popleft()
-                (batch if item[2] <= now else later).append(item)
+                (batch if item[3] <= now else later).append(item)
             self._pending.extend(later)
             if not batch:
                 continue
             self._busy = True
             try:
-                names = [n for keys, _, _ in batch for n in keys]
                 try:
-                    gone = dict(zip(names, self.store.delete(names)))
+                    gone = delete_many([(view, keys) for view, keys, _, _ in batch])  # one store call
                 except Exception as e:  # noqa: BLE001 - retried below
-                    _rate_limited.warning("delete", "kvconnect PD: deleting %d relay keys failed: %r", len(names), e)
-                    gone = {}
+                    _rate_limited.warning("delete", "kvconnect PD: deleting %d relay keys failed: %r",
+                                          sum(len(keys) for _, keys, _, _ in batch), e)
+                    gone = [[False] * len(keys) for _, keys, _, _ in batch]
                 now = time.monotonic()
-                for keys, since, _ in batch:
-                    left = [n for n in keys if not gone.get(n)]
+                for (view, keys, since, _), done in zip(batch, gone):
+                    left = [n for n, ok in zip(keys, done) if not ok]
                     if left and now - since < self.retry_s:
-                        self._pending.append((left, since, now + self.retry_interval_s))
+                        self._pending.append((view, left, since, now + self.retry_interval_s))
             finally:
                 self._busy = False
 
@@ -491,13 +485,17 @@ class KeyCleaner:
         self._wake.set()
 
 
-class StoreRelay:
+class StoreRelay(DataPlane):
     """Both halves of the relay over one ``PageStore``; one instance per SGLang process."""
 
-    def __init__(self, config: PDConfig, layout: BufferLayout, store: PageStore | None = None):
+    waits_for_decode = False
+
+    def __init__(self, config: PDConfig, layout: BufferLayout, context: EngineContext | None = None,
+                 store: PageStore | None = None):
         self.config = config
         self.layout = layout
-        self.store = store if store is not None else create_relay_store(config, max(1, layout.page_bytes))
+        context = context or EngineContext(engine="sglang-pd", page_bytes=max(1, layout.page_bytes))
+        self.store = store if store is not None else create_relay_store(config, context)
         if self.store.needs_registered_memory:
             for ptr, n in layout.regions():
                 self.store.register_memory(ptr, n)
@@ -506,30 +504,37 @@ class StoreRelay:
         self.cleaner = KeyCleaner(self.store)
         page_bytes = max(1, layout.page_bytes)
         key_bytes = config.key_bytes
+        any_size = self.store.supports(Capability.ANY_PAGE_SIZE)
         if key_bytes is None:
-            key_bytes = page_bytes if self.store.name == "hf3fs" else 4 << 20
+            key_bytes = 4 << 20 if any_size else page_bytes
         self.block_pages = max(1, key_bytes // page_bytes)
-        if self.store.name == "hf3fs":
+        if not any_size:
             self._open_size_lanes()
 
     def _open_size_lanes(self) -> None:
-        """HF3FS keeps one file ("lane") per page size and finds lanes other processes opened
-        only every few seconds; write (then drop) one throwaway page of every size the relay
-        uses, so this process knows all its lanes from the start."""
+        """A store without ``any_page_size`` keeps one file (or slot table) per page size and
+        may learn of sizes other processes opened only every few seconds; write (then drop)
+        one throwaway page of every size the relay uses, so this process knows them all
+        from the start."""
         sizes = {MARKER_BYTES, self.layout.aux_row_bytes}
         sizes |= {sum(items) for items in self.layout.state_item_lens if items}
         sizes.discard(0)
         scratch = (ctypes.c_char * max(sizes))()
         base = ctypes.addressof(scratch)
-        names = [f"{self.config.key_prefix}.lane-warmup.{n}" for n in sorted(sizes)]
+        warmup = PrefixedStore(self.store, f"{self.config.key_prefix}.lane-warmup.")
+        names = [str(n) for n in sorted(sizes)]
         try:
-            self.store.put_from(names, [[(base, n)] for n in sorted(sizes)])
-            self.store.delete(names)
+            warmup.put_from(names, [[(base, n)] for n in sorted(sizes)])
+            warmup.delete(names)
         except Exception as e:  # noqa: BLE001 - only a latency optimisation
             logger.warning("kvconnect PD: could not open store lanes: %r", e)
 
     def keys(self, namespace: str, npages: int, state_counts: Sequence[int] = ()) -> RelayKeys:
         return RelayKeys(namespace, npages, self.block_pages, state_counts)
+
+    def room(self, keys: RelayKeys) -> PrefixedStore:
+        """The store as one room sees it: every key under the room's namespace."""
+        return PrefixedStore(self.store, keys.namespace + ".")
 
     # -- prefill ----------------------------------------------------------------
     def put_blocks(self, keys: RelayKeys, src_pages: np.ndarray, blocks: Sequence[int]) -> None:
@@ -541,7 +546,7 @@ class StoreRelay:
             lo, hi = keys.block_range(b)
             names.append(keys.block(b))
             pages.append(page_segments(self.layout.kv_ptrs, self.layout.kv_item_lens, src_pages[lo:hi]))
-        self._put(names, pages)
+        self._put(keys, names, pages)
 
     def put_tail(self, keys: RelayKeys, aux_row: int, state_indices: Sequence[Any] | None, room: int) -> None:
         """Aux row and state, then the marker: the marker goes last, so it means 'all landed'."""
@@ -555,13 +560,13 @@ class StoreRelay:
             for k, i in enumerate(idx):
                 names.append(keys.state(c, k))
                 pages.append(self.layout.state_segments(c, idx[k:k + 1]))
-        self._put(names, pages)
+        self._put(keys, names, pages)
         marker = Marker(room, keys.npages, keys.block_pages, self.layout.page_bytes,
                         self.layout.aux_row_bytes, tuple(keys.state_counts))
         slot = self.markers.acquire()
         try:
             self.markers.write(slot, marker.pack())
-            self._put([keys.marker], [self.markers.page(slot)])
+            self._put(keys, [keys.marker], [self.markers.page(slot)])
         finally:
             self.markers.release(slot)
 
@@ -578,11 +583,12 @@ class StoreRelay:
             runs.append(slice(start, len(pages)))
         return runs
 
-    def _put(self, names: list[str], pages: list[Page]) -> None:
+    def _put(self, keys: RelayKeys, names: list[str], pages: list[Page]) -> None:
         ok: list[bool] = []
+        room = self.room(keys)
         try:
             for run in self._calls(pages):
-                ok += self.store.put_from(names[run], pages[run])
+                ok += room.put_from(names[run], pages[run])
                 if not all(ok):
                     break  # the room fails anyway: write no further
         except Exception as e:  # noqa: BLE001 - a store error fails the room, never the engine
@@ -590,30 +596,33 @@ class StoreRelay:
         missing = [n for n, good in zip(names, ok) if not good]
         if missing:
             raise TransferFailed(f"store {self.store.name!r} did not take {len(missing)} of {len(names)} keys "
-                                 f"(first {missing[0]!r})")
+                                 f"(first {room.prefix}{missing[0]})")
 
     # -- decode -----------------------------------------------------------------
-    def markers_present(self, markers: list[str]) -> list[bool]:
+    def markers_present(self, rooms: list[RelayKeys]) -> list[bool]:
+        """Whether each room's marker was published (one store call for all of them)."""
         try:
-            return self.store.exists(markers)
+            return [found[0] for found in exists_many([(self.room(k), [k.marker]) for k in rooms])]
         except Exception as e:  # noqa: BLE001
             self.store_errors.append(f"exists() raised {e!r}")
             _rate_limited.warning("exists", "kvconnect PD: store exists() failed: %r", e)
-            return [False] * len(markers)
+            return [False] * len(rooms)
 
     def read(self, keys: RelayKeys, room: int, dst_pages: np.ndarray, aux_row: int,
              state_indices: Sequence[Any] | None) -> None:
         """Marker, then KV blocks, aux and state straight into decode's slots; raises on any miss."""
+        view = self.room(keys)
         slot = self.markers.acquire()
         try:
-            ok = self.store.get_into([keys.marker], [self.markers.page(slot)])
+            ok = view.get_into([keys.marker], [self.markers.page(slot)])
             if not ok[0]:
-                raise TransferFailed(f"marker {keys.marker!r} present but unreadable{self._health()}")
+                raise TransferFailed(f"marker {view.prefix}{keys.marker} present but unreadable{self._health()}")
             marker = Marker.unpack(self.markers.read(slot))
         finally:
             self.markers.release(slot)
         if marker.room != room:
-            raise RoomMismatch(f"room mismatch: marker {keys.marker!r} is for room {marker.room}, decode expects {room}")
+            raise RoomMismatch(f"room mismatch: marker {view.prefix}{keys.marker} is for room {marker.room}, "
+                               f"decode expects {room}")
         if marker.npages != keys.npages:
             raise RoomMismatch(f"room mismatch: prefill published {marker.npages} pages for room {room}, "
                                f"decode allocated {keys.npages}")
@@ -646,7 +655,7 @@ class StoreRelay:
         ok: list[bool] = []
         try:
             for run in self._calls(pages):
-                ok += self.store.get_into(names[run], pages[run])
+                ok += view.get_into(names[run], pages[run])
                 if not all(ok):
                     break  # the room fails anyway: read no further
         except Exception as e:  # noqa: BLE001
@@ -654,7 +663,7 @@ class StoreRelay:
         missing = [n for n, good in zip(names, ok) if not good]
         if missing:
             raise TransferFailed(f"store {self.store.name!r} missed {len(missing)} of {len(names)} keys of room "
-                                 f"{room} (first {missing[0]!r}){self._health()}")
+                                 f"{room} (first {view.prefix}{missing[0]}){self._health()}")
 
     def _health(self) -> str:
         try:
@@ -665,7 +674,7 @@ class StoreRelay:
 
     def discard(self, keys: RelayKeys) -> None:
         """Delete every key of a room, in the background (idempotent; never raises)."""
-        self.cleaner.submit(keys.all())
+        self.cleaner.submit(self.room(keys), keys.all())
 
     def close(self) -> None:
         self.cleaner.close()

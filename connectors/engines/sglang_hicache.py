@@ -9,38 +9,37 @@ Load it into SGLang (0.5.23; imports cleanly with 0.5.17) with::
 
 The extra config holds ``store`` (a registry name, or ``"pkg.mod:Class"``), the store's
 options inline (or nested under ``store_options``), and optionally ``tenant``,
-``model_fingerprint`` and ``metrics_port``. SGLang's own keys are ignored.
+``model_fingerprint``, ``metrics_port`` and ``metrics_bind_host``. SGLang's own keys are ignored.
 
-What this adapter adds to SGLang's bare page hashes is a ``KeySpace``: model (+ weights
-fingerprint), host layout, page size, dtype, page geometry, tp/pp/attn-cp ranks and pool,
-so two engines whose pages mean different bytes never read each other's. MLA KV (SGLang's
-``is_mla_model``: rank-replicated) leaves the TP rank out: SGLang's storage writer
-(``is_storage_writer``: TP rank 0, or the DCP rank's first replica) writes, every rank reads.
+The rank: ``engine_context`` reads SGLang's ``HiCacheStorageConfig`` (TP, PP, attention CP,
+decode CP and DP ranks, MLA) into the ``EngineContext`` the store is built with; its
+writer rule (SGLang's ``is_storage_writer``) decides which ranks write rank-replicated KV,
+and clear / delete touch only what this rank writes. With rank-replicated KV on more than
+one TP rank the store must be shared across processes (``Capability.SHARED``): the other
+ranks read what the writer wrote.
 
-Byte order: a page's bytes are stored in the order of SGLang's flat page
-(``get_data_page(flat=True)``) on every path, so pages written through the zero-copy v1
-path, the legacy tensor path and the v2 pool path are interchangeable. The v1 path hands
-the store the host pool's own addresses (``get_page_buffer_meta``), reordered where the
-layout's segment order differs from the flat order (MHA ``layer_first``: all K layers,
-then all V layers).
+Keys: what this adapter adds to SGLang's bare page hashes is a ``KeySpace`` per pool: model
+(+ weights fingerprint), host layout, page size, dtype, page geometry, tp/pp/attn-cp ranks
+and pool, so two engines whose pages mean different bytes never read each other's. Each
+pool holds a view of the store under its key space (``PrefixedStore``); MLA KV leaves the
+TP rank out. Pool geometry is ``sglang_pools``; SGLang names that moved between releases
+are ``sglang_shims``.
 
 Nothing raises into SGLang's threads: data-path methods catch, count and log (rate-limited)
 every exception and answer a miss / failed write. Configuration errors (unknown store, bad
-option, unsupported layout) raise at construction / registration, naming the key and the
-accepted values.
+option, unsupported layout, a store without a needed capability) raise at construction /
+registration, naming the key and the accepted values.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional
 
-from kvconnect.connectors.base import MissingDependency, Page, PageStore, Unsupported
+from kvconnect.connectors.base import Capability, MissingDependency, Unsupported
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import (
     ErrorCounter,
     RateLimitedLog,
@@ -48,12 +47,20 @@ from kvconnect.connectors.engines.common import (
     guarded,
     serve_store_metrics,
 )
+from kvconnect.connectors.engines.sglang_pools import ADAPTER, PoolIO, describe_pool, pool_buffers, tensor_segment
+from kvconnect.connectors.engines.sglang_shims import (
+    KV,
+    SGLANG_IMPORT_ERROR,
+    HiCacheStorage,
+    pool_name,
+    pool_result,
+    storage_metrics_class,
+)
+from kvconnect.connectors.views import exists_many, get_many, put_many
 from kvconnect.namespace import KeySpace
-from kvconnect.namespace.hits import HitPolicy, leading_hits, restorable_prefixes
+from kvconnect.namespace.hits import HitPolicy, block_group_pages, leading_hits, restorable_prefixes
 
 log = logging.getLogger("kvconnect.sglang_hicache")
-
-ADAPTER = "kvconnect sglang hicache"
 
 # Keys of the extra config that belong to SGLang (it reads or pops them itself in 0.5.17 -
 # 0.5.23); never passed to the store.
@@ -64,336 +71,37 @@ SGLANG_KEYS = (
     "hicache_storage_pass_prefix_keys", "tp_lcm_size", "enable_metadata_cache", "metadata_ttl",
 )
 
-MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
-MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
-# Side pools that are TP-sharded even when the model's KV is rank-replicated (SGLang's
-# ``should_backup``: Mamba/KDA state is written by every TP rank).
-RANK_SHARDED_POOLS = ("mamba",)
-
-# ---------------------------------------------------------------------------------
-# SGLang imports, guarded: names moved between releases.
-# ---------------------------------------------------------------------------------
-
-try:
-    import torch
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: F401
-
-    SGLANG_IMPORT_ERROR: Optional[BaseException] = None
-except ImportError as _e:  # sglang (or torch) not installed: the module still imports
-    SGLANG_IMPORT_ERROR = _e
-    torch = None  # type: ignore[assignment]
-
-    class HiCacheStorage:  # type: ignore[no-redef]
-        """Stand-in so this module imports without sglang; constructing raises."""
+def engine_context(config: Any) -> EngineContext:
+    """The ``EngineContext`` of the rank a SGLang ``HiCacheStorageConfig`` describes (fields
+    a release lacks take their single-rank values)."""
+    return EngineContext(
+        engine="sglang-hicache", model=config.model_name or "",
+        tp_rank=config.tp_rank, tp_size=config.tp_size, pp_rank=config.pp_rank, pp_size=config.pp_size,
+        cp_rank=getattr(config, "attn_cp_rank", 0) or 0, cp_size=getattr(config, "attn_cp_size", 1) or 1,
+        dcp_rank=getattr(config, "dcp_rank", 0) or 0, dcp_size=getattr(config, "dcp_size", 1) or 1,
+        dp_rank=getattr(config, "dp_rank", 0) or 0, rank_replicated=bool(config.is_mla_model),
+        pool="kv", device="cpu")  # the store moves host-pool pages
 
 
-def _first_attr(modules: Sequence[str], name: str) -> Any:
-    for m in modules:
-        try:
-            mod = importlib.import_module(m)
-        except Exception:  # noqa: BLE001 - a module missing or failing in this version
-            continue
-        if hasattr(mod, name):
-            return getattr(mod, name)
-    return None
-
-
-_POOL_MODULES = (
-    "sglang.srt.mem_cache.hicache_storage",      # 0.5.17 - 0.5.23
-    "sglang.srt.mem_cache.memory_pool_host",     # 0.5.10
-)
-PoolName = _first_attr(_POOL_MODULES, "PoolName")
-PoolHitPolicy = _first_attr(_POOL_MODULES, "PoolHitPolicy")
-PoolTransferResult = _first_attr(_POOL_MODULES, "PoolTransferResult")
-
-_KV = PoolName.KV if PoolName is not None else "kv"
-
-
-def _host_pool_classes() -> tuple[Any, Any]:
-    """(MHATokenToKVPoolHost, MLATokenToKVPoolHost) of the installed sglang."""
-    mha = _first_attr(("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host",
-                       "sglang.srt.mem_cache.memory_pool_host"), "MHATokenToKVPoolHost")
-    mla = _first_attr(("sglang.srt.mem_cache.pool_host.mla", "sglang.srt.mem_cache.pool_host",
-                       "sglang.srt.mem_cache.memory_pool_host"), "MLATokenToKVPoolHost")
-    return mha, mla
-
-
-def _storage_metrics_class() -> Any:
-    return _first_attr(("sglang.srt.observability.metrics_collector", "sglang.srt.metrics.collector"),
-                       "StorageMetrics")
-
-
-def _pool_result(kv_hit_pages: int, hits: dict, restorable: Optional[List[int]]) -> Any:
-    """A ``PoolTransferResult``; 0.5.17's has no ``restorable_prefix_pages``."""
-    fields = {f.name for f in dataclasses.fields(PoolTransferResult)}
-    if "restorable_prefix_pages" in fields:
-        return PoolTransferResult(kv_hit_pages, hits, restorable)
-    return PoolTransferResult(kv_hit_pages, hits)
-
-
-def _name(pool_name: Any) -> str:
-    return str(getattr(pool_name, "value", pool_name))
-
-
-def _tensor_segment(t: Any) -> tuple[int, int]:
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("a page tensor must be a contiguous CPU tensor")
-    return (t.data_ptr(), t.numel() * t.element_size())
-
-
-# ---------------------------------------------------------------------------------
-# One registered host pool: its key space and how its pages map to segments.
-# ---------------------------------------------------------------------------------
-
-_PAGE_METHODS = ("get_page_buffer_meta", "get_data_page", "set_from_flat_data_page",
-                 "get_dummy_flat_data_page", "init_kv_buffer")
-
-
-def _uses_page_methods_of(pool: Any, cls: Any) -> bool:
-    """True when ``pool``'s class keeps ``cls``'s page layout (overrides none of it)."""
-    return cls is not None and isinstance(pool, cls) and all(
-        getattr(type(pool), m, None) is getattr(cls, m, None) for m in _PAGE_METHODS)
-
-
-@dataclass
-class PoolIO:
-    """Moves one host pool's pages to and from the store under its key space.
-
-    ``zero_copy``: segments straight from ``get_page_buffer_meta`` (``kv_interleaved``:
-    its per-layer K, V pairs are put in flat byte order, all K then all V). For the MHA and
-    MLA pools, ``table`` computes the same segments with numpy instead of SGLang's loop over
-    pages and layers (checked against ``get_page_buffer_meta`` at registration).
-    Otherwise pages go through SGLang's flat page tensors (``get_data_page`` /
-    ``set_from_flat_data_page``): one copy per page, used for pools whose segment order is
-    not known to match the flat order (Mamba, indexer...).
-    """
-
-    name: str
-    pool: Any
-    keyspace: KeySpace
-    stride: int  # host token slots per key (SGLang's logical page size)
-    page_nbytes: int
-    zero_copy: bool
-    segs_per_page: int = 1
-    kv_interleaved: bool = False
-    table: Optional["SegmentTable"] = None
-
-    @property
-    def is_writer(self) -> bool:
-        return self.keyspace.is_writer
-
-    def check_indices(self, keys: Sequence[str], host_indices: Any) -> None:
-        n = int(host_indices.numel()) if host_indices is not None else 0
-        if n != len(keys) * self.stride:
-            raise ValueError(f"pool {self.name!r}: {n} host indices for {len(keys)} keys "
-                             f"(expected {len(keys) * self.stride})")
-
-    def zero_copy_pages(self, host_indices: Any, n: int) -> List[Page]:
-        if self.table is not None:
-            return self.table.pages(host_indices[:: self.stride])
-        return self.meta_pages(host_indices, n)
-
-    def meta_pages(self, host_indices: Any, n: int) -> List[Page]:
-        """Pages from SGLang's ``get_page_buffer_meta``, in flat byte order."""
-        ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
-        per = self.segs_per_page
-        if len(ptrs) != n * per or len(sizes) != len(ptrs):
-            raise RuntimeError(f"pool {self.name!r}: get_page_buffer_meta gave {len(ptrs)} segments "
-                               f"for {n} pages, expected {n * per}")
-        pairs = list(zip(ptrs, sizes))
-        if per == 1:
-            return [[p] for p in pairs]
-        if self.kv_interleaved:
-            return [pairs[i:i + per:2] + pairs[i + 1:i + per:2] for i in range(0, len(pairs), per)]
-        return [pairs[i:i + per] for i in range(0, len(pairs), per)]
-
-    def plan_read(self, keys: Sequence[str], host_indices: Any
-                  ) -> tuple[List[Page], Callable[[List[bool]], None]]:
-        """Pages to fill and what to do once filled (flat path: copy into the pool)."""
-        self.check_indices(keys, host_indices)
-        n = len(keys)
-        if self.zero_copy:
-            return self.zero_copy_pages(host_indices, n), lambda ok: None
-        targets = [self.pool.get_dummy_flat_data_page() for _ in range(n)]
-        starts = host_indices[:: self.stride].tolist()
-
-        def finish(ok: List[bool]) -> None:
-            for start, page, good in zip(starts, targets, ok):
-                if good:
-                    self.pool.set_from_flat_data_page(start, page)
-
-        return [[_tensor_segment(t)] for t in targets], finish
-
-    def plan_write(self, keys: Sequence[str], host_indices: Any) -> tuple[List[Page], List[Any]]:
-        """Pages to store; the second item keeps staged tensors alive during the call."""
-        self.check_indices(keys, host_indices)
-        if self.zero_copy:
-            return self.zero_copy_pages(host_indices, len(keys)), []
-        staged = [self.pool.get_data_page(s, flat=True).contiguous()
-                  for s in host_indices[:: self.stride].tolist()]
-        return [[_tensor_segment(t)] for t in staged], staged
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "") if dtype is not None else "unknown"
-
-
-def _flat_page_nbytes(pool: Any) -> int:
-    t = pool.get_dummy_flat_data_page()
-    return int(t.numel() * t.element_size())
-
-
-def _describe_pool(pool: Any, config: Any, base: KeySpace, name: str) -> PoolIO:
-    """Build the ``PoolIO`` of one host pool, or raise ``Unsupported``."""
-    mha_cls, mla_cls = _host_pool_classes()
-    layout = getattr(pool, "layout", None)
-    page_size = int(getattr(pool, "page_size", 1) or 1)
-    stride = int(getattr(pool, "logical_page_size", page_size) or page_size)
-    what = f"host pool {name!r} ({type(pool).__name__}, layout {layout!r})"
-    replicated = bool(config.is_mla_model) and name not in RANK_SHARDED_POOLS
-    dcp_size = int(getattr(config, "dcp_size", 1) or 1)
-
-    if _uses_page_methods_of(pool, mha_cls):
-        if layout not in MHA_LAYOUTS:
-            raise Unsupported(f"{what}: layout {layout!r}", ADAPTER, MHA_LAYOUTS)
-        v_head_dim = getattr(pool, "v_head_dim", pool.head_dim)
-        if v_head_dim != pool.head_dim:
-            raise Unsupported(f"{what}: head_dim {pool.head_dim} != v_head_dim {v_head_dim}", ADAPTER)
-        geometry = f"mha:L{pool.layer_num}:H{pool.head_num}:D{pool.head_dim}"
-        zero_copy = True
-    elif _uses_page_methods_of(pool, mla_cls):
-        if layout not in MLA_LAYOUTS:
-            raise Unsupported(f"{what}: layout {layout!r}", ADAPTER, MLA_LAYOUTS)
-        geometry = f"mla:L{pool.layer_num}:D{pool.kv_cache_dim}"
-        zero_copy = True
-    else:
-        # Any other pool (Mamba state, DSA indexer, a subclass with its own page format):
-        # through SGLang's flat pages, under its class name so formats never mix.
-        try:
-            _flat_page_nbytes(pool)
-            pool.get_data_page(0, flat=True)
-        except Exception as e:  # noqa: BLE001 - the pool cannot hand out pages at all
-            raise Unsupported(f"{what}: it has no storage page format ({type(e).__name__}: {e})",
-                              ADAPTER, [f"MHA: {', '.join(MHA_LAYOUTS)}", f"MLA: {', '.join(MLA_LAYOUTS)}",
-                                        "pools with flat data pages"]) from e
-        geometry = f"{type(pool).__module__}.{type(pool).__name__}"
-        zero_copy = False
-
-    if getattr(pool, "kv_buffer", 0) is None:
-        raise Unsupported(f"{what}: it has no host buffer", ADAPTER)
-    page_nbytes = _flat_page_nbytes(pool)
-    segs_per_page, interleaved = 1, False
-    if zero_copy:
-        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(stride, dtype=torch.int64))
-        if sum(sizes) != page_nbytes:
-            raise Unsupported(f"{what}: its {len(sizes)} page segments hold {sum(sizes)} bytes, "
-                              f"its flat page {page_nbytes}", ADAPTER)
-        segs_per_page = len(ptrs)
-        # MHA layer_first segments come as k0, v0, k1, v1, ...; the flat page is all K
-        # layers, then all V layers.
-        interleaved = geometry.startswith("mha") and layout == "layer_first"
-    geometry += f":B{page_nbytes}"
-    if dcp_size > 1:
-        geometry += f":dcp{config.dcp_rank}of{dcp_size}:tp{config.tp_size}:lp{stride}"
-    ks = dataclasses.replace(
-        base, pool=name, layout=str(layout or "none"), page_size=page_size,
-        dtype=_dtype_name(getattr(pool, "dtype", None)), geometry=geometry,
-        rank_replicated=replicated)
-    io = PoolIO(name=name, pool=pool, keyspace=ks, stride=stride, page_nbytes=page_nbytes,
-                zero_copy=zero_copy, segs_per_page=segs_per_page, kv_interleaved=interleaved)
-    if zero_copy and dcp_size == 1 and segs_per_page > 2:
-        # With one or two segments a page SGLang's loop is as cheap as numpy.
-        io.table = SegmentTable.checked(io, geometry.split(":")[0])
-    return io
-
-
-class SegmentTable:
-    """Segments of standard MHA / MLA host pools, computed with numpy in flat byte order.
-
-    Page starting at token slot ``s``: segment ``j`` is at ``base + s * per_token + offsets[j]``
-    and ``sizes[j]`` long. Mirrors ``get_page_buffer_meta`` (whose Python loop over pages and
-    layers costs ~12 ms per 128-page batch of a 61-layer ``layer_first`` pool) and is
-    compared with it at registration; on any difference the adapter uses SGLang's.
-    """
-
-    def __init__(self, base: int, per_token: int, offsets: List[int], sizes: List[int]):
-        import numpy as np
-
-        self.base = base
-        self.per_token = per_token
-        self.offsets = np.asarray(offsets, dtype=np.int64) + base
-        self.sizes = list(sizes)
-
-    @classmethod
-    def for_pool(cls, pool: Any, kind: str) -> Optional["SegmentTable"]:
-        layout, size, P, L = pool.layout, pool.size, pool.page_size, pool.layer_num
-        isz = pool.dtype.itemsize
-        base = pool.kv_buffer.data_ptr()
-        if kind == "mha":
-            row = pool.head_num * pool.head_dim * isz  # one token of one layer, K or V
-            v_off = L * size * row
-            if layout in ("page_first", "page_first_direct", "page_head"):
-                return cls(base, L * row, [0, v_off], [L * P * row] * 2)
-            if layout == "layer_first":
-                ks = [layer * size * row for layer in range(L)]
-                return cls(base, row, ks + [k + v_off for k in ks], [P * row] * (2 * L))
-        elif kind == "mla":
-            row = pool.kv_cache_dim * isz
-            if layout in ("page_first", "page_first_direct"):
-                return cls(base, L * row, [0], [L * P * row])
-            if layout == "layer_first":
-                return cls(base, row, [layer * size * row for layer in range(L)], [P * row] * L)
-        return None
-
-    @classmethod
-    def checked(cls, io: "PoolIO", kind: str) -> Optional["SegmentTable"]:
-        """The table if it reproduces ``get_page_buffer_meta`` on probe pages, else None."""
-        try:
-            table = cls.for_pool(io.pool, kind)
-            if table is None:
-                return None
-            pages = io.pool.size // io.stride
-            probe = sorted({0, 1 % pages, pages // 2, pages - 1})
-            idx = torch.cat([torch.arange(p * io.stride, (p + 1) * io.stride, dtype=torch.int64) for p in probe])
-            if table.pages(idx[:: io.stride]) == io.meta_pages(idx, len(probe)):
-                return table
-            log.warning("kvconnect: %s segment table differs from get_page_buffer_meta; using SGLang's",
-                        io.name)
-        except Exception as e:  # noqa: BLE001 - the fast path is optional
-            log.warning("kvconnect: no segment table for %s: %s", io.name, e)
-        return None
-
-    def pages(self, starts: Any) -> List[Page]:
-        import numpy as np
-
-        s = np.asarray(starts.numpy() if hasattr(starts, "numpy") else starts, dtype=np.int64)
-        ptrs = (s[:, None] * self.per_token + self.offsets[None, :]).tolist()
-        sizes = self.sizes
-        return [list(zip(row, sizes)) for row in ptrs]
-
-
-def _pool_buffers(pool: Any) -> List[Any]:
-    """Host tensors a transport must register to move this pool's pages zero-copy."""
-    buf = getattr(pool, "kv_buffer", None)
-    if buf is None:
-        return []
-    return list(buf) if isinstance(buf, (list, tuple)) else [buf]
-
-
-def base_keyspace(config: Any, *, tenant: str = "", weights: str = "") -> KeySpace:
+def base_keyspace(context: EngineContext, *, tenant: str = "", weights: str = "") -> KeySpace:
     """The engine rank's key space before a pool is known (model, ranks, tenant)."""
-    model = config.model_name
+    model = context.model
     if not model:
         log.warning("kvconnect: SGLang gave no model_name; keying pages on 'unnamed-model'")
         model = "unnamed-model"
-    writer_rank = int(getattr(config, "dcp_rank", 0) or 0)  # is_storage_writer: tp_rank == dcp_rank
     return KeySpace(
         model=model, weights=weights, tenant=tenant,
-        tp_rank=config.tp_rank, tp_size=config.tp_size,
-        pp_rank=config.pp_rank, pp_size=config.pp_size,
-        cp_rank=getattr(config, "attn_cp_rank", 0), cp_size=getattr(config, "attn_cp_size", 1),
-        rank_replicated=bool(config.is_mla_model), writer_rank=writer_rank)
+        tp_rank=context.tp_rank, tp_size=context.tp_size, pp_rank=context.pp_rank, pp_size=context.pp_size,
+        cp_rank=context.cp_rank, cp_size=context.cp_size, rank_replicated=context.rank_replicated)
+
+
+def required_capabilities(context: EngineContext) -> dict[Capability, str]:
+    """What a store must be able to do for this rank, and why."""
+    if context.sharing_ranks > 1:
+        return {Capability.SHARED: f"rank-replicated (MLA) KV needs: TP rank {context.writer_rank} writes it and "
+                                   f"all {context.tp_size} TP ranks, each its own process, read it"}
+    return {}
 
 
 # ---------------------------------------------------------------------------------
@@ -418,20 +126,21 @@ class KVConnectStorage(HiCacheStorage):
 
     def __init__(self, storage_config: Any, kwargs: Optional[dict] = None):
         if SGLANG_IMPORT_ERROR is not None:
-            raise MissingDependency("sglang hicache adapter", "sglang", SGLANG_IMPORT_ERROR)
+            raise MissingDependency(ADAPTER, "sglang", SGLANG_IMPORT_ERROR, kind="integration")
         self.storage_config = storage_config
         self._errors = ErrorCounter()
         self._rlog = RateLimitedLog(log)
+        self.context = engine_context(storage_config)
         self.store, self.options = build_store(storage_config.extra_config or {}, where=ADAPTER,
-                                               ignore=SGLANG_KEYS)
+                                               ignore=SGLANG_KEYS, context=self.context,
+                                               require=required_capabilities(self.context))
         try:
-            self.base_keyspace = base_keyspace(storage_config, tenant=self.options.tenant,
+            self.base_keyspace = base_keyspace(self.context, tenant=self.options.tenant,
                                                weights=self.options.model_fingerprint)
         except ValueError:
             self.store.close()
             raise
-        writer = getattr(storage_config, "is_storage_writer", None)
-        self.is_writer = bool(writer) if writer is not None else self.base_keyspace.is_writer
+        self.is_writer = self.context.is_writer
         self._pools: dict[str, PoolIO] = {}
         self.kv: Optional[PoolIO] = None
         self.logical_anchor = False
@@ -446,19 +155,11 @@ class KVConnectStorage(HiCacheStorage):
         if self.options.metrics_port is not None:
             port = self.options.metrics_port
             if port:
-                port += self._rank_index()
+                port += self.context.rank_index  # one endpoint per rank process
             self._metrics_port = serve_store_metrics(
-                self.store, port, engine="sglang",
-                rank=f"tp{storage_config.tp_rank}pp{storage_config.pp_rank}")
-        log.info("kvconnect: SGLang HiCache storage on store %r (tp %d/%d, %s)", self.store.name,
-                 storage_config.tp_rank, storage_config.tp_size,
-                 "MLA: writer" if storage_config.is_mla_model and self.is_writer
-                 else "MLA: reader" if storage_config.is_mla_model else "MHA")
-
-    def _rank_index(self) -> int:
-        c = self.storage_config
-        cp, cps = getattr(c, "attn_cp_rank", 0), getattr(c, "attn_cp_size", 1)
-        return ((getattr(c, "dp_rank", 0) * c.pp_size + c.pp_rank) * cps + cp) * c.tp_size + c.tp_rank
+                self.store, port, self.options.metrics_bind_host, engine="sglang",
+                rank=f"tp{self.context.tp_rank}pp{self.context.pp_rank}")
+        log.info("kvconnect: SGLang HiCache storage on store %r: %s", self.store.name, self.context.describe())
 
     # -- registration -------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -468,40 +169,42 @@ class KVConnectStorage(HiCacheStorage):
             self.logical_anchor = True
             self.kv = None
             return
-        self.kv = _describe_pool(mem_pool_host, self.storage_config, self.base_keyspace, "kv")
+        self.kv = describe_pool(mem_pool_host, self.context, self.base_keyspace, "kv", self.store)
         self._pools["kv"] = self.kv
         self._register_buffers(mem_pool_host)
         log.info("kvconnect: KV pages keyed as %s", self.kv.keyspace.describe())
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = _name(host_pool_name)
+        name = pool_name(host_pool_name)
         if name == "kv" and self.kv is not None and host_pool is self.kv.pool:
             return
         if name == "kv" and self.logical_anchor and getattr(host_pool, "kv_buffer", 0) is None:
             return
-        io = _describe_pool(host_pool, self.storage_config, self.base_keyspace, name)
+        io = describe_pool(host_pool, self.context, self.base_keyspace, name, self.store)
         self._pools[name] = io
         self._register_buffers(host_pool)
         log.info("kvconnect: %s pages keyed as %s", name, io.keyspace.describe())
 
     def on_host_pools_registered(self) -> None:
-        log.info("kvconnect: pools registered: %s", ", ".join(sorted(self._pools)) or "none")
+        """SGLang 0.5.23 calls this once every pool is registered; raising fails the attach.
+        A backend with no KV pool (and no logical anchor standing for one) would answer
+        every lookup with a miss: refuse the attach instead."""
+        if self.kv is None and not self.logical_anchor:
+            raise Unsupported("attaching without a KV host pool (register_mem_pool_host was never called)", ADAPTER)
+        log.info("kvconnect: pools registered: %s", "; ".join(
+            f"{n} ({'writer' if io.is_writer else 'reader'}) {io.keyspace.describe()}"
+            for n, io in sorted(self._pools.items())) or "none")
 
     def _register_buffers(self, pool: Any) -> None:
         if not self.store.needs_registered_memory:
             return
-        for t in _pool_buffers(pool):
+        for t in pool_buffers(pool):
             span = (t.data_ptr(), t.numel() * t.element_size())
             if span[1] and span not in self._registered:
                 self.store.register_memory(*span)
                 self._registered.add(span)
 
-    def _pool(self, name: Any) -> PoolIO:
-        io = self._pools.get(_name(name))
-        if io is None:
-            raise KeyError(f"pool {_name(name)!r} was never registered")
-        return io
 
     def _kv_io(self) -> PoolIO:
         if self.kv is None:
@@ -518,7 +221,7 @@ class KVConnectStorage(HiCacheStorage):
         kv = self._kv_io()
         t0 = time.perf_counter()
         pages, finish = kv.plan_read(keys, host_indices)
-        ok = self.store.get_into(kv.keyspace.keys(keys), pages)
+        ok = kv.store.get_into(keys, pages)
         finish(ok)
         self._record(True, leading_hits(ok), kv.page_nbytes, time.perf_counter() - t0)
         return ok
@@ -534,7 +237,7 @@ class KVConnectStorage(HiCacheStorage):
             return [True] * len(keys)  # rank-replicated KV: the writer rank stores it
         t0 = time.perf_counter()
         pages, _keep = kv.plan_write(keys, host_indices)
-        ok = self.store.put_from(kv.keyspace.keys(keys), pages)
+        ok = kv.store.put_from(keys, pages)
         self._record(False, sum(ok), kv.page_nbytes, time.perf_counter() - t0)
         return ok
 
@@ -543,7 +246,7 @@ class KVConnectStorage(HiCacheStorage):
         kv = self._kv_io()
         work = [t if t.is_contiguous() else t.contiguous() for t in targets]
         t0 = time.perf_counter()
-        ok = self.store.get_into(kv.keyspace.keys(keys), [[_tensor_segment(t)] for t in work])
+        ok = kv.store.get_into(keys, [[tensor_segment(t)] for t in work])
         for t, w, good in zip(targets, work, ok):
             if good and w is not t:
                 t.copy_(w)
@@ -556,7 +259,7 @@ class KVConnectStorage(HiCacheStorage):
             return [True] * len(keys)
         work = [v.contiguous() for v in values]
         t0 = time.perf_counter()
-        ok = self.store.put_from(kv.keyspace.keys(keys), [[_tensor_segment(v)] for v in work])
+        ok = kv.store.put_from(keys, [[tensor_segment(v)] for v in work])
         self._record(False, sum(ok), kv.page_nbytes, time.perf_counter() - t0)
         return ok
 
@@ -597,61 +300,58 @@ class KVConnectStorage(HiCacheStorage):
 
     @guarded(lambda self, *a, **k: False)
     def exists(self, key: str) -> bool:
-        return self.store.exists(self._kv_io().keyspace.keys([key]))[0]
+        return self._kv_io().store.exists([key])[0]
 
     @guarded(lambda self, *a, **k: 0)
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         if not keys or self.logical_anchor:
             return 0
-        return leading_hits(self.store.exists(self._kv_io().keyspace.keys(keys)))
+        return leading_hits(self._kv_io().store.exists(keys))
 
     # -- v2 pools ---------------------------------------------------------------------
-    @guarded(lambda self, *a, **k: _pool_result(0, {}, []))
+    @guarded(lambda self, *a, **k: pool_result(0, {}, []))
     def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         """Usable prefix across KV and side pools: SGLang 0.5.23 ``HiCacheFile`` semantics.
 
         KV: leading hits. Each side pool then removes the stop points it cannot serve
         (ALL_PAGES: past its own leading run; TRAILING_PAGES: where the window of
-        ``len(transfer.keys)`` pages ending there is incomplete). BLOCK_GROUPS pools
-        report their own verdict and gate nothing. ``kv_hit_pages`` is the longest stop
-        point left; ``restorable_prefix_pages`` lists them all.
+        ``len(transfer.keys)`` pages ending there is incomplete). BLOCK_GROUPS pools look up
+        their own keys, in groups of ``group_pages`` per block of ``block_pages`` FULL pages,
+        and report the FULL pages their leading complete groups cover; they gate nothing.
+        ``kv_hit_pages`` is the longest stop point left; ``restorable_prefix_pages`` lists
+        them all. One store round trip for the KV and every side pool.
         """
         transfers = list(pool_transfers or [])
-        gating = [t for t in transfers if _name(t.name) in self._pools]
-        # One store round trip for KV and every side pool.
-        lookups: List[str] = []
+        gating = [t for t in transfers if pool_name(t.name) in self._pools]
+        calls = []
         if not self.logical_anchor and keys:
-            lookups += self._kv_io().keyspace.keys(keys)
+            calls.append((self._kv_io().store, keys))
         for t in gating:
-            lookups += self._pools[_name(t.name)].keyspace.keys(keys)
-        present = self.store.exists(lookups) if lookups else []
-        off = 0
+            own = HitPolicy.parse(t.hit_policy) is HitPolicy.BLOCK_GROUPS
+            calls.append((self._pools[pool_name(t.name)].store, list(t.keys or []) if own else keys))
+        found = exists_many(calls) if calls else []
         if self.logical_anchor:
             kv_pages = len(keys)
         else:
-            kv_pages = leading_hits(present[: len(keys)])
-            off = len(keys)
+            kv_pages = leading_hits(found.pop(0))
 
-        hit_count: dict = {_KV: kv_pages} if kv_pages else {}
+        hit_count: dict = {KV: kv_pages} if kv_pages else {}
         restorable = list(range(1, kv_pages + 1))
-        per_pool = {}
-        for t in gating:
-            per_pool[id(t)] = present[off: off + len(keys)][:kv_pages]
-            off += len(keys)
+        per_pool = {id(t): present for t, present in zip(gating, found)}
         for t in transfers:
             if not restorable:
                 break
             policy = HitPolicy.parse(t.hit_policy)
-            pool_present = per_pool.get(id(t), [False] * kv_pages)  # unregistered pool: nothing
+            if policy is HitPolicy.BLOCK_GROUPS:
+                covered = block_group_pages(per_pool.get(id(t), []), int(getattr(t, "group_pages", 0) or 1),
+                                            int(getattr(t, "block_pages", 0) or 0), span_pages=len(keys))
+                if covered:
+                    hit_count[t.name] = covered
+                continue  # never gates the KV hit
+            pool_present = per_pool.get(id(t), [False] * kv_pages)[:kv_pages]  # unregistered pool: nothing
             if policy is HitPolicy.TRAILING_PAGES:
                 window = max(1, len(t.keys) if t.keys else 1)
                 stops = restorable_prefixes(pool_present, policy, window)
-            elif policy is HitPolicy.BLOCK_GROUPS:
-                group = max(1, int(getattr(t, "group_pages", 0) or 1))
-                stops = restorable_prefixes(pool_present, policy, group_pages=group)
-                if stops:
-                    hit_count[t.name] = stops[-1]
-                continue  # never gates the KV hit
             else:
                 stops = restorable_prefixes(pool_present, HitPolicy.ALL_PAGES)
             if stops:
@@ -659,17 +359,15 @@ class KVConnectStorage(HiCacheStorage):
             keep = set(stops)
             restorable = [p for p in restorable if p in keep]
         final = restorable[-1] if restorable else 0
-        return _pool_result(final, hit_count, restorable)
+        return pool_result(final, hit_count, restorable)
 
     @guarded(_per_pool_misses)
     def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         results: dict = {}
-        all_keys: List[str] = []
-        all_pages: List[Page] = []
-        plans = []
+        calls, plans = [], []
         for t in transfers:
             keys = list(t.keys or [])
-            io = self._pools.get(_name(t.name))
+            io = self._pools.get(pool_name(t.name))
             plan = None
             if io is not None and keys:
                 plan = self._safe_plan(io.plan_read, keys, t.host_indices, t.name)
@@ -677,26 +375,20 @@ class KVConnectStorage(HiCacheStorage):
                 results[t.name] = [False] * len(keys)
                 continue
             pages, finish = plan
-            plans.append((t.name, len(all_keys), len(keys), finish))
-            all_keys += io.keyspace.keys(keys)
-            all_pages += pages
-        ok = self.store.get_into(all_keys, all_pages) if all_keys else []
-        for name, start, n, finish in plans:
-            res = ok[start: start + n]
-            finish(res)
-            results[name] = res
+            calls.append((io.store, keys, pages))
+            plans.append((t.name, finish))
+        for (name, finish), ok in zip(plans, get_many(calls) if calls else []):
+            finish(ok)
+            results[name] = ok
         return results
 
     @guarded(_per_pool_misses)
     def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         results: dict = {}
-        all_keys: List[str] = []
-        all_pages: List[Page] = []
-        keep: List[Any] = []
-        spans = []
+        calls, names, keep = [], [], []
         for t in transfers:
             keys = list(t.keys or [])
-            io = self._pools.get(_name(t.name))
+            io = self._pools.get(pool_name(t.name))
             if io is not None and keys and not io.is_writer:
                 results[t.name] = [True] * len(keys)  # replicated pool: the writer rank stores it
                 continue
@@ -707,13 +399,11 @@ class KVConnectStorage(HiCacheStorage):
                 results[t.name] = [False] * len(keys)
                 continue
             pages, staged = plan
-            keep.append(staged)
-            spans.append((t.name, len(all_keys), len(keys)))
-            all_keys += io.keyspace.keys(keys)
-            all_pages += pages
-        ok = self.store.put_from(all_keys, all_pages) if all_keys else []
-        for name, start, n in spans:
-            results[name] = ok[start: start + n]
+            keep.append(staged)  # staged tensors live until the store call returned
+            calls.append((io.store, keys, pages))
+            names.append(t.name)
+        for name, ok in zip(names, put_many(calls) if calls else []):
+            results[name] = ok
         return results
 
     def _safe_plan(self, plan: Callable, keys: List[str], host_indices: Any, name: Any) -> Any:
@@ -722,14 +412,32 @@ class KVConnectStorage(HiCacheStorage):
             return plan(keys, host_indices)
         except Exception as e:  # noqa: BLE001 - one bad transfer fails only itself
             self._errors.add("plan")
-            self._rlog.error(f"plan:{_name(name)}", "kvconnect: pool %r transfer rejected: %s", _name(name), e)
+            self._rlog.error(f"plan:{pool_name(name)}", "kvconnect: pool %r transfer rejected: %s", pool_name(name), e)
             return None
 
     # -- management -------------------------------------------------------------------
     @guarded(lambda self, *a, **k: False)
     def clear(self) -> bool:
-        self.store.clear()
+        """Remove what this rank owns: its pools' key spaces, where it writes them (a reader
+        of rank-replicated KV leaves it to the writer). Other engines, tenants and ranks
+        sharing the store keep their pages."""
+        for io in self._pools.values():
+            if io.is_writer:
+                io.store.clear()
         return True
+
+    @guarded(lambda self, keys, *a, **k: [False] * len(keys))
+    def batch_delete(self, keys: List[str]) -> List[bool]:
+        """Delete these page hashes from every pool this rank writes; True where a pool held one."""
+        gone = [False] * len(keys)
+        for io in self._pools.values():
+            if io.is_writer and keys:
+                gone = [a or b for a, b in zip(gone, io.store.delete(keys))]
+        return gone
+
+    def delete(self, key: str) -> bool:
+        """One page hash (SGLang's ``HiCacheHF3FS.delete`` form)."""
+        return self.batch_delete([key])[0]
 
     def close(self) -> None:
         if self._closed:
@@ -746,7 +454,7 @@ class KVConnectStorage(HiCacheStorage):
     @guarded(lambda self, *a, **k: None)
     def get_stats(self) -> Any:
         """SGLang's ``StorageMetrics`` (pages and GB/s per batch since the last call)."""
-        cls = _storage_metrics_class()
+        cls = storage_metrics_class()
         if cls is None:
             return None
         m = cls()
@@ -764,6 +472,7 @@ class KVConnectStorage(HiCacheStorage):
     def kvconnect_stats(self) -> dict:
         """The store's counters plus the errors this adapter turned into misses."""
         return {"store": self.store.stats().as_dict(), "adapter_errors": self._errors.as_dict(),
+                "context": self.context.describe(),
                 "keyspaces": {n: io.keyspace.describe() for n, io in self._pools.items()}}
 
     def _record(self, is_get: bool, pages: int, page_nbytes: int, seconds: float) -> None:

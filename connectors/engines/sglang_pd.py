@@ -7,15 +7,15 @@ and ``failure_exception`` are SGLang's own; kvconnect supplies the control messa
 one prefill rank and one decode rank and the data plane chosen by ``KVCONNECT_PD_CONFIG``
 (see ``kvconnect.connectors.engines.pd_transport``):
 
-* ``peer_rdma``: decode registers its KV/aux/state buffers with prefill over ZMQ; prefill
+* ``direct``: decode registers its KV/aux/state buffers with prefill over ZMQ; prefill
   writes each chunk's pages one-sided into the slots decode pre-allocated (Transfer Engine),
   then the aux row, then tells decode ``Success``.
-* ``mooncake`` / ``hf3fs``: prefill does not wait for decode at all. It writes each chunk's
-  pages under room-scoped store keys, then the aux row and a completion marker, then reports
-  ``Success`` (the KV is durable in the store, its pages can be freed). Decode, whenever its
-  request arrives, waits for the marker and reads the keys straight into its slots, then
-  deletes them. Prefill deletes a room's keys after a failure and, if decode never took
-  them, ``retain_s`` after publishing.
+* ``relay`` (over any store with the ``shared`` capability): prefill does not wait for
+  decode at all. It writes each chunk's pages into the store under the room's key space,
+  then the aux row and a completion marker, then reports ``Success`` (the KV is in the
+  store, its pages can be freed). Decode, whenever its request arrives, waits for the
+  marker and reads the keys straight into its slots, then deletes them. Prefill deletes a
+  room's keys after a failure and, if decode never took them, ``retain_s`` after publishing.
 
 The ``Common*`` plumbing named above is SGLang 0.5.23's; on releases without it (0.5.17)
 ``kvconnect.connectors.engines.sglang_pd_compat`` supplies it, so this module is written once.
@@ -44,12 +44,14 @@ from sglang.srt.disaggregation.common.utils import FastQueue
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.utils.network import NetworkAddress
 
+from kvconnect.connectors.auth import token_matches
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.pd_transport import (
     ENV_CONFIG,
     BufferLayout,
     Deadlines,
+    DirectPlane,
     PDConfig,
-    PeerRdmaTransport,
     RelayKeys,
     RoomMismatch,
     StoreRelay,
@@ -59,7 +61,6 @@ from kvconnect.connectors.engines.pd_transport import (
     load_pd_config,
     room_namespace,
     state_blocks,
-    token_matches,
 )
 from kvconnect.connectors.engines.common import RateLimitedLog
 from kvconnect.connectors.engines.sglang_pd_compat import ABORT_TAG, ManagerBase, ReceiverBase, SenderBase, abort_room
@@ -165,14 +166,17 @@ class KVConnectKVManager(ManagerBase):
         self.layout = BufferLayout.from_kv_args(args)
         self._stopped = False
         self._threads: List[threading.Thread] = []
-        self.peer: Optional[PeerRdmaTransport] = None
-        self.relay: Optional[StoreRelay] = None
-        if cfg.is_relay:
-            self._check_relay_device(cfg)
-            self.relay = StoreRelay(cfg, self.layout)
-        else:
-            self.peer = PeerRdmaTransport(cfg, self.layout, self.local_ip)
-        self.session_id = self.peer.session_id if self.peer else f"{self.local_ip}:{self.rank_port}"
+        self.context = EngineContext(
+            engine="sglang-pd", tp_rank=int(getattr(self, "attn_tp_rank", 0) or 0),
+            tp_size=int(getattr(self, "attn_tp_size", 1) or 1), pp_rank=int(getattr(self, "pp_rank", 0) or 0),
+            pp_size=int(getattr(self, "pp_size", 1) or 1), dp_rank=int(getattr(self, "attn_dp_rank", 0) or 0),
+            rank_replicated=bool(is_mla_backend), page_bytes=max(1, self.layout.page_bytes), device=_kv_device())
+        # One interface, two data planes; which one is the config's, never the store's.
+        self.plane = StoreRelay(cfg, self.layout, self.context) if cfg.is_relay else \
+            DirectPlane(cfg, self.layout, self.local_ip)
+        self.relay: Optional[StoreRelay] = self.plane if isinstance(self.plane, StoreRelay) else None
+        self.direct: Optional[DirectPlane] = self.plane if isinstance(self.plane, DirectPlane) else None
+        self.session_id = self.direct.session_id if self.direct else f"{self.local_ip}:{self.rank_port}"
         self._executor = concurrent.futures.ThreadPoolExecutor(cfg.workers, thread_name_prefix="kvconnect-pd")
         # Notices that must not delay the read path (relay: "keys taken" to prefill).
         self._cleanup = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvconnect-pd-notices")
@@ -201,33 +205,6 @@ class KVConnectKVManager(ManagerBase):
             if self.relay is not None:
                 self._spawn(self._relay_reader)
 
-    @staticmethod
-    def _check_relay_device(cfg: PDConfig) -> None:
-        """The relay hands raw KV pointers to a store: hf3fs does POSIX/usrbio I/O, which cannot
-        touch GPU memory; Mooncake can only with a CUDA build that registers device memory."""
-        try:
-            from sglang.srt.runtime_context import get_device
-
-            device = str(get_device().device or "cpu")
-        except Exception:  # noqa: BLE001 - older releases: assume the common case
-            device = "cuda"
-        if device.startswith("cpu"):
-            return
-        if cfg.transport == "hf3fs":
-            from kvconnect.connectors.base import ConfigError
-
-            raise ConfigError("transport", f"'hf3fs' reads and writes KV pages with file I/O, which cannot reach "
-                              f"{device} memory", ["peer_rdma", "mooncake (with a CUDA build of Mooncake)"],
-                              where=ENV_CONFIG)
-        try:  # the -non-cuda wheel cannot register device memory; a CUDA build (any other install) can
-            from importlib.metadata import PackageNotFoundError, distribution
-
-            distribution("mooncake-transfer-engine-non-cuda")
-        except PackageNotFoundError:
-            return
-        logger.warning("kvconnect PD: the mooncake relay on %s needs a Mooncake build that registers device "
-                       "memory; mooncake-transfer-engine-non-cuda is installed, which does not", device)
-
     def _spawn(self, fn: Any, *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvconnect-pd-{fn.__name__}")
         t.start()
@@ -244,10 +221,7 @@ class KVConnectKVManager(ManagerBase):
             self._heartbeat_shutdown.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._cleanup.shutdown(wait=False, cancel_futures=True)
-        if self.peer is not None:
-            self.peer.close()
-        if self.relay is not None:
-            self.relay.close()
+        self.plane.close()
 
     # =============================================================================
     # Decode side: messages to prefill
@@ -433,7 +407,7 @@ class KVConnectKVManager(ManagerBase):
                 if chunk.state_indices:
                     blocks += state_blocks(self.layout, reg.state_ptrs, chunk.state_indices, info.dst_state_indices)
             if blocks:
-                self.peer.write(info.session, blocks)
+                self.direct.write(info.session, blocks)
             targets.append((info.endpoint, info.dst_port))
         if chunk.is_last_chunk:
             if targets:
@@ -589,7 +563,7 @@ class KVConnectKVManager(ManagerBase):
                 waiting = [e for e in self._relay_in.values() if not e.inflight and e.not_before <= now]
             if not waiting:
                 continue
-            present = self.relay.markers_present([e.keys.marker for e in waiting])
+            present = self.relay.markers_present([e.keys for e in waiting])
             for entry, ready in zip(waiting, present):
                 if ready:
                     entry.inflight = True
@@ -629,7 +603,7 @@ class KVConnectKVManager(ManagerBase):
     def _relay_fail(self, entry: _RelayRoomIn, reason: str) -> None:
         with self._relay_lock:
             self._relay_in.pop(entry.room, None)
-        self.record_failure(entry.room, f"kvconnect {self.pd_config.transport}: {reason}")
+        self.record_failure(entry.room, f"kvconnect relay: {reason}")
         self.update_status(entry.room, KVPoll.Failed)
         self.relay.discard(entry.keys)
 
@@ -719,6 +693,17 @@ class KVConnectKVReceiver(ReceiverBase):
 
 class KVConnectKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server unchanged: ``/route`` stays compatible (router, Rust registry)."""
+
+
+def _kv_device() -> str:
+    """The device SGLang's KV lives on (``cpu`` or a GPU kind): where the data plane reads
+    and writes pages."""
+    try:
+        from sglang.srt.runtime_context import get_device
+
+        return str(get_device().device or "cpu")
+    except Exception:  # noqa: BLE001 - releases without it run on GPUs
+        return "cuda"
 
 
 KV_CLASSES = {

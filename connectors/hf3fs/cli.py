@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from kvconnect.connectors.hf3fs.wal import FSYNC_POLICIES
 
@@ -40,11 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _token(path: str | None) -> str | None:
-    if path:
-        from kvconnect.connectors.hf3fs.config import read_token_file
+    """The token file's secret, else $KVCONNECT_HF3FS_TOKEN (kvconnect.connectors.auth)."""
+    from kvconnect.connectors.auth import resolve_token
 
-        return read_token_file(path, key="--token-file")
-    return os.environ.get("KVCONNECT_HF3FS_TOKEN") or None
+    return resolve_token(None, path, "hf3fs")
 
 
 def run(args: argparse.Namespace) -> int:

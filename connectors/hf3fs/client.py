@@ -28,6 +28,7 @@ from collections import deque
 from typing import Sequence
 
 from kvconnect.connectors.base import BackendUnavailable, ConfigError, KVStoreError
+from kvconnect.connectors.auth import grpc_metadata
 from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, PUT_DUP, IndexError_, NamespaceInfo, PageIndex
 
@@ -71,7 +72,7 @@ class MetadataClient:
     def validate(self, ns: str, slots: list[int], gens: list[int]) -> bytes: ...
     def exists(self, ns: str, keys: list[bytes]) -> bytes: ...
     def delete(self, ns: str, keys: list[bytes]) -> bytes: ...
-    def clear(self, ns: str) -> int: ...
+    def clear(self, ns: str, prefix: bytes = b"") -> int: ...
     def usage(self, ns: str) -> dict: ...
     def spaces(self, prefix: str) -> list[list]: ...
     def close(self) -> None: ...
@@ -107,8 +108,8 @@ class LocalMetadata(MetadataClient):
     def delete(self, ns, keys):
         return self.index.delete(ns, keys)
 
-    def clear(self, ns):
-        return self.index.clear(ns)
+    def clear(self, ns, prefix=b""):
+        return self.index.clear(ns, prefix)
 
     def usage(self, ns):
         return self.index.usage(ns)
@@ -281,7 +282,7 @@ class RemoteMetadata(MetadataClient):
         self.lease_ahead = lease_ahead
         self._down_until = 0.0
         self._lock = threading.Lock()
-        self._metadata = ((P.AUTH_HEADER, f"Bearer {token}"),) if token else ()
+        self._metadata = grpc_metadata(token)
         self._secret = token.encode() if token else b""
         self._channel = grpc.insecure_channel(address, options=[
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
@@ -667,8 +668,8 @@ class RemoteMetadata(MetadataClient):
     def delete(self, ns, keys):
         return self._call("Delete", P.pack_ns(ns) + P.join_keys(keys))
 
-    def clear(self, ns):
-        return P.I64.unpack(self._call("Clear", P.pack_ns(ns)))[0]
+    def clear(self, ns, prefix=b""):
+        return P.I64.unpack(self._call("Clear", P.pack_ns(ns) + prefix))[0]
 
     def usage(self, ns):
         return json.loads(self._call("Usage", P.pack_ns(ns)))

@@ -22,11 +22,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
+from kvconnect.connectors.auth import env_var, resolve_token
 from kvconnect.connectors.base import ConfigError
 from kvconnect.connectors.config import Size, StoreConfig, field_doc
 
 ENV_CONFIG_PATH = "SGLANG_HICACHE_HF3FS_CONFIG_PATH"
-ENV_TOKEN = "KVCONNECT_HF3FS_TOKEN"
+ENV_TOKEN = env_var("hf3fs")
 
 # SGLang extra-config keys that reach a storage backend but are not store options.
 SGLANG_PASSTHROUGH_KEYS = ("use_mock_hf3fs_client",)
@@ -97,22 +98,7 @@ class HF3FSConfig(StoreConfig):
 
     def token(self) -> str | None:
         """The shared secret: ``auth_token``, else ``auth_token_file``, else the env var."""
-        if self.auth_token:
-            return self.auth_token
-        if self.auth_token_file:
-            return read_token_file(self.auth_token_file, key="auth_token_file")
-        return os.environ.get(ENV_TOKEN) or None
-
-
-def read_token_file(path: str, key: str = "token_file") -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ConfigError(key, f"cannot read {path!r}: {e.strerror}") from e
-    if not token:
-        raise ConfigError(key, f"{path!r} is empty")
-    return token
+        return resolve_token(self.auth_token, self.auth_token_file, "hf3fs")
 
 
 def parse_meta_url(url: str) -> str:

@@ -552,8 +552,14 @@ class PageIndex:
                 self.journal.record("delete", ns, keys=gone)
         return bytes(out)
 
-    def clear(self, ns: str) -> int:
-        """Drop every confirmed key of ``ns`` (live reservations stay reserved)."""
+    def clear(self, ns: str, prefix: bytes = b"") -> int:
+        """Drop every confirmed key of ``ns`` (live reservations stay reserved); with
+        ``prefix``, only the keys that start with it (journaled as a delete of those keys)."""
+        if prefix:
+            with self.lock:
+                sp = self.spaces.get(ns)
+                keys = [k for k in sp.index if k.startswith(prefix)] if sp is not None else []
+            return sum(self.delete(ns, keys)) if keys else 0
         with self.lock:
             sp = self.spaces.get(ns)
             if sp is None:

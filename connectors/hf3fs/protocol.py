@@ -19,7 +19,7 @@ Get         ns, keys                                                 i64 slot[n]
 Validate    ns, u32 n, i64 slot[n], i64 gen[n]                       u8 ok[n]
 Exists      ns, keys                                                 u8 present[n]
 Delete      ns, keys                                                 u8 deleted[n]
-Clear       ns                                                       i64 keys removed
+Clear       ns [, key prefix: only the keys that start with it]     i64 keys removed
 Usage       ns                                                       JSON object
 Spaces      namespace prefix (utf-8)                                 JSON [[ns, pages, bytes], ...]
 Lease       ns, u32 need, u32 extra, u32 m, i64 slot[m], i64 gen[m]  f64 lease s, u32 n,
@@ -53,7 +53,6 @@ from array import array
 SERVICE = "kvconnect.hf3fs.Meta"
 METHODS = ("Initialize", "Reserve", "Commit", "Get", "Validate", "Exists", "Delete", "Clear", "Usage", "Spaces",
            "Lease", "Put", "Unlease", "Endpoint")
-AUTH_HEADER = "authorization"
 SESSION = "Session"
 METHOD_ID = {m: i for i, m in enumerate(METHODS)}
 OK, ERR = b"\x00", b"\x01"

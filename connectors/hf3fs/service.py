@@ -8,7 +8,6 @@ unless told otherwise.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import signal
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import grpc
 
+from kvconnect.connectors.auth import grpc_caller_ok, token_matches
 from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, IndexError_, PageIndex
 from kvconnect.connectors.hf3fs.wal import Journal
@@ -39,14 +39,13 @@ class MetaService:
     def __init__(self, index: PageIndex, journal: Journal | None, token: str | None):
         self.index = index
         self.journal = journal
-        self._token = f"Bearer {token}".encode() if token else None
-        self._secret = token.encode() if token else None
+        self._token = token or None
         self.tcp_port = 0  # the framed TCP listener's port, once bound (0: none)
         self.by_id = [getattr(self, m) for m in P.METHODS]
 
     def hello_ok(self, secret: bytes) -> bool:
         """Framed TCP: the token a connection presented first."""
-        return self._secret is None or hmac.compare_digest(secret, self._secret)
+        return token_matches(self._token, secret)
 
     def dispatch(self, msg: bytes) -> bytes:
         """One ``<u8 method><request>`` message -> ``<u8 OK><reply>`` or ``<u8 ERR><code>\\n<text>``
@@ -71,15 +70,8 @@ class MetaService:
     # -- auth ---------------------------------------------------------------------------
     def _check(self, context: grpc.ServicerContext) -> None:
         """gRPC: the bearer token in the call's metadata."""
-        if self._token is None:
-            return
-        for key, value in context.invocation_metadata():
-            if key == P.AUTH_HEADER:
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._token):
-                    return
-                break
-        raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "hf3fs-meta: missing or wrong token")
+        if not grpc_caller_ok(context, self._token):
+            raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "hf3fs-meta: missing or wrong token")
 
     def _commit(self) -> None:
         if self.journal is not None:
@@ -140,8 +132,8 @@ class MetaService:
         return out
 
     def Clear(self, req: bytes) -> bytes:
-        ns, _ = P.unpack_ns(req)
-        n = self.index.clear(ns)
+        ns, off = P.unpack_ns(req)
+        n = self.index.clear(ns, req[off:])
         self._commit()
         return P.I64.pack(n)
 

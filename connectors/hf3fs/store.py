@@ -18,10 +18,16 @@ uses SGLang's file and namespace (``{rank}:{pool}``); pages of another size (a h
 model's side pools sent through the same store) get their own file ``….bin.p{bytes}`` and
 namespace ``{rank}:{pool}:p{bytes}``. ``exists`` asks every lane this store knows.
 
-Context from the engine adapter (``create_store("hf3fs", options, rank=..., ...)``):
-``rank`` (TP rank), ``is_mla`` (rank-replicated KV), ``is_writer`` (default: not MLA or
-rank 0), ``tp_size``, ``pool`` (``"kv"``, ``"mamba"``, ...) and ``page_bytes`` (the
-engine's bytes per page). All optional: without them the store acts as rank 0.
+The engine's ``EngineContext`` names the file and namespace: ``data_rank`` (the TP rank,
+or the writer's for rank-replicated KV), ``pool`` (``"kv"``, ``"mamba"``, ...) and
+``page_bytes`` (the first lane). Without a context (no engine: tests, tools) the store
+takes rank 0 with a metadata service, else the first data file no other process holds.
+Which ranks write is the integration's business (``EngineContext.is_writer``): the store
+stores what it is given.
+
+Capabilities: with a metadata service the pages are shared between processes and hosts
+and durable (the index survives a restart of the engine and of the service); without one
+the index lives in this process.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
-from kvconnect.connectors.base import BackendUnavailable, ConfigError, Page, PageStore, StoreUsage
+from kvconnect.connectors.base import (BackendUnavailable, Capability, ConfigError, MissingDependency, Page, PageStore,
+                                       StoreUsage)
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from kvconnect.connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
 from kvconnect.connectors.buffers import page_checksum
@@ -115,26 +122,37 @@ class HF3FSStore(PageStore):
 
     name = "hf3fs"
     config_class = HF3FSConfig
-    zero_copy = True
+    capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.ZERO_COPY})
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None = None, **context: Any) -> "HF3FSStore":
+    def config_from_options(cls, options: Mapping[str, Any] | None = None) -> HF3FSConfig:
         """Options overlaid on SGLang's hf3fs JSON (``config_path`` / $SGLANG_HICACHE_HF3FS_CONFIG_PATH)."""
         from kvconnect.connectors.config import parse_config
 
-        config = parse_config(cls.config_class, merged_options(options), where=f"store {cls.name!r}")
-        return cls(config, **context)
+        return parse_config(cls.config_class, merged_options(options), where=f"store {cls.name!r}")
 
-    def __init__(self, config: HF3FSConfig, *, rank: int | None = None, is_mla: bool = False, is_writer: bool | None = None,
-                 tp_size: int = 1, pool: str = "kv", page_bytes: int | None = None,
-                 metadata: MetadataClient | None = None, **_context: Any):
-        super().__init__()
+    @classmethod
+    def capabilities_of(cls, config: HF3FSConfig | None) -> frozenset[Capability]:
+        have = set(cls.capabilities)
+        if config is None or not config.metadata_server_url:
+            have -= {Capability.SHARED, Capability.DURABLE}  # the index lives in this process
+        if config is not None and config.client == "usrbio" and not config.use_mock_hf3fs_client:
+            have.discard(Capability.ZERO_COPY)  # usrbio stages pages through its shared ring buffers
+        return frozenset(have)
+
+    @classmethod
+    def capability_hint(cls, capability: Capability, config: Any) -> str:
+        if capability in (Capability.SHARED, Capability.DURABLE):
+            return "set metadata_server_url to a 'kvconnect hf3fs-meta serve' service"
+        return ""
+
+    def __init__(self, config: HF3FSConfig, context: Any = None, *, metadata: MetadataClient | None = None):
+        super().__init__(context)
         self.config = config
-        self.rank = int(rank or 0)
-        self.is_mla = bool(is_mla)
-        self.file_rank = 0 if self.is_mla else self.rank
-        self.is_writer = (not self.is_mla or self.rank == 0) if is_writer is None else bool(is_writer)
-        self.pool = str(pool or "kv")
+        rank = context.data_rank if context is not None else None
+        self.file_rank = int(rank or 0)
+        self.pool = str(context.pool if context is not None else "kv")
+        page_bytes = context.page_bytes if context is not None else None
         suffix = "" if self.pool == "kv" else f".{self.pool}"
         self.path = f"{config.file_path_prefix}.{self.file_rank}.bin{suffix}"
         self._client_kind = self._choose_client()
@@ -163,8 +181,11 @@ class HF3FSStore(PageStore):
         elif config.metadata_server_url:
             from kvconnect.connectors.hf3fs.client import AuthError, RemoteMetadata
 
-            remote = RemoteMetadata(parse_meta_url(config.metadata_server_url), config.token(),
-                                    timeout=config.client_timeout, retries=config.meta_retries)
+            try:
+                remote = RemoteMetadata(parse_meta_url(config.metadata_server_url), config.token(),
+                                        timeout=config.client_timeout, retries=config.meta_retries)
+            except ImportError as e:  # grpc: the metadata service's client
+                raise MissingDependency("hf3fs", "hf3fs", e) from e
             try:
                 remote.connect()
                 remote.initialize(self.ns, 0, 0)  # authenticated round trip
@@ -179,10 +200,7 @@ class HF3FSStore(PageStore):
                 raise
             self.meta = remote
         else:
-            if self.is_mla and tp_size > 1:
-                raise ConfigError("metadata_server_url", "an MLA model with tp_size > 1 needs a metadata service: "
-                                  "every rank reads the pages rank 0 writes")
-            if rank is None and not self.is_mla:
+            if rank is None:
                 # No rank from the engine (and no service): the in-process index makes the
                 # file's old contents meaningless, so any file no other process holds will
                 # do. Take the first free one; with TP > 1 each rank gets its own, as in SGLang.
@@ -431,8 +449,6 @@ class HF3FSStore(PageStore):
         return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        if not self.is_writer:
-            return [True] * len(keys)  # MLA: the writer rank stores these very bytes
         out = [False] * len(keys)
         for size, idx in self._by_size(pages).items():
             try:
@@ -501,6 +517,14 @@ class HF3FSStore(PageStore):
         for lane in list(self._lanes.values()):
             try:
                 self.meta.clear(lane.ns)
+            except MetadataError as e:
+                self._note_error("clear", e)
+
+    def _clear_prefix(self, prefix: str) -> None:
+        self._discover_lanes()  # lanes other processes opened hold keys of the prefix too
+        for lane in list(self._lanes.values()):
+            try:
+                self.meta.clear(lane.ns, prefix.encode())
             except MetadataError as e:
                 self._note_error("clear", e)
 

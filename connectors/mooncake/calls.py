@@ -11,7 +11,7 @@ than the executor), and the most recently used idle worker takes the next call (
 so a caller that calls in sequence always meets the same, recently run thread. What
 remains is the cost of any hand-off: waking the worker and, at the end, the caller.
 Running the call on the caller's thread (``call_mode="inline"``, ``run_inline``) removes
-that; then only Mooncake's own timeouts bound the call, which ``engine_env.mooncake_timeouts`` derives
+that; then only Mooncake's own timeouts bound the call, which ``transfer_engine.mooncake_timeouts`` derives
 from ``op_timeout`` (measured bounds in ``docs/mooncake.md``).
 """
 

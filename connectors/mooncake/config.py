@@ -120,7 +120,7 @@ class MooncakeConfig(StoreConfig):
     io_threads: int = field(default=4, metadata=field_doc(
         "threads that run Mooncake calls under their deadline"))
     tp_rank: int = field(default=0, metadata=field_doc(
-        "selects this rank's devices when device_name is a JSON map"))
+        "the rank whose devices a JSON device_name map gives when no engine says its own"))
     config_path: str = field(default="", metadata=field_doc(
         f"SGLang-format JSON config file (default: ${CONFIG_PATH_ENV})"))
 
@@ -153,8 +153,9 @@ class MooncakeConfig(StoreConfig):
             raise ConfigError("staging_size", f"must be at least 1mb, got {self.staging_size}", None, WHERE)
         self.rdma_devices()  # validates a JSON device map
 
-    def rdma_devices(self) -> str:
-        """The device list Mooncake's setup takes, resolving a per-rank JSON map."""
+    def rdma_devices(self, tp_rank: int | None = None) -> str:
+        """The device list Mooncake's setup takes, resolving a per-rank JSON map by ``tp_rank``
+        (the engine's; ``self.tp_rank`` when no engine said)."""
         name = self.device_name.strip()
         if not name.startswith("{"):
             return name
@@ -165,7 +166,8 @@ class MooncakeConfig(StoreConfig):
                               "device names, comma-separated, or a JSON map {tp_rank: devices}", WHERE) from e
         if not isinstance(table, dict):
             raise ConfigError("device_name", "a JSON device map must be an object", None, WHERE)
-        value = table.get(str(self.tp_rank), table.get(self.tp_rank, ""))  # type: ignore[call-overload]
+        rank = self.tp_rank if tp_rank is None else tp_rank
+        value = table.get(str(rank), table.get(rank, ""))  # type: ignore[call-overload]
         return str(value or "")
 
 

@@ -57,7 +57,6 @@ path they are misses, failed writes or "already stored", never exceptions.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import os
@@ -66,17 +65,17 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from kvconnect.connectors.base import (BackendUnavailable, MissingDependency, Page, PageStore, StoreUsage,
-                             page_nbytes)
+from kvconnect.connectors.base import (BackendUnavailable, Capability, MissingDependency, Page, PageStore, StoreUsage,
+                                       page_nbytes)
 from kvconnect.connectors.buffers import gather_into, scatter, scatter_many
 from kvconnect.connectors.config import parse_config
 from kvconnect.connectors.mooncake import errors as mc_errors
 from kvconnect.connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
 from kvconnect.connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
-from kvconnect.connectors.mooncake.engine_env import apply_engine_defaults, apply_inline_timeouts
 from kvconnect.connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replicas
 from kvconnect.connectors.mooncake.shared_segment import SameHostSegments, SharedSegmentFile, mapping_base
-from kvconnect.connectors.mooncake.staging import StagingBuffer
+from kvconnect.connectors.transfer_engine import (RegisteredRegions, StagingMemory, apply_engine_defaults,
+                                                  apply_inline_timeouts)
 
 log = logging.getLogger("kvconnect.mooncake")
 
@@ -84,6 +83,25 @@ log = logging.getLogger("kvconnect.mooncake")
 _SETUP_ATTEMPT_S = 4.5
 _RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
 _USER_RETRIES = _RETRIES_ENV in os.environ  # a user's own choice is never overridden
+
+
+_REGEX_SPECIAL = set(".^$*+?()[]{}|\\/")
+
+
+def _registers_device_memory() -> bool:
+    """Whether the installed Mooncake can register GPU memory: any build but the -non-cuda
+    wheel (a CUDA build installs as mooncake-transfer-engine)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("mooncake-transfer-engine-non-cuda")
+    except PackageNotFoundError:
+        return True
+    try:
+        distribution("mooncake-transfer-engine")
+        return True
+    except PackageNotFoundError:
+        return False
 
 
 def _import_mooncake():
@@ -115,20 +133,35 @@ class MooncakeStore(PageStore):
 
     name = "mooncake"
     config_class = MooncakeConfig
-    zero_copy = True
+    capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.DEVICE_MEMORY, Capability.ZERO_COPY,
+                              Capability.ANY_PAGE_SIZE})
     needs_registered_memory = True
 
     # -- construction -------------------------------------------------------------
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None = None, **context: Any) -> "MooncakeStore":
+    def config_from_options(cls, options: Mapping[str, Any] | None = None) -> MooncakeConfig:
         """Options merged with ``MOONCAKE_*`` env and the SGLang config file, then validated."""
-        opts = merged_options(options)
-        if "tp_rank" in context and "tp_rank" not in opts:
-            opts["tp_rank"] = context["tp_rank"]
-        return cls(parse_config(MooncakeConfig, opts, where=WHERE))
+        return parse_config(MooncakeConfig, merged_options(options), where=WHERE)
 
-    def __init__(self, config: MooncakeConfig, **_context: Any):
-        super().__init__()
+    @classmethod
+    def capabilities_of(cls, config: MooncakeConfig | None) -> frozenset[Capability]:
+        have = set(cls.capabilities)
+        if config is not None and config.global_segment_size > 0:
+            have.discard(Capability.DURABLE)  # pages may live in this process's own segment
+        if not _registers_device_memory():
+            have.discard(Capability.DEVICE_MEMORY)
+        return frozenset(have)
+
+    @classmethod
+    def capability_hint(cls, capability: Capability, config: Any) -> str:
+        if capability is Capability.DURABLE:
+            return "lend no memory from the engine (global_segment_size=0) and run a 'kvconnect mooncake-store' process"
+        if capability is Capability.DEVICE_MEMORY:
+            return "install a CUDA build of Mooncake (mooncake-transfer-engine); the -non-cuda wheel is installed"
+        return ""
+
+    def __init__(self, config: MooncakeConfig, context: Any = None):
+        super().__init__(context)
         self.config = config
         self._Client, ReplicateConfig = _import_mooncake()
         self._replicate = ReplicateConfig()
@@ -136,7 +169,7 @@ class MooncakeStore(PageStore):
         self._inline = config.call_mode == "inline"
         self._runner = DeadlineRunner(config.io_threads, "kvc-mooncake")  # threads start on first use
         self._lock = threading.Lock()
-        self._regions: tuple[tuple[int, int], ...] = ()  # registered caller memory, (start, end), sorted
+        self._regions = RegisteredRegions()  # registered caller memory
         self._healthy = True
         self._next_probe = 0.0
         self._counts = {"timeouts": 0, "abandoned": 0, "unavailable": 0, "short_circuited": 0,
@@ -146,10 +179,10 @@ class MooncakeStore(PageStore):
         self._client = self._connect()
         if config.prefer_local_segment:  # the segment name is known only once set up
             self._replicate.preferred_segment = self._client.get_hostname()
-        self._staging = StagingBuffer(config.staging_size)
+        self._staging = StagingMemory(config.staging_size, register=lambda addr, n: self._check_rc(
+            "register staging buffer", self._client.register_buffer(addr, n)))
         try:
-            self._check_rc("register staging buffer",
-                           self._client.register_buffer(self._staging.address, self._staging.nbytes))
+            self._staging.prepare()
         except Exception:
             self._client.close()
             self._runner.close()
@@ -193,7 +226,8 @@ class MooncakeStore(PageStore):
 
     def _close_client(self) -> None:
         try:
-            self._client.unregister_buffer(self._staging.address)
+            for addr in self._staging.addresses:
+                self._client.unregister_buffer(addr)
             self._client.close()
         finally:
             self._runner.close()
@@ -203,12 +237,12 @@ class MooncakeStore(PageStore):
         probe = ReplicateConfig()
         probe.replica_num = 1
         probe.preferred_segment = self._client.get_hostname()
-        off = self._staging.acquire(PROBE_BYTES, time.monotonic() + self.config.op_timeout)
+        addr = self._staging.acquire(PROBE_BYTES, time.monotonic() + self.config.op_timeout)
         found = None
-        if off is not None:
-            release = self._staging.releaser(off)  # once the probe can no longer touch the extent
-            found = self._call("local copy probe", find_own_endpoint, self._client, probe,
-                               self._staging.address + off, on_abandoned_done=release)
+        if addr is not None:
+            release = self._staging.releaser(addr)  # once the probe can no longer touch the extent
+            found = self._call("local copy probe", find_own_endpoint, self._client, probe, addr,
+                               on_abandoned_done=release)
             if found is not None:
                 release(None)
         endpoint, why = found or (None, "no answer within op_timeout")
@@ -244,7 +278,8 @@ class MooncakeStore(PageStore):
         # a shared segment is mounted from its file after setup, not allocated by Mooncake
         segment = 0 if c.shared_segment else c.global_segment_size
         args = (c.local_hostname, c.metadata_server, segment, c.local_buffer_size,
-                c.protocol, c.rdma_devices(), c.master_server_address)
+                c.protocol, c.rdma_devices(self.context.tp_rank if self.context else None),
+                c.master_server_address)
         result: dict[str, Any] = {}
         done = threading.Event()
         gave_up = threading.Event()
@@ -293,32 +328,24 @@ class MooncakeStore(PageStore):
 
     # -- memory registration --------------------------------------------------------
     def _register_memory(self, address: int, nbytes: int) -> None:
-        end = address + nbytes
-        if any(s <= address and end <= e for s, e in self._regions):
-            return  # already covered
+        if self._regions.covers(address, nbytes):
+            return
         self._check_rc("register_buffer", self._client.register_buffer(address, nbytes))
-        with self._lock:
-            # replaced, never changed in place: the data path reads it without the lock
-            self._regions = tuple(sorted(self._regions + ((address, end),)))
+        self._regions.add(address, nbytes)
 
     def _split(self, pages: list[Page]) -> tuple[list[int] | None, list[int]]:
         """(pages for the direct path, pages for the staged path); None: all direct."""
         regions = self._regions
         if self.config.io_mode == "staged" or not regions:
             return [], list(range(len(pages)))
-        if len(regions) == 1:  # the usual case (one host pool): no search
-            lo, hi = regions[0]
+        spans = regions.spans
+        if len(spans) == 1:  # the usual case (one host pool): no search
+            lo, hi = spans[0]
             if all(lo <= a and a + n <= hi for p in pages for a, n in p):
                 return None, []
         direct, staged = [], []
         for i, p in enumerate(pages):
-            inside = True
-            for a, n in p:
-                j = bisect.bisect_right(regions, (a, math.inf)) - 1
-                if j < 0 or a + n > regions[j][1]:
-                    inside = False
-                    break
-            (direct if inside else staged).append(i)
+            (direct if regions.covers_page(p) else staged).append(i)
         return (None if not staged else direct), staged
 
     # -- calls under a deadline ---------------------------------------------------------
@@ -327,7 +354,7 @@ class MooncakeStore(PageStore):
         """``fn(*args)`` within ``op_timeout``; None if it failed or timed out.
 
         ``call_mode="worker"``: on a worker, abandoned at ``op_timeout``; ``"inline"``: on
-        this thread, bounded by Mooncake's timeouts (``engine_env.mooncake_timeouts``); a call that
+        this thread, bounded by Mooncake's timeouts (``transfer_engine.mooncake_timeouts``); a call that
         still took longer than ``op_timeout`` keeps its answer but turns the store unhealthy,
         so the next calls short-circuit instead of waiting as long.
 
@@ -587,12 +614,11 @@ class MooncakeStore(PageStore):
         for chunk in self._staged_chunks(pages, idx):
             sizes = [page_nbytes(pages[i]) for i in chunk]
             total = sum(sizes)
-            off = self._staging.acquire(total, time.monotonic() + self.config.op_timeout)
-            if off is None:
+            base = self._staging.acquire(total, time.monotonic() + self.config.op_timeout)
+            if base is None:
                 continue  # staging exhausted for the whole deadline: misses
-            release = self._staging.releaser(off)
+            release = self._staging.releaser(base)
 
-            base = self._staging.address + off
             ptrs, pos = [], base
             for n in sizes:
                 ptrs.append(pos)
@@ -615,12 +641,12 @@ class MooncakeStore(PageStore):
             self._counts["staged_pages"] += len(idx)
         for chunk in self._staged_chunks(pages, idx):
             sizes = [page_nbytes(pages[i]) for i in chunk]
-            off = self._staging.acquire(sum(sizes), time.monotonic() + self.config.op_timeout)
-            if off is None:
+            base = self._staging.acquire(sum(sizes), time.monotonic() + self.config.op_timeout)
+            if base is None:
                 continue
-            release = self._staging.releaser(off)
+            release = self._staging.releaser(base)
 
-            ptrs, pos = [], self._staging.address + off
+            ptrs, pos = [], base
             for i, n in zip(chunk, sizes):
                 gather_into(pages[i], pos)
                 ptrs.append(pos)
@@ -670,10 +696,21 @@ class MooncakeStore(PageStore):
                 return
             time.sleep(0.1)
 
+    def _clear_prefix(self, prefix: str) -> None:
+        """Remove the objects whose keys start with ``prefix`` (``remove_by_regex``), waiting
+        out readers' leases for up to ``lease_wait`` as ``clear`` does."""
+        pattern = "^" + "".join("\\" + c if c in _REGEX_SPECIAL else c for c in prefix)
+        deadline = time.monotonic() + self.config.lease_wait
+        while True:
+            n = self._call("remove_by_regex", self._client.remove_by_regex, pattern, False)
+            if n is None or time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
+
     def _usage(self) -> StoreUsage:
         with self._lock:
             extra = dict(self._counts, healthy=self._healthy, abandoned_running=self._runner.abandoned,
-                         registered_bytes=sum(e - s for s, e in self._regions),
+                         registered_bytes=self._regions.nbytes,
                          staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
                          call_mode=self.config.call_mode, local_copy_endpoint=self._own_endpoint,
                          shared_segment=self._shared_file.path if self._shared_file else None,
@@ -688,16 +725,14 @@ class MooncakeStore(PageStore):
     def _close(self) -> None:
         self._runner.close()
         busy = self._runner.abandoned
-        with self._lock:
-            regions, self._regions = self._regions, ()
+        regions = self._regions.clear()
         if busy:
             # Closing the client under a running call is undefined in Mooncake: leak it.
             log.warning("mooncake: %d abandoned calls still running at close; client left open", busy)
             return
         try:
-            for start, _ in regions:
+            for start in regions + self._staging.addresses:
                 self._client.unregister_buffer(start)
-            self._client.unregister_buffer(self._staging.address)
             self._client.close()
         except Exception as e:  # noqa: BLE001 - closing is best effort
             log.warning("mooncake: close: %s", e)

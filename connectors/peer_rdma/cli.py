@@ -1,7 +1,7 @@
 """``kvconnect peer``: run a memory-only pool node, or ask a node for its state.
 
     kvconnect peer serve --discovery-addr 10.0.0.1:31998 --global-segment-size 16gb \\
-        --bind-host 10.0.0.2 --metrics-port 31997
+        --bind-host 10.0.0.2 --metrics-port 31997 --metrics-bind-host 10.0.0.2
     kvconnect peer status 10.0.0.2:31998          # members and counters (JSON)
 
 Any ``PeerRdmaConfig`` key can be given as ``--set key=value`` (or ``--config JSON``).
@@ -17,8 +17,7 @@ import sys
 import threading
 
 _FLAGS = ("discovery_addr", "bind_host", "local_hostname", "control_port", "global_segment_size",
-          "protocol", "device_name", "device_names", "disk_path", "disk_size", "metrics_port",
-          "metrics_bind_host", "auth_token")
+          "protocol", "device_name", "device_names", "disk_path", "disk_size", "auth_token")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f = fields[key]  # one source of truth for option docs: the config dataclass
         s.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
                        help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: any free port; default: none)")
+    s.add_argument("--metrics-bind-host", default="127.0.0.1", help="address /metrics binds (default 127.0.0.1)")
     s.add_argument("--config", default=None, help="JSON object of options (the SGLang extra-config form)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other option")
     s.add_argument("--ready-file", default=None, help="write the node id here once joined (scripts, tests)")
@@ -58,12 +60,10 @@ def options_from_args(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.peer_command == "status":
-        import os
-
+        from kvconnect.connectors.auth import resolve_token
         from kvconnect.connectors.peer_rdma.rpc import Clients
 
-        c = Clients(args.token if args.token is not None else os.environ.get("KVCONNECT_PEER_TOKEN", ""),
-                    args.timeout)
+        c = Clients(resolve_token(args.token, None, "peer") or "", args.timeout)
         try:
             print(json.dumps(c.call(args.address, "Stats", []), indent=2, sort_keys=True))
         finally:
@@ -74,10 +74,15 @@ def run(args: argparse.Namespace) -> int:
 
     store = create_store("peer_rdma", options_from_args(args))
     node = store.node
+    port = None
+    if args.metrics_port is not None:
+        from kvconnect.connectors import metrics
+
+        metrics.export_store(store, node=node.node_id)
+        port = metrics.serve_metrics(args.metrics_port, host=args.metrics_bind_host)
     print(f"peer node {node.node_id} up: te={node.transport.name} segment={node.config.global_segment_size} "
           f"members={len(node.view.members)}"
-          + (f" metrics=http://{node.config.metrics_bind_host}:{store.metrics_port}/metrics"
-             if store.metrics_port else ""), flush=True)
+          + (f" metrics=http://{args.metrics_bind_host}:{port}/metrics" if port else ""), flush=True)
     if args.ready_file:
         with open(args.ready_file + ".tmp", "w") as f:
             f.write(node.node_id)

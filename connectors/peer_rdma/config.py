@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,9 +39,8 @@ class PeerRdmaConfig(StoreConfig):
     timeout: float = field(default=7.0, metadata=field_doc(
         "bound on one read/write call (s); >= 4*rpc_timeout + 5 (5: the Transfer Engine's minimum)"))
     auth_token: str = field(default="", metadata=field_doc(
-        "shared secret on every RPC (default: $KVCONNECT_PEER_TOKEN)"))
-    metrics_port: int = field(default=-1, metadata=field_doc("Prometheus port (-1: no endpoint, 0: any)"))
-    metrics_bind_host: str = field(default="127.0.0.1", metadata=field_doc("Prometheus bind address"))
+        "shared secret on every RPC (else auth_token_file, else $KVCONNECT_PEER_TOKEN)"))
+    auth_token_file: str = field(default="", metadata=field_doc("file holding the shared secret"))
     bounce_buffer_size: Size = field(default=256 << 20, metadata=field_doc(
         "registered staging memory for remote reads (and writes from unregistered memory), "
         "in chunks of up to 64 MiB made on first use"))
@@ -82,7 +80,9 @@ class PeerRdmaConfig(StoreConfig):
 
     @property
     def token(self) -> str:
-        return self.auth_token or os.environ.get("KVCONNECT_PEER_TOKEN", "")
+        from kvconnect.connectors.auth import resolve_token
+
+        return resolve_token(self.auth_token, self.auth_token_file, "peer") or ""
 
     @property
     def devices(self) -> str:

@@ -137,11 +137,11 @@ class DiskTier:
             except OSError:
                 pass
 
-    def clear(self) -> None:
+    def clear(self, prefix: str = "") -> None:
         with self._lock:
-            keys = list(self._index)
-            self._index.clear()
-            self.used = 0
+            keys = [k for k in self._index if k.startswith(prefix)]
+            for k in keys:
+                self.used -= self._index.pop(k)[0]
         for k in keys:
             try:
                 os.unlink(self._file(k))

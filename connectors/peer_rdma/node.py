@@ -28,22 +28,18 @@ from typing import Any
 from kvconnect.connectors.base import Page, page_nbytes
 from kvconnect.connectors.buffers import gather_into, scatter
 from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
+from kvconnect.connectors.peer_rdma.counters import COUNTERS
 from kvconnect.connectors.peer_rdma.membership import Member, Membership, View
 from kvconnect.connectors.peer_rdma.placement import owners
 from kvconnect.connectors.peer_rdma.rpc import Clients, RpcError, serve
 from kvconnect.connectors.peer_rdma.segment import Segment, Slot, checksum_at, checksum_page
+from kvconnect.connectors.transfer_engine import EngineClient, StagingMemory
 
 log = logging.getLogger(__name__)
 
 # directory entry fields (a list on the wire)
 HOLDER, INC, OFF, LEN, SEQ, CSUM, RESIDENT = range(7)
 
-COUNTERS = ("write_requests", "writes_stored", "write_failures", "bytes_written", "read_requests",
-            "read_hits", "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses",
-            "read_failures", "read_timeouts", "read_stale", "bytes_read", "exists_requests",
-            "exists_hits", "evictions", "promotes", "directory_republishes", "publish_failures",
-            "rpc_failures", "bounce_reads", "staged_reads", "write_timeouts", "write_transfer_failures",
-            "write_spills")
 
 
 class Latency:
@@ -108,10 +104,15 @@ class PeerNode:
         self._last_view: View | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-io")
 
-        from kvconnect.connectors.peer_rdma.transport import Transport
-
         self.segment = Segment(c.global_segment_size, on_evict=self._on_evict, populate=c.populate_segment)
-        self.transport = Transport(self.hostname, c.protocol, c.devices, c.transfer_timeout, c.bounce_buffer_size)
+        self.transport = EngineClient(self.hostname, c.protocol, c.devices, user="peer_rdma", extra="peer",
+                                      transfer_timeout_s=c.transfer_timeout)
+        # Registered chunks that remote pages are read through (and unregistered pages
+        # written from), made on first use; kept for the life of the process, retired ones
+        # too: a transfer given up on may still land in one.
+        chunk = max(1 << 20, min(64 << 20, c.bounce_buffer_size))
+        self.staging = StagingMemory(max(1, c.bounce_buffer_size // chunk) * chunk, register=self.transport.register,
+                                     arena_bytes=chunk, populate=True)
         if c.global_segment_size:
             self.transport.register(self.segment.base, c.global_segment_size)
         self.disk = None
@@ -341,22 +342,25 @@ class PeerNode:
         self.count(promotes=1)
         return slot
 
-    def _h_clear(self, _req: Any) -> list:
-        self._clear_local()
+    def _h_clear(self, req: Any) -> list:
+        self._clear_local(req if isinstance(req, str) else "")
         return []
 
     def _h_stats(self, _req: Any) -> dict:
         return self.metrics()
 
-    def _clear_local(self) -> None:
-        dropped = self.segment.clear()
+    def _clear_local(self, prefix: str = "") -> None:
+        """Drop this node's pages and directory entries (of keys starting with ``prefix``)."""
+        dropped = self.segment.clear(prefix)
         with self._dlock:
-            self._dir.clear()
-            self._dir_by_holder.clear()
+            for key in [k for k in self._dir if k.startswith(prefix)]:
+                entry = self._dir.pop(key)
+                self._dir_by_holder.get(entry[HOLDER], set()).discard(key)
         with self._lclock:
-            self._loc_cache.clear()
+            for key in [k for k in self._loc_cache if k.startswith(prefix)]:
+                del self._loc_cache[key]
         if self.disk is not None:
-            self.disk.clear()
+            self.disk.clear(prefix)
         # Owners clear their shards too, but a re-publish taken from a snapshot before this
         # clear (re-homing after a view change) can still arrive there afterwards: a drop
         # per slot generation leaves a tombstone that refuses it.
@@ -770,9 +774,9 @@ class PeerNode:
         self._read_staged(member, items, pages, out)
 
     def _read_staged(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
-        staging = self.transport.staging
+        staging = self.staging
         self.count(staged_reads=len(items))
-        cap = staging.chunk_bytes
+        cap = staging.arena_bytes
         groups: list[list[tuple[tuple[int, list], int]]] = []
         used = cap
         for item in items:
@@ -791,7 +795,7 @@ class PeerNode:
             # start as many chunks as we can borrow (all of them when the pool is idle) ...
             wave = []
             while g < len(groups):
-                addr = staging.borrow(timeout=0 if wave else max(0.0, deadline - time.monotonic()))
+                addr = staging.acquire(cap, time.monotonic() if wave else deadline)
                 if addr is None:
                     break
                 grp = groups[g]
@@ -817,7 +821,7 @@ class PeerNode:
                     self.count(**{"read_timeouts" if time.monotonic() - t0 >= self.config.transfer_timeout * 0.9
                                   else "read_failures": 1})
                 else:
-                    staging.give_back(addr)
+                    staging.release(addr)
                 if stale[0]:
                     self.count(read_stale=stale[0])
 
@@ -1020,8 +1024,8 @@ class PeerNode:
                               else "write_transfer_failures": 1})
             commits += [[tok, sums[j] if rc == 0 else None] for j, (i, n, tok, off) in enumerate(direct)]
         if bounced:
-            bounce = self.transport.staging.borrow(timeout=max(0.0, deadline - time.monotonic()))
-            cap = self.transport.staging.chunk_bytes
+            cap = self.staging.arena_bytes
+            bounce = self.staging.acquire(cap, deadline)
             if bounce is None:
                 bounced = []
             try:
@@ -1044,7 +1048,7 @@ class PeerNode:
                     commits += [[t[2], checksum_at(bounce + o, t[1]) if ok else None] for t, o in chunk]
             finally:
                 if bounce is not None:
-                    self.transport.staging.give_back(bounce)
+                    self.staging.release(bounce)
         try:
             results = self.clients.call(member.node_id, "Commit", commits,
                                         min(2 * self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
@@ -1093,11 +1097,12 @@ class PeerNode:
                                  min(self.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
         return out
 
-    def clear(self) -> None:
-        self._clear_local()
+    def clear(self, prefix: str = "") -> None:
+        """Every node drops its pages (of keys starting with ``prefix``) and directory entries."""
+        self._clear_local(prefix)
         others = [m for m in self.view.members if m != self.node_id]
         # each node also announces its drops to the owners: more than one control call's time
-        self.clients.fan_out({m: [] for m in others}, "Clear", self.config.timeout)
+        self.clients.fan_out({m: prefix or [] for m in others}, "Clear", self.config.timeout)
 
     def register_memory(self, address: int, nbytes: int) -> None:
         self.transport.register(address, nbytes)

@@ -2,13 +2,13 @@
 
 No generated stubs and no protoc: each method is registered through a generic handler
 whose (de)serialisers are msgpack, so adding a method is one entry in a dict. Every call
-carries the shared token in the ``x-kvconnect-token`` metadata; a server with a token
-refuses calls without the same token (UNAUTHENTICATED) before any handler runs.
+carries the shared token as kvconnect's control planes do (``kvconnect.connectors.auth``:
+``authorization: Bearer <token>``); a server with a token refuses calls without the same
+token (UNAUTHENTICATED) before any handler runs.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 from concurrent import futures
@@ -17,10 +17,11 @@ from typing import Any, Callable, Mapping
 import grpc
 import msgpack
 
+from kvconnect.connectors.auth import grpc_caller_ok, grpc_metadata
+
 log = logging.getLogger(__name__)
 
 SERVICE = "kvconnect.peer.Peer"
-TOKEN_HEADER = "x-kvconnect-token"
 
 _CHANNEL_OPTIONS = [
     # A peer that comes back (rejoin after kill -9 or a healed partition) must be reachable
@@ -53,18 +54,10 @@ class RpcError(Exception):
 def serve(handlers: Mapping[str, Callable[[Any], Any]], host: str, port: int, token: str,
           workers: int = 32) -> tuple[grpc.Server, int]:
     """Start a gRPC server exposing ``handlers`` (name -> fn(request) -> response)."""
-    expected = token.encode()
-
     def wrap(name: str, fn: Callable[[Any], Any]):
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
-            if expected:
-                got = ""
-                for k, v in context.invocation_metadata():
-                    if k == TOKEN_HEADER:
-                        got = v
-                        break
-                if not hmac.compare_digest(got.encode(), expected):
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing token")
+            if not grpc_caller_ok(context, token):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing token")
             try:
                 return fn(request)
             except Exception as e:  # noqa: BLE001 - an error becomes a status, never a dead server
@@ -93,7 +86,7 @@ class Clients:
         self.on_reply: Callable[[str], None] | None = None  # any answer proves the peer is alive
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, dict[str, Any]]] = {}
-        self._metadata = ((TOKEN_HEADER, token),) if token else ()
+        self._metadata = grpc_metadata(token)
         self._pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="peer-call")
         self._member_pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-hb")
 

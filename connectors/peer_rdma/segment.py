@@ -236,15 +236,15 @@ class Segment:
             self._alloc.free(slot.offset, slot.length)
             return slot
 
-    def clear(self) -> list[tuple[str, Slot]]:
-        """Drop every slot; returns them. Blocks reserved and not committed stay allocated: a
-        one-sided write into one may be in flight (or land late), so it must not be handed
-        out again."""
+    def clear(self, prefix: str = "") -> list[tuple[str, Slot]]:
+        """Drop every slot (of keys starting with ``prefix``); returns them. Blocks reserved
+        and not committed stay allocated: a one-sided write into one may be in flight (or
+        land late), so it must not be handed out again."""
         with self._lock:
-            items = list(self._slots.items())
-            for _, slot in items:
+            items = [(k, s) for k, s in self._slots.items() if k.startswith(prefix)]
+            for key, slot in items:
                 self._alloc.free(slot.offset, slot.length)
-            self._slots.clear()
+                del self._slots[key]
             return items
 
     def items(self) -> list[tuple[str, Slot]]:

@@ -5,20 +5,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvconnect.connectors.base import Page, PageStore, StoreUsage
+from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage
 from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
+from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS, GAUGES
 
 log = logging.getLogger(__name__)
 
-# Prometheus: counters (``kvconnect_peer_<name>_total``) and gauges (``kvconnect_peer_<name>``)
-PROM_COUNTERS = ("write_requests", "bytes_written", "write_failures", "read_requests", "read_hits",
-                 "read_local_hits", "read_remote_hits", "read_disk_hits", "read_misses", "read_failures",
-                 "read_timeouts", "read_stale", "bytes_read", "exists_requests", "exists_hits", "evictions",
-                 "promotes", "directory_republishes", "publish_failures", "rpc_failures", "bounce_reads",
-                 "write_timeouts", "write_transfer_failures", "staged_reads", "write_spills",
-                 "disk_writes", "disk_evictions")
-PROM_GAUGES = ("members", "pool_keys", "pool_bytes_used", "pool_capacity_bytes", "directory_entries",
-               "disk_keys", "disk_bytes_used")
+# Prometheus: the node's counters (``kvconnect_peer_<name>_total``) and gauges (``kvconnect_peer_<name>``)
+PROM_COUNTERS = COUNTERS + DISK_COUNTERS
+PROM_GAUGES = GAUGES
 
 
 class PeerRdmaStore(PageStore):
@@ -30,21 +25,16 @@ class PeerRdmaStore(PageStore):
 
     name = "peer_rdma"
     config_class = PeerRdmaConfig
-    zero_copy = True
+    # pages live in the lending nodes' memory: shared while they run, gone with them
+    capabilities = frozenset({Capability.SHARED, Capability.ZERO_COPY, Capability.ANY_PAGE_SIZE})
     needs_registered_memory = True  # registered pages are read in place; others via a bounce buffer
 
-    def __init__(self, config: PeerRdmaConfig | None = None, **context: Any):
-        super().__init__()
+    def __init__(self, config: PeerRdmaConfig | None = None, context: Any = None):
+        super().__init__(context)
         from kvconnect.connectors.peer_rdma.node import PeerNode
 
         self.config = config or PeerRdmaConfig()
         self.node = PeerNode(self.config)
-        self.metrics_port: int | None = None
-        if self.config.metrics_port >= 0:
-            from kvconnect.connectors.metrics import export_store, serve_metrics
-
-            export_store(self, node=self.node.node_id)
-            self.metrics_port = serve_metrics(self.config.metrics_port, host=self.config.metrics_bind_host)
 
     # -- primitives ------------------------------------------------------------------
     def _exists(self, keys: list[str]) -> list[bool]:
@@ -61,6 +51,9 @@ class PeerRdmaStore(PageStore):
 
     def _clear(self) -> None:
         self.node.clear()
+
+    def _clear_prefix(self, prefix: str) -> None:
+        self.node.clear(prefix)
 
     def _register_memory(self, address: int, nbytes: int) -> None:
         self.node.register_memory(address, nbytes)

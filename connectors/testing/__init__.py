@@ -11,6 +11,7 @@
   that run a test module inside one;
 * ``hf3fs``: the HF3FS metadata service as a process;
 * ``sglang``: real SGLang host KV pools on CPU, page contents, storage configs;
+* ``ranks``: several SGLang rank processes (real host pools) sharing one store;
 * ``pd``: the PD role driver (a prefill or decode process on CPU) and the relay's store services;
 * ``peer``: peer-pool node processes driven by JSON lines;
 * ``lmcache``: ``lmcache server`` processes with the kvconnect plugin and LMCache's engine client.

@@ -288,7 +288,7 @@ def _holder_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from mooncake.store import MooncakeDistributedStore
 
-    from kvconnect.connectors.mooncake.engine_env import apply_engine_defaults
+    from kvconnect.connectors.transfer_engine import apply_engine_defaults
 
     apply_engine_defaults()  # the TCP queue limits every engine kvconnect starts gets
     s = MooncakeDistributedStore()

@@ -413,18 +413,21 @@ class Node:
         if self.relay_rooms:  # every key a relayed room could have used, still in the store?
             from kvconnect.connectors.engines.pd_transport import room_namespace
 
-            names = []
+            rooms = []
             counts = [1] * len(m.layout.state_ptrs)  # the driver sends one state item per component
             for room, npages, ip, port in self.relay_rooms:
                 ns = room_namespace(m.pd_config.key_prefix, ip, port, room)
-                names += m.relay.keys(ns, npages, counts).all()
+                keys = m.relay.keys(ns, npages, counts)
+                rooms.append((m.relay.room(keys), keys.all()))
             # Cleanup runs in the background (a store may keep a leased key a while): wait for it,
             # bounded, then look once (an exists() probe may itself renew a Mooncake lease).
             end = time.monotonic() + 40
             while not m.relay.cleaner.idle and time.monotonic() < end:
                 time.sleep(0.1)
             out["cleaner_idle"] = m.relay.cleaner.idle
-            out["store_keys_left"] = sum(m.relay.store.exists(names))
+            from kvconnect.connectors.views import exists_many
+
+            out["store_keys_left"] = sum(sum(found) for found in exists_many(rooms))
         return out
 
 

@@ -152,7 +152,15 @@ class WorkerNode:
         # the host pool first: importing sglang takes seconds of GIL, which would stall
         # the node's heartbeats had it already joined
         self.pages = HostPages(spec.get("host_pool"))
-        self.store = create_store("peer_rdma", spec["options"])
+        options = dict(spec["options"])
+        self.metrics_port = options.pop("metrics_port", None)  # the process's /metrics, as an engine serves it
+        self.metrics_host = options.pop("metrics_bind_host", "127.0.0.1")
+        self.store = create_store("peer_rdma", options)
+        if self.metrics_port is not None:
+            from kvconnect.connectors import metrics
+
+            metrics.export_store(self.store, node=self.store.node.node_id)
+            self.metrics_port = metrics.serve_metrics(self.metrics_port, host=self.metrics_host)
         if spec.get("register", True):
             self.store.register_memory(*self.pages.region())
         self.timeout = self.store.config.timeout
@@ -187,8 +195,8 @@ class WorkerNode:
         m = self.store.node.metrics()
         m["node_id"] = self.store.node.node_id
         m["view"] = self.store.node.view.ids
-        if self.store.metrics_port:
-            url = f"http://{self.store.config.metrics_bind_host}:{self.store.metrics_port}/metrics"
+        if self.metrics_port:
+            url = f"http://{self.metrics_host}:{self.metrics_port}/metrics"
             m["prometheus"] = urllib.request.urlopen(url, timeout=5).read().decode()
         return m
 

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvconnect.connectors.base import BackendUnavailable, Page, PageStore, StoreUsage
+from kvconnect.connectors.base import BackendUnavailable, Capability, Page, PageStore, StoreUsage
 from kvconnect.connectors.config import Size, StoreConfig, field_doc
 from kvconnect.connectors.memory import MemoryStore, MemoryStoreConfig
 
@@ -46,9 +46,21 @@ class FaultyStore(PageStore):
     name = "faulty"
     config_class = FaultyStoreConfig
 
+    @classmethod
+    def capabilities_of(cls, config: FaultyStoreConfig | None) -> frozenset[Capability]:
+        """The wrapped store's."""
+        from kvconnect.connectors.registry import store_class
+
+        config = config or cls.config_class()
+        inner = store_class(config.inner)
+        return inner.capabilities_of(inner.config_from_options(config.inner_options))
+
+    def supports(self, capability: Capability | str) -> bool:
+        return self.inner.supports(capability)
+
     def __init__(self, config: FaultyStoreConfig | None = None, context: Any = None, *,
                  inner: PageStore | None = None):
-        super().__init__()
+        super().__init__(context)
         self.config = config or type(self).config_class()
         if inner is None:
             from kvconnect.connectors.registry import create_store
@@ -88,6 +100,10 @@ class FaultyStore(PageStore):
     def _clear(self) -> None:
         self._fault("clear")
         self.inner.clear()
+
+    def _clear_prefix(self, prefix: str) -> None:
+        self._fault("clear")
+        self.inner.clear_prefix(prefix)
 
     def _usage(self) -> StoreUsage:
         s = self.inner.stats()
@@ -136,6 +152,16 @@ class SharedMemoryStore(FaultyStore):
 
     name = "shared-memory"
     config_class = SharedMemoryConfig  # type: ignore[assignment]
+    # shared by the instances of one process: what a test of several engine ranks in one
+    # process needs from a shared store
+    capabilities = frozenset({Capability.SHARED, Capability.ANY_PAGE_SIZE})
+
+    @classmethod
+    def capabilities_of(cls, config: SharedMemoryConfig | None) -> frozenset[Capability]:
+        return cls.capabilities
+
+    def supports(self, capability: Capability | str) -> bool:
+        return Capability(capability) in self.capabilities
 
     def __init__(self, config: SharedMemoryConfig | None = None, context: Any = None):
         config = config or SharedMemoryConfig()

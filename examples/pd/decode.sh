@@ -2,7 +2,7 @@
 # Terminal 2: the decode server (GPU 1). Same KVCONNECT_PD_CONFIG transport as prefill.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export KVCONNECT_PD_CONFIG="${KVCONNECT_PD_CONFIG:-$HERE/peer_rdma.json}"
+export KVCONNECT_PD_CONFIG="${KVCONNECT_PD_CONFIG:-$HERE/direct.json}"
 export SGLANG_HOST_IP="${SGLANG_HOST_IP:-127.0.0.1}"
 MODEL="${MODEL:-Qwen/Qwen2.5-1.5B-Instruct}"
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Terminal 1: the prefill server of the seed's 1P1D deployment (experiment 6), with kvconnect
 # as the PD transfer backend. GPU 0. Pick the transport with KVCONNECT_PD_CONFIG (a JSON
-# text or a file; see peer_rdma.json, mooncake.json, hf3fs.json next to this script).
+# text or a file; see direct.json, relay_mooncake.json, relay_hf3fs.json next to this script).
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-export KVCONNECT_PD_CONFIG="${KVCONNECT_PD_CONFIG:-$HERE/peer_rdma.json}"
+export KVCONNECT_PD_CONFIG="${KVCONNECT_PD_CONFIG:-$HERE/direct.json}"
 export SGLANG_HOST_IP="${SGLANG_HOST_IP:-127.0.0.1}"
 MODEL="${MODEL:-Qwen/Qwen2.5-1.5B-Instruct}"
 

@@ -8,6 +8,7 @@ tests/integration/test_hf3fs.py::test_usrbio_client_on_3fs_mount).
 
 import pytest
 
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.hf3fs.config import HF3FSConfig
 from kvconnect.connectors.hf3fs.store import HF3FSStore
 from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance
@@ -89,4 +90,4 @@ class TestHF3FSService(TestHF3FSLocalIndex):
 
     def make_store(self):
         rank = abs(hash(str(self.dir))) % 1_000_000
-        return HF3FSStore(HF3FSConfig(**self.store_options()), rank=rank)
+        return HF3FSStore(HF3FSConfig(**self.store_options()), EngineContext(tp_rank=rank, tp_size=rank + 1))

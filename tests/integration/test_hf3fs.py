@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from kvconnect.connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
+from kvconnect.connectors.base import BackendUnavailable, Capability, ConfigError, MissingCapability, UnknownConfigKey
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.buffers import HostBuffer
 from kvconnect.connectors.hf3fs.client import LocalMetadata
 from kvconnect.connectors.hf3fs.config import HF3FSConfig
@@ -472,7 +473,7 @@ def test_file_size_holding_no_page(tmp_path):
 
 def test_file_size_holding_no_page_from_engine_context(tmp_path):
     with pytest.raises(ConfigError, match="file_size"):
-        create_store("hf3fs", store_opts(tmp_path, file_size=1000), page_bytes=4096)
+        create_store("hf3fs", store_opts(tmp_path, file_size=1000), context=EngineContext(page_bytes=4096))
 
 
 def test_unwritable_path(tmp_path):
@@ -530,15 +531,17 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
 
 def test_second_process_on_a_file_without_service(tmp_path):
     """Without a metadata service a file belongs to one process: a second process naming
-    the same rank is refused; one without a rank (the SGLang adapter passes none) takes
-    the next free file, as SGLang's per-rank files with a local index would."""
+    the same rank is refused; one without an engine context (a tool, a test) takes the
+    next free file, as SGLang's per-rank files with a local index would."""
     opts = store_opts(tmp_path)
-    s = create_store("hf3fs", opts, rank=0)
+    s = create_store("hf3fs", opts, context=EngineContext())
     try:
         code = ("import sys; sys.path.insert(0, %r)\n"
                 "from kvconnect.connectors.registry import create_store\n"
                 "from kvconnect.connectors.base import ConfigError\n"
-                "try:\n    create_store('hf3fs', %r, rank=0)\nexcept ConfigError as e:\n    print('refused', e)\n"
+                "from kvconnect.connectors.context import EngineContext\n"
+                "try:\n    create_store('hf3fs', %r, context=EngineContext())\nexcept ConfigError as e:\n"
+                "    print('refused', e)\n"
                 "t = create_store('hf3fs', %r)\nprint('took', t.path)\nt.close()\n") % (str(ROOT), opts, opts)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert "refused" in r.stdout and "metadata_server_url" in r.stdout, r.stdout + r.stderr
@@ -566,25 +569,26 @@ def test_usrbio_client_on_3fs_mount(tmp_path):
 
 
 def test_mla_ranks_share_the_writer_ranks_file(tmp_path, meta):
-    """MLA (rank-replicated KV): every rank uses file .0.bin and namespace 0:kv; only the
-    writer rank writes, the others read its pages. Without a service and TP > 1 it is refused."""
+    """MLA (rank-replicated KV): every rank uses file .0.bin and namespace 0:kv and reads
+    what the writer rank wrote (which rank writes is the integration's: the store stores
+    what it is given). Without a service the store is not shared: an integration that needs
+    that is refused, naming the capability and the key that gives it."""
     opts = store_opts(tmp_path, meta)
-    writer = create_store("hf3fs", opts, rank=0, is_mla=True, tp_size=2, page_bytes=PAGE)
-    reader = create_store("hf3fs", opts, rank=1, is_mla=True, tp_size=2, page_bytes=PAGE)
+    ctx = [EngineContext(tp_rank=r, tp_size=2, rank_replicated=True, page_bytes=PAGE) for r in range(2)]
+    writer = create_store("hf3fs", opts, context=ctx[0])
+    reader = create_store("hf3fs", opts, context=ctx[1])
     try:
         assert writer.path == reader.path and writer.path.endswith("hicache.0.bin")
-        assert not reader.is_writer and writer.is_writer
+        assert ctx[0].is_writer and not ctx[1].is_writer
         keys = keyset(8)
-        assert write_pages(reader, keys) == [True] * 8  # the writer rank stores these bytes
-        assert reader.exists(keys) == [False] * 8  # ... so nothing was written by rank 1
         assert write_pages(writer, keys) == [True] * 8
         ok, data = read_pages(reader, keys)
         assert ok == [True] * 8 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 8
     finally:
         writer.close()
         reader.close()
-    with pytest.raises(ConfigError, match="metadata_server_url"):
-        create_store("hf3fs", store_opts(tmp_path / "local"), rank=1, is_mla=True, tp_size=2)
+    with pytest.raises(MissingCapability, match="'shared'.*metadata_server_url"):
+        create_store("hf3fs", store_opts(tmp_path / "local"), context=ctx[1], require=[Capability.SHARED])
 
 
 def test_second_page_size_gets_its_own_file_and_is_found_by_other_processes(tmp_path, meta):
@@ -804,7 +808,7 @@ def test_auto_write_mode(tmp_path):
 
     for i, (opts, staged) in enumerate([({"numjobs": 3}, usable_cpus() >= 2), ({"numjobs": 1}, False),
                                         ({"numjobs": 3, "posix_files": 2}, False)]):
-        s = create_store("hf3fs", store_opts(tmp_path / str(i), **opts), page_bytes=PAGE)
+        s = create_store("hf3fs", store_opts(tmp_path / str(i), **opts), context=EngineContext(page_bytes=PAGE))
         try:
             f = s._primary.file
             assert all((p.stage_bytes > 0) == staged for p in getattr(f, "files", [f]))

@@ -26,7 +26,7 @@ import pytest
 
 from kvconnect.connectors.base import BackendUnavailable
 from kvconnect.connectors.buffers import HostBuffer
-from kvconnect.connectors.mooncake.engine_env import mooncake_timeouts
+from kvconnect.connectors.transfer_engine import mooncake_timeouts
 from kvconnect.connectors.testing.mooncake import MasterProcess
 from kvconnect.connectors.testing.processes import child_env
 from kvconnect.connectors.registry import create_store
@@ -620,7 +620,7 @@ def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_clust
     """8192 segments in one put and one get, all crossing TCP to another process. Mooncake's
     TCP transport queues 1024 + 1024 transfers per peer by default and fails the rest at once
     (measured: most of such a batch came back TRANSFER_FAIL); kvconnect raises both limits
-    before its engine starts (connectors/mooncake/engine_env.py), so every page lands."""
+    before its engine starts (connectors/transfer_engine.py), so every page lands."""
     mooncake_cluster.start_holder("160mb")
     s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0))
     try:

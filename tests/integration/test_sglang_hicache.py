@@ -42,6 +42,7 @@ from kvconnect.connectors.testing.sglang import (  # noqa: E402
     SUPPORTED_LAYOUTS_MLA,
     fill_pages,
     make_cpu_host_pool,
+    make_cpu_mamba_pool,
     page_bytes,
 )
 from kvconnect.connectors.testing.stores import SharedMemoryConfig, SharedMemoryStore, clear_spaces  # noqa: E402
@@ -248,7 +249,7 @@ def test_pages_round_trip_byte_exact_into_a_fresh_pool(case):
 @pytest.mark.parametrize("case", POOL_CASES, ids=pool_id)
 def test_segment_table_equals_get_page_buffer_meta(case):
     """The numpy segment table gives SGLang's own segments, in flat byte order."""
-    from kvconnect.connectors.engines.sglang_hicache import SegmentTable
+    from kvconnect.connectors.engines.sglang_pools import SegmentTable
 
     mla, layout = case
     host = make_cpu_host_pool(layout, mla=mla, layer_num=5, host_tokens=4 * 40)
@@ -741,3 +742,157 @@ def test_metrics_port_serves_the_store_counters_on_loopback():
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+# -- SGLang 0.5.23 parity: the engine context, the attach hook, BLOCK_GROUPS, scope ----------
+
+
+def test_engine_context_carries_every_rank_of_the_storage_config():
+    """TP, PP, attention CP, decode CP and DP ranks from SGLang's HiCacheStorageConfig reach
+    the store as one EngineContext; SGLang's is_storage_writer is its writer rule."""
+    from kvconnect.connectors.engines.sglang_hicache import engine_context
+
+    cfg = HiCacheStorageConfig(
+        tp_rank=3, tp_size=4, pp_rank=1, pp_size=2, attn_cp_rank=1, attn_cp_size=2, is_mla_model=True,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="m", dp_rank=5, dcp_size=2, dcp_rank=1,
+        logical_page_size=8)
+    ctx = engine_context(cfg)
+    assert (ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size, ctx.cp_rank, ctx.cp_size) == (3, 4, 1, 2, 1, 2)
+    assert (ctx.dcp_rank, ctx.dcp_size, ctx.dp_rank, ctx.rank_replicated) == (1, 2, 5, True)
+    assert ctx.is_writer == cfg.is_storage_writer  # SGLang's own rule: tp_rank == dcp_rank under MLA
+    for tp in range(4):
+        c = HiCacheStorageConfig(tp_rank=tp, tp_size=4, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                 is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
+                                 model_name="m")
+        assert engine_context(c).is_writer == c.is_storage_writer
+
+
+def test_the_store_receives_the_engine_context():
+    host = make_cpu_host_pool("page_first")
+    b = backend(host, tp_rank=1, tp_size=2)
+    assert b.store.context is b.context and b.store.context.tp_rank == 1 and b.store.context.engine == "sglang-hicache"
+    b.close()
+
+
+def test_rank_replicated_kv_on_a_store_other_processes_cannot_read_is_refused():
+    """MLA with TP 2 on the in-process store: rank 1 would never see what rank 0 writes.
+    The factory refuses it at construction, naming the store and the capability."""
+    from kvconnect.connectors.base import MissingCapability
+
+    with pytest.raises(MissingCapability) as e:
+        KVConnectStorage(storage_config({**ISSUE_JSON, "store": "memory"}, tp_rank=1, tp_size=2, mla=True), {})
+    assert e.value.store == "memory" and e.value.capability == "shared" and "TP rank 0 writes it" in str(e.value)
+    KVConnectStorage(storage_config({**ISSUE_JSON, "store": "memory"}, tp_size=1, mla=True), {}).close()  # TP 1: fine
+
+
+def test_on_host_pools_registered_refuses_an_attach_without_a_kv_pool():
+    """SGLang 0.5.23 calls on_host_pools_registered once after registration; raising fails the attach."""
+    b = KVConnectStorage(storage_config({**ISSUE_JSON, "store": SHARED, "space": "attach"}), {})
+    with pytest.raises(Unsupported, match="without a KV host pool"):
+        b.on_host_pools_registered()
+    host = make_cpu_host_pool("page_first")
+    b.register_mem_pool_host(host)
+    b.register_mem_host_pool_v2(make_cpu_mamba_pool(), PoolName.MAMBA)
+    b.on_host_pools_registered()
+    b.close()
+
+
+def test_block_groups_pool_reports_its_own_verdict_and_never_gates_kv():
+    """SGLang 0.5.23 PoolHitPolicy.BLOCK_GROUPS through batch_exists_v2 on real host pools:
+    the pool's own keys in groups of group_pages, one group per block of block_pages FULL
+    (KV) pages; its verdict is the FULL pages its leading complete groups cover."""
+    kv = make_cpu_host_pool("page_first", page_size=2)
+    blocks = make_cpu_host_pool("page_first", page_size=2, layer_num=1)
+    b = backend(kv, space="bg")
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(blocks, PoolName.INDEXER)
+    b.on_host_pools_registered()
+    keys = hashes(8, "full")
+    kidx = alloc_pages(kv, 8)
+    fill_pages(kv, kidx, seed=9)
+    assert b.batch_set_v1(keys, kidx) == [True] * 8
+    group_keys = hashes(6, "groups")  # 3 blocks of 4 FULL pages, 2 keys each
+    gidx = alloc_pages(blocks, 6)
+    fill_pages(blocks, gidx, seed=10)
+    present = [0, 1, 2, 4, 5]  # group 1 misses its second key
+    for i in present:
+        ps = blocks.page_size
+        assert b.batch_set_v2([PoolTransfer(PoolName.INDEXER, gidx[i * ps:(i + 1) * ps], keys=[group_keys[i]],
+                                            hit_policy=PoolHitPolicy.BLOCK_GROUPS)]) == {PoolName.INDEXER: [True]}
+    t = PoolTransfer(PoolName.INDEXER, keys=group_keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS, block_pages=4,
+                     group_pages=2)
+    res = b.batch_exists_v2(keys, [t])
+    assert res.kv_hit_pages == 8 and res.restorable_prefix_pages == list(range(1, 9))  # KV not gated
+    assert res.extra_pool_hit_pages == {PoolName.KV: 8, PoolName.INDEXER: 4}  # only block 0 is whole
+    # the pool's pages read back byte-exact into a fresh pool
+    fresh = make_cpu_host_pool("page_first", page_size=2, layer_num=1)
+    b2 = backend(make_cpu_host_pool("page_first", page_size=2), space="bg")
+    b2.register_mem_host_pool_v2(fresh, PoolName.INDEXER)
+    fidx = alloc_pages(fresh, 2, skip=1)
+    got = b2.batch_get_v2([PoolTransfer(PoolName.INDEXER, fidx, keys=group_keys[:2],
+                                        hit_policy=PoolHitPolicy.BLOCK_GROUPS)])
+    assert got == {PoolName.INDEXER: [True, True]} and pages_of(fresh, fidx) == pages_of(blocks, gidx[:4])
+    b.close()
+    b2.close()
+
+
+def test_a_real_mamba_pool_is_rank_sharded_under_mla():
+    """SGLang 0.5.23's MambaPoolHost (built on CPU): its pages go through SGLang's flat
+    pages, keyed per TP rank even where the KV is rank-replicated, and both ranks write."""
+    ranks, mambas = [], []
+    for tp in range(2):
+        b = backend(make_cpu_host_pool("page_first", mla=True), space="mamba", tp_rank=tp, tp_size=2, mla=True)
+        m = make_cpu_mamba_pool()
+        b.register_mem_host_pool_v2(m, PoolName.MAMBA)
+        b.on_host_pools_registered()
+        io = b._pools["mamba"]
+        assert not io.zero_copy and not io.keyspace.rank_replicated and io.is_writer
+        ranks.append(b)
+        mambas.append(m)
+    keys = hashes(3, "state")
+    idx = [alloc_pages(m, 3) for m in mambas]
+    for tp in range(2):
+        fill_pages(mambas[tp], idx[tp], seed=20 + tp)
+        got = ranks[tp].batch_set_v2([PoolTransfer(PoolName.MAMBA, idx[tp], keys=keys,
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        assert got == {PoolName.MAMBA: [True] * 3}
+    for tp in range(2):
+        fresh = make_cpu_mamba_pool()
+        ranks[tp].register_mem_host_pool_v2(fresh, PoolName.MAMBA)
+        fidx = alloc_pages(fresh, 3, skip=2)
+        got = ranks[tp].batch_get_v2([PoolTransfer(PoolName.MAMBA, fidx, keys=keys,
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        assert got == {PoolName.MAMBA: [True] * 3}
+        assert pages_of(fresh, fidx) == pages_of(mambas[tp], idx[tp])  # its own state, not the other rank's
+    for b in ranks:
+        b.close()
+
+
+def test_clear_and_delete_touch_only_what_this_rank_owns():
+    """Two engines (another model) and two ranks share a store: clear and delete on rank 0
+    of engine A remove A's rank-0 pages only; rank 1, engine B and the replicated pages a
+    reader rank never wrote stay."""
+    hosts = {name: make_cpu_host_pool("page_first") for name in ("a0", "a1", "b0")}
+    a0 = backend(hosts["a0"], space="scope", tp_rank=0, tp_size=2, model="model/a")
+    a1 = backend(hosts["a1"], space="scope", tp_rank=1, tp_size=2, model="model/a")
+    b0 = backend(hosts["b0"], space="scope", model="model/b")
+    mla = [backend(make_cpu_host_pool("page_first", mla=True), space="scope", tp_rank=r, tp_size=2, mla=True,
+                   model="model/a") for r in range(2)]
+    keys = hashes(4, "scope")
+    for b, h in ((a0, hosts["a0"]), (a1, hosts["a1"]), (b0, hosts["b0"])):
+        idx = alloc_pages(h, 4)
+        fill_pages(h, idx, seed=3)
+        assert b.batch_set_v1(keys, idx) == [True] * 4
+    midx = alloc_pages(mla[0].kv.pool, 4)
+    fill_pages(mla[0].kv.pool, midx, seed=4)
+    assert mla[0].batch_set_v1(keys, midx) == [True] * 4
+    assert a0.batch_delete(keys[:1]) == [True]
+    assert [b.batch_exists(keys) for b in (a0, a1, b0, mla[1])] == [0, 4, 4, 4]
+    assert a0.batch_set_v1(keys[:1], alloc_pages(hosts["a0"], 1)) == [True]
+    assert a0.clear() is True and a0.batch_exists(keys) == 0
+    assert [b.batch_exists(keys) for b in (a1, b0, mla[1])] == [4, 4, 4]
+    assert mla[1].clear() is True and mla[1].batch_delete(keys) == [False] * 4  # a reader owns no MLA pages
+    assert mla[0].batch_exists(keys) == 4
+    assert mla[0].clear() is True and mla[1].batch_exists(keys) == 0
+    for b in (a0, a1, b0, *mla):
+        b.close()

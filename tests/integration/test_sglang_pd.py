@@ -157,11 +157,13 @@ def test_bad_config_fails_at_manager_start_naming_the_key():
     from kvconnect.connectors.base import ConfigError
     from kvconnect.connectors.engines.pd_transport import load_pd_config
 
-    with pytest.raises(ConfigError, match="transport.*peer_rdma"):
+    with pytest.raises(ConfigError, match="transport.*'direct', 'relay'"):
         load_pd_config('{"transport": "nfs"}')
     with pytest.raises(ConfigError, match="tiemout_s"):
         load_pd_config('{"tiemout_s": 3}')
-    assert load_pd_config(None).transport == "peer_rdma"
+    with pytest.raises(ConfigError, match="'store'.*relay needs a store"):
+        load_pd_config('{"transport": "relay"}')
+    assert load_pd_config(None).transport == "direct"
 
 
 # ---------------------------------------------------------------------------------
@@ -194,7 +196,7 @@ SLOW_ROOMS = [{"room": BASE + 100 + i, "npages": 40, "chunk_pages": 2, "chunk_sl
 @contextlib.contextmanager
 def transport_setup(transport: str, workdir: str):
     """(netns, KVCONNECT_PD_CONFIG, outage) for a transport; relay stores are really started."""
-    cfg = {"transport": transport, "timeout_s": TIMEOUT_S, "retain_s": 15.0}
+    cfg = {"transport": "direct" if transport == "peer_rdma" else "relay", "timeout_s": TIMEOUT_S, "retain_s": 15.0}
     if transport == "peer_rdma":
         cfg["protocol"] = "tcp"
         with pdt.loopback_ns("kvcpd") as ns:
@@ -203,7 +205,7 @@ def transport_setup(transport: str, workdir: str):
     cfg["key_bytes"] = 4096 if transport == "mooncake" else None  # several pages per key vs one (hf3fs)
     cfg["call_bytes"] = 12288  # a room moves in several store calls (GPU rooms: 64 MiB of 1 GiB per call)
     with pdt.store_service(transport, workdir) as (ns, opts, outage):
-        cfg["store"] = opts
+        cfg["store"] = {"store": transport, **opts}
         yield ns, cfg, outage
 
 
@@ -314,7 +316,7 @@ def test_control_messages_need_the_shared_token(plugin_path):
     """With auth_token set, prefill ignores a decode that does not present it: no write, both sides Failed."""
     rooms = [{"room": BASE + 500 + i, "npages": 4, "chunk_pages": 2} for i in range(2)]
     common = {**GEOMETRY, "rooms": rooms, "deadline_s": 60, "bootstrap_port": 19071, "http_port": 19072}
-    cfg = {"transport": "peer_rdma", "protocol": "tcp", "timeout_s": 4}
+    cfg = {"transport": "direct", "protocol": "tcp", "timeout_s": 4}
     with pdt.pair(common, {}, {}, cfg, plugin_path) as p:
         p.role_env = {"prefill": {"KVCONNECT_PD_TOKEN": "s3cret"}, "decode": {"KVCONNECT_PD_TOKEN": "guess"}}
         p.start("prefill")

@@ -11,10 +11,10 @@ import pytest
 
 from kvconnect.connectors.base import BackendUnavailable, ConfigError, UnknownConfigKey
 from kvconnect.connectors.config import parse_config
-from kvconnect.connectors.mooncake import calls, engine_env
+from kvconnect.connectors import transfer_engine
+from kvconnect.connectors.mooncake import calls
 from kvconnect.connectors.mooncake import errors as E
 from kvconnect.connectors.mooncake.config import MooncakeConfig, merged_options
-from kvconnect.connectors.mooncake.staging import StagingBuffer
 from kvconnect.connectors.registry import create_store
 
 
@@ -117,25 +117,6 @@ def test_every_error_code_is_classified():
     assert e.value.code_name == "OBJECT_HAS_LEASE"
 
 
-def test_staging_buffer_extents_merge_and_waits_are_bounded():
-    sb = StagingBuffer(1 << 20)
-    a = sb.acquire(300 << 10, time.monotonic() + 1)
-    b = sb.acquire(300 << 10, time.monotonic() + 1)
-    c = sb.acquire(300 << 10, time.monotonic() + 1)
-    assert None not in (a, b, c) and len({a, b, c}) == 3
-    t0 = time.monotonic()
-    assert sb.acquire(300 << 10, time.monotonic() + 0.2) is None  # full: bounded wait
-    assert 0.15 < time.monotonic() - t0 < 2
-    threading.Timer(0.1, sb.release, args=(b,)).start()
-    d = sb.acquire(300 << 10, time.monotonic() + 2)  # woken by the release
-    assert d == b
-    for off in (a, c, d):
-        sb.release(off)
-    assert sb.in_use == 0
-    assert sb.acquire(1 << 20, time.monotonic() + 0.1) == 0  # free extents merged back into one
-    assert sb.acquire(2 << 20, time.monotonic() + 0.1) is None  # larger than the buffer
-
-
 def test_runner_returns_results_and_errors_and_reuses_one_thread():
     r = calls.DeadlineRunner(4, "t")
     try:
@@ -227,12 +208,12 @@ def test_call_mode_from_options_and_environment_and_bad_values_name_the_key():
 
 
 def test_inline_timeouts_follow_op_timeout():
-    t = engine_env.mooncake_timeouts(5.0)
+    t = transfer_engine.mooncake_timeouts(5.0)
     assert t["MC_RPC_TIMEOUT_MS"] == "2500" and t["MC_RPC_CONNECT_TIMEOUT_MS"] == "2500"
     assert t["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "1"
     assert "MC_TCP_STATUS_TIMEOUT_SEC" not in t  # a short one takes a slow peer for a legacy one
-    assert engine_env.mooncake_timeouts(20.0)["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"
-    assert engine_env.mooncake_timeouts(0.1)["MC_RPC_TIMEOUT_MS"] == "200"  # floor: an RPC needs some time
+    assert transfer_engine.mooncake_timeouts(20.0)["MC_TCP_PROGRESS_TIMEOUT_SEC"] == "9"
+    assert transfer_engine.mooncake_timeouts(0.1)["MC_RPC_TIMEOUT_MS"] == "200"  # floor: an RPC needs some time
 
 
 def test_run_inline_answers_like_the_runner_on_the_calling_thread():

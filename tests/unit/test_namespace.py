@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from kvconnect.connectors.base import ConfigError
-from kvconnect.namespace import HitPolicy, KeySpace, count_hits, leading_hits
+from kvconnect.namespace import HitPolicy, KeySpace, count_hits, leading_hits, restorable_prefixes
 
 H = "ab" * 32  # a 64-hex SGLang page hash
 
@@ -21,15 +21,12 @@ BASE = KeySpace(model="Qwen/Qwen3-32B", layout="page_first", page_size=64, dtype
 def test_tp_ranks_never_share_keys():
     r0, r1 = BASE, replace(BASE, tp_rank=1)
     assert r0.key(H) != r1.key(H)
-    assert r0.is_writer and r1.is_writer
 
 
-def test_mla_ranks_share_keys_and_only_the_writer_writes():
+def test_mla_ranks_share_keys():
     mla = replace(BASE, geometry="mla:L61:R512:P64", rank_replicated=True, tp_size=8)
     keys = {replace(mla, tp_rank=r).key(H) for r in range(8)}
     assert len(keys) == 1
-    assert replace(mla, tp_rank=0).is_writer
-    assert not any(replace(mla, tp_rank=r).is_writer for r in range(1, 8))
     # Even a different tp_size shares MLA pages (rank-replicated KV is identical everywhere).
     assert replace(mla, tp_size=4, tp_rank=3).key(H) == mla.key(H)
     # ... but MLA pages never collide with the per-rank pages of the same model.
@@ -62,8 +59,23 @@ def test_same_identity_same_keys_and_stable_across_processes():
     assert out.stdout == BASE.key(H)
 
 
-def test_writer_rank_is_not_part_of_the_key():
-    assert replace(BASE, writer_rank=1).key(H) == BASE.key(H)
+def test_the_writer_rule_lives_in_the_engine_context_once():
+    """SGLang's is_storage_writer: every rank writes per-rank KV; for rank-replicated KV the
+    TP rank equal to its DCP rank (rank 0 without DCP) writes and the others only read."""
+    from kvconnect.connectors.context import EngineContext
+
+    assert all(EngineContext(tp_rank=r, tp_size=4).is_writer for r in range(4))
+    mla = [EngineContext(tp_rank=r, tp_size=4, rank_replicated=True) for r in range(4)]
+    assert [c.is_writer for c in mla] == [True, False, False, False]
+    assert {c.data_rank for c in mla} == {0} and mla[2].sharing_ranks == 4
+    dcp = EngineContext(tp_rank=1, tp_size=4, dcp_rank=1, dcp_size=2, rank_replicated=True)
+    assert dcp.is_writer and dcp.writer_rank == 1
+    side = mla[2].for_pool("mamba", rank_replicated=False)  # Mamba state is TP-sharded under MLA
+    assert side.is_writer and side.data_rank == 2 and side.pool == "mamba"
+    assert [EngineContext(tp_rank=t, tp_size=2, pp_rank=p, pp_size=2, dp_rank=d).rank_index
+            for d in range(2) for p in range(2) for t in range(2)] == list(range(8))
+    with pytest.raises(ConfigError, match="tp_rank"):
+        EngineContext(tp_rank=2, tp_size=2)
 
 
 def test_side_pool_keyspace():
@@ -137,8 +149,22 @@ def test_policies_accept_sglang_pool_hit_policy():
 
 
 def test_unknown_policy_names_accepted_values():
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(ValueError) as e:
         count_hits([T], "suffix")
-    assert e.value.key == "hit_policy"
-    for p in ("prefix", "all_pages", "trailing_pages"):
+    assert "'hit_policy'" in str(e.value)
+    for p in ("prefix", "all_pages", "trailing_pages", "block_groups"):
         assert f"'{p}'" in str(e.value)
+
+
+def test_block_groups_count_the_full_pages_of_leading_complete_groups():
+    """SGLang 0.5.23 BLOCK_GROUPS: the pool's own keys come in groups of group_pages, one
+    group per block of block_pages FULL pages; only whole groups count, from the start."""
+    from kvconnect.namespace import block_group_pages
+
+    keys = [T, T, T, T, T, F, T, T]  # groups of 2: complete, complete, broken, complete
+    assert block_group_pages(keys, group_pages=2, block_pages=16) == 32
+    assert count_hits(keys, HitPolicy.BLOCK_GROUPS, group_pages=2, block_pages=16) == 32
+    assert restorable_prefixes(keys, HitPolicy.BLOCK_GROUPS, group_pages=2, block_pages=16) == [16, 32]
+    assert block_group_pages(keys, group_pages=2, block_pages=16, span_pages=20) == 20  # the span's end
+    assert block_group_pages([T, T, T], group_pages=2) == 2  # a trailing partial group covers nothing
+    assert block_group_pages([F, T], group_pages=1, block_pages=4) == 0
