@@ -1,0 +1,209 @@
+"""TP ranks as processes over each shared store: what one rank writes, who may read it.
+
+Real: four processes, each one SGLang TP rank (``kvconnect.connectors.testing.ranks``) of
+two engines of TP 4 and, on ranks 0 and 1, two engines of TP 2: an MHA model (per-rank
+KV) and an MLA model (rank-replicated KV), each with a real SGLang 0.5.23 host KV pool
+and a real ``MambaPoolHost`` side pool (TP-sharded state), kvconnect's backend built by
+SGLang's ``StorageBackendFactory`` and registered as SGLang's controller registers it.
+The stores are the real shared ones: HF3FS with its metadata service, Mooncake with a
+``mooncake_master`` and a segment holder (in a loopback-only network namespace), and a
+peer pool whose nodes are the rank processes plus a memory-only seed node (same).
+
+Checked, byte for byte (BLAKE2b of SGLang's flat pages): every rank reads back its own
+MHA pages and never another rank's; MLA pages are written once (by the writer rank) and
+read by every rank; the Mamba state is per rank even under MLA; clear and delete remove
+only what that rank of that engine owns; HF3FS keeps one data file per rank for
+per-rank KV and one shared file for replicated KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
+
+from kvconnect.connectors.testing.processes import child_env, stop  # noqa: E402
+from kvconnect.connectors.testing.ranks import RankProcess  # noqa: E402
+
+STORES = ["hf3fs", "mooncake", "peer_rdma"]
+PAGE_GEOMETRY = {"page_size": 4, "layers": 2, "host_pages": 48}
+
+
+def _keys(n: int, tag: str) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{tag}/{i}".encode()).hexdigest() for i in range(n)]
+
+
+@contextlib.contextmanager
+def shared_store(name: str, tmp: Path):
+    """(store options, command prefix for the rank processes, where HF3FS keeps its files)."""
+    if name == "hf3fs":
+        pytest.importorskip("grpc", reason="the HF3FS metadata service needs grpcio")
+        from kvconnect.connectors.testing.hf3fs import MetaProcess
+
+        meta = MetaProcess(tmp / "meta").start()
+        try:
+            yield {"file_path_prefix": str(tmp / "files" / "kv"), "file_size": "16mb", "numjobs": 2, "entries": 8,
+                   "metadata_server_url": meta.url, "client": "posix"}, [], tmp / "files"
+        finally:
+            meta.stop()
+    elif name == "mooncake":
+        from kvconnect.connectors.testing.mooncake import MooncakeCluster, mooncake_skip_reason, store_options
+
+        why = mooncake_skip_reason()
+        if why:
+            pytest.skip(why)
+        cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=tmp)
+        try:
+            cluster.start_holder("256mb")
+            yield store_options(cluster, global_segment_size=0, lease_wait=1.0), cluster.exec_prefix(), None
+        finally:
+            cluster.close()
+    else:
+        from kvconnect.connectors.testing.netns import Netns
+        from kvconnect.connectors.testing.peer import skip_reason
+
+        why = skip_reason("grpc", "mooncake")
+        if why:
+            pytest.skip(why)
+        ns = Netns("kvc-rk")
+        seed = None
+        try:
+            ready = tmp / "seed.ready"
+            seed = subprocess.Popen(ns.exec_prefix() + [
+                sys.executable, "-m", "kvconnect", "--log-level", "WARNING", "peer", "serve", "--discovery-addr",
+                "127.0.0.1:31998", "--global-segment-size", "64mb", "--protocol", "tcp", "--set",
+                "heartbeat_interval=0.5", "--set", "member_ttl=3", "--ready-file", str(ready)],
+                env=child_env(), stdout=subprocess.DEVNULL, stderr=open(tmp / "seed.log", "w"))
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                assert seed.poll() is None and time.monotonic() < deadline, (tmp / "seed.log").read_text()
+                time.sleep(0.1)
+            yield {"discovery_addr": "127.0.0.1:31998", "protocol": "tcp", "local_hostname": "127.0.0.1",
+                   "control_port": 0, "global_segment_size": "8mb", "heartbeat_interval": 0.5, "member_ttl": 3,
+                   "join_timeout": 10}, ns.exec_prefix(), None
+        finally:
+            if seed is not None:
+                stop(seed)
+            ns.delete()
+
+
+def _engines(rank: int) -> list[dict]:
+    out = [{"name": "mha4", "model": "model/mha", "mla": False, "tp_rank": rank, "tp_size": 4, **PAGE_GEOMETRY},
+           {"name": "mla4", "model": "model/mla", "mla": True, "tp_rank": rank, "tp_size": 4, **PAGE_GEOMETRY}]
+    if rank < 2:
+        out += [{"name": "mha2", "model": "model/mha2", "mla": False, "tp_rank": rank, "tp_size": 2, **PAGE_GEOMETRY},
+                {"name": "mla2", "model": "model/mla2", "mla": True, "tp_rank": rank, "tp_size": 2, **PAGE_GEOMETRY}]
+    return out
+
+
+@pytest.fixture(scope="module", params=STORES)
+def ranks(request, tmp_path_factory):
+    """Four rank processes over one shared store, started together (each imports SGLang)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    with shared_store(request.param, tmp) as (options, prefix, files):
+        procs: list[RankProcess] = []
+        try:
+            import concurrent.futures as cf
+
+            with cf.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(RankProcess, f"{request.param}-rank{r}", request.param, options, _engines(r),
+                                       prefix=prefix, log_dir=tmp) for r in range(4)]
+                procs = [f.result() for f in futures]
+            yield request.param, procs, files
+        finally:
+            for p in procs:
+                p.close()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mha_ranks_read_back_their_own_pages_and_never_anothers(ranks, tp):
+    store, procs, _ = ranks
+    procs, engine = procs[:tp], f"mha{tp}"
+    shared = _keys(6, f"{store}/{engine}/shared")
+    written = [p.write(engine, "kv", shared, seed=100 + r) for r, p in enumerate(procs)]
+    assert all(w["ok"] == [True] * 6 for w in written)
+    assert len({d for w in written for d in w["digests"]}) == 6 * tp  # every rank's bytes differ
+    for r, p in enumerate(procs):
+        got = p.read(engine, "kv", shared)
+        assert got["ok"] == [True] * 6 and got["digests"] == written[r]["digests"], f"rank {r}"
+    only0 = _keys(4, f"{store}/{engine}/rank0-only")
+    assert procs[0].write(engine, "kv", only0, seed=7)["ok"] == [True] * 4
+    for r, p in enumerate(procs[1:], 1):
+        assert p.read(engine, "kv", only0)["ok"] == [False] * 4, f"rank {r} read rank 0's MHA pages"
+        assert p.call("exists", engine=engine, keys=only0)["hits"] == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mla_pages_are_written_once_and_read_by_every_rank(ranks, tp):
+    store, procs, _ = ranks
+    procs, engine = procs[:tp], f"mla{tp}"
+    keys = _keys(5, f"{store}/{engine}/replicated")
+    before = [p.call("stats", engine=engine)["store"]["put_pages"] for p in procs]
+    # every rank offers its own bytes; only the writer rank's reach the store
+    written = [p.write(engine, "kv", keys, seed=200 + r) for r, p in enumerate(procs)]
+    assert all(w["ok"] == [True] * 5 for w in written)
+    after = [p.call("stats", engine=engine)["store"]["put_pages"] for p in procs]
+    assert [a - b for a, b in zip(after, before)] == [5] + [0] * (tp - 1)
+    for r, p in enumerate(procs):
+        got = p.read(engine, "kv", keys)
+        assert got["ok"] == [True] * 5 and got["digests"] == written[0]["digests"], f"rank {r}"
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_mamba_state_is_per_rank_even_under_mla(ranks, tp):
+    store, procs, _ = ranks
+    procs, engine = procs[:tp], f"mla{tp}"
+    keys = _keys(3, f"{store}/{engine}/state")
+    written = [p.write(engine, "mamba", keys, seed=300 + r) for r, p in enumerate(procs)]
+    assert all(w["ok"] == [True] * 3 for w in written)
+    for r, p in enumerate(procs):
+        got = p.read(engine, "mamba", keys)
+        assert got["ok"] == [True] * 3 and got["digests"] == written[r]["digests"], f"rank {r}"
+    assert len({tuple(w["digests"]) for w in written}) == tp
+
+
+def test_clear_and_delete_remove_only_what_that_rank_of_that_engine_owns(ranks):
+    store, procs, _ = ranks
+    h = _keys(4, f"{store}/scope")
+    for r, p in enumerate(procs):
+        for engine in ("mha4", "mla4"):
+            assert p.write(engine, "kv", h, seed=400 + r)["ok"] == [True] * 4
+        assert p.write("mha4", "mamba", h, seed=500 + r)["ok"] == [True] * 4
+    # delete on rank 1 of the MHA engine: its page only
+    assert procs[1].call("delete", engine="mha4", keys=h[:1])["deleted"] == [True]
+    assert procs[1].read("mha4", "kv", h)["ok"] == [False, True, True, True]
+    assert procs[2].read("mha4", "kv", h)["ok"] == [True] * 4
+    assert procs[1].read("mla4", "kv", h)["ok"] == [True] * 4
+    # clear on rank 0 of the MHA engine: rank 0's KV and Mamba pages, nothing else
+    assert procs[0].call("clear", engine="mha4")["cleared"] is True
+    assert procs[0].read("mha4", "kv", h)["ok"] == [False] * 4
+    assert procs[0].read("mha4", "mamba", h)["ok"] == [False] * 4
+    for r in (2, 3):
+        assert procs[r].read("mha4", "kv", h)["ok"] == [True] * 4
+        assert procs[r].read("mha4", "mamba", h)["ok"] == [True] * 4
+    assert all(p.read("mla4", "kv", h)["ok"] == [True] * 4 for p in procs)
+    # a reader rank of replicated KV owns none of it: its clear leaves it for every rank
+    assert procs[3].call("clear", engine="mla4")["cleared"] is True
+    assert all(p.read("mla4", "kv", h)["ok"] == [True] * 4 for p in procs)
+    assert procs[0].call("clear", engine="mla4")["cleared"] is True  # the writer's clears it
+    assert all(p.read("mla4", "kv", h)["ok"] == [False] * 4 for p in procs)
+
+
+def test_hf3fs_keeps_a_file_per_rank_and_one_for_replicated_kv(ranks):
+    """SGLang's HF3FS naming: ``{prefix}.{rank}.bin`` per rank for per-rank KV, rank 0's
+    file for replicated KV (pages of another size get a lane ``.bin.p<bytes>`` of the same
+    file). MLA pages here are 384 bytes: no rank but 0 has a lane of that size."""
+    store, procs, files = ranks
+    if files is None:
+        pytest.skip(f"{store} keeps no per-rank files")
+    names = {p.name for p in files.iterdir() if not p.name.endswith(".lock")}
+    assert {f"kv.{r}.bin" for r in range(4)} <= names, sorted(names)
+    assert not any(f"kv.{r}.bin.p384" in names for r in (1, 2, 3)), sorted(names)
