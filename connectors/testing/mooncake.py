@@ -25,7 +25,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 from kvconnect.connectors.testing.netns import Netns, netns_available
 from kvconnect.connectors.testing.netns import outer_test as netns_outer_test
@@ -218,6 +220,26 @@ class MooncakeCluster:
             self.master.kill()
         if self.netns:
             self.netns.delete()
+
+
+@contextmanager
+def cluster_for_test(log_dir: str | os.PathLike, *, holder: str | None = None,
+                     **over: Any) -> Iterator[tuple[MooncakeCluster, dict]]:
+    """A cluster in a namespace of its own for one test or module, and the options of a
+    store on it (``store_options(cluster, **over)``); ``holder``: a segment holder of that
+    size too. Skips the test where Mooncake cannot run here."""
+    import pytest
+
+    why = mooncake_skip_reason()
+    if why:
+        pytest.skip(why)
+    cluster = MooncakeCluster(lease_ttl_ms=LEASE_TTL_MS, log_dir=log_dir)
+    try:
+        if holder:
+            cluster.start_holder(holder)
+        yield cluster, store_options(cluster, **over)
+    finally:
+        cluster.close()
 
 
 def store_options(cluster: MooncakeCluster, **over) -> dict:

@@ -16,8 +16,6 @@ import hashlib
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,68 +32,12 @@ from kvconnect.connectors.hf3fs.config import HF3FSConfig
 from kvconnect.connectors.hf3fs.index import PageIndex
 from kvconnect.connectors.hf3fs.store import HF3FSStore
 from kvconnect.connectors.registry import create_store
+from kvconnect.connectors.testing.hf3fs import MetaProcess
+from kvconnect.connectors.testing.processes import free_port
 from kvconnect.connectors.testing.conformance import PAGE, check_page, page_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MetaProcess:
-    """``kvconnect hf3fs-meta serve`` as a child process (bound to 127.0.0.1)."""
-
-    def __init__(self, data_dir: Path, token_file: Path | None = None, port: int | None = None,
-                 fsync: str = "interval"):
-        self.data_dir = data_dir
-        self.token_file = token_file
-        self.port = port or free_port()
-        self.fsync = fsync
-        self.proc: subprocess.Popen | None = None
-        self.started_s = 0.0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 30) -> "MetaProcess":
-        ready = self.data_dir.parent / f"ready-{self.port}.json"
-        ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "kvconnect.connectors.cli", "--log-level", "WARNING", "hf3fs-meta", "serve",
-               "--host", "127.0.0.1", "--port", str(self.port), "--data-dir", str(self.data_dir),
-               "--fsync", self.fsync, "--ready-file", str(ready)]
-        if self.token_file:
-            cmd += ["--token-file", str(self.token_file)]
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        while not ready.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"hf3fs-meta exited: {self.proc.stderr.read().decode()[-2000:]}")
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError("hf3fs-meta did not start")
-            time.sleep(0.02)
-        self.started_s = time.monotonic() - t0
-        self.recovery = json.loads(ready.read_text())["recovery"]
-        return self
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.proc and self.proc.stderr:
-            self.proc.stderr.close()
 
 
 @pytest.fixture

@@ -427,20 +427,11 @@ def store_env(name: str, tmp_path: Path):
         yield {"store": "hf3fs", "file_path_prefix": str(tmp_path / "kv"), "file_size": "64mb",
                "numjobs": 4, "entries": 8}, []
     elif name == "mooncake":
-        from kvconnect.connectors.testing.mooncake import mooncake_skip_reason
-
-        why = mooncake_skip_reason()
-        if why:
-            pytest.skip(why)
-        from kvconnect.connectors.testing.mooncake import MooncakeCluster
-        from kvconnect.connectors.testing.mooncake import store_options
+        from kvconnect.connectors.testing.mooncake import cluster_for_test
 
         # the master and the bench process share a loopback-only namespace of their own
-        cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=tmp_path)
-        try:
-            yield {"store": "mooncake", **store_options(cluster)}, cluster.exec_prefix()
-        finally:
-            cluster.close()
+        with cluster_for_test(tmp_path) as (cluster, options):
+            yield {"store": "mooncake", **options}, cluster.exec_prefix()
     elif name == "peer_rdma":
         from kvconnect.connectors.testing.netns import loopback_ns, netns_available
 

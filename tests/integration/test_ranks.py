@@ -55,17 +55,10 @@ def shared_store(name: str, tmp: Path):
         finally:
             meta.stop()
     elif name == "mooncake":
-        from kvconnect.connectors.testing.mooncake import MooncakeCluster, mooncake_skip_reason, store_options
+        from kvconnect.connectors.testing.mooncake import cluster_for_test
 
-        why = mooncake_skip_reason()
-        if why:
-            pytest.skip(why)
-        cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=tmp)
-        try:
-            cluster.start_holder("256mb")
-            yield store_options(cluster, global_segment_size=0, lease_wait=1.0), cluster.exec_prefix(), None
-        finally:
-            cluster.close()
+        with cluster_for_test(tmp, holder="256mb", global_segment_size=0, lease_wait=1.0) as (cluster, options):
+            yield options, cluster.exec_prefix(), None
     else:
         from kvconnect.connectors.testing.netns import Netns
         from kvconnect.connectors.testing.peer import skip_reason
@@ -123,17 +116,23 @@ def ranks(request, tmp_path_factory):
                 p.close()
 
 
+def _each_rank_reads_back_its_own(procs: list[RankProcess], engine: str, pool: str, keys: list[str],
+                                 seed: int) -> list[dict]:
+    """Every rank writes ``keys`` with bytes of its own, then reads back exactly those."""
+    written = [p.write(engine, pool, keys, seed=seed + r) for r, p in enumerate(procs)]
+    assert all(w["ok"] == [True] * len(keys) for w in written)
+    for r, p in enumerate(procs):
+        got = p.read(engine, pool, keys)
+        assert got["ok"] == [True] * len(keys) and got["digests"] == written[r]["digests"], f"rank {r}"
+    assert len({d for w in written for d in w["digests"]}) == len(keys) * len(procs)  # every page's bytes differ
+    return written
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_mha_ranks_read_back_their_own_pages_and_never_anothers(ranks, tp):
     store, procs, _ = ranks
     procs, engine = procs[:tp], f"mha{tp}"
-    shared = _keys(6, f"{store}/{engine}/shared")
-    written = [p.write(engine, "kv", shared, seed=100 + r) for r, p in enumerate(procs)]
-    assert all(w["ok"] == [True] * 6 for w in written)
-    assert len({d for w in written for d in w["digests"]}) == 6 * tp  # every rank's bytes differ
-    for r, p in enumerate(procs):
-        got = p.read(engine, "kv", shared)
-        assert got["ok"] == [True] * 6 and got["digests"] == written[r]["digests"], f"rank {r}"
+    _each_rank_reads_back_its_own(procs, engine, "kv", _keys(6, f"{store}/{engine}/shared"), seed=100)
     only0 = _keys(4, f"{store}/{engine}/rank0-only")
     assert procs[0].write(engine, "kv", only0, seed=7)["ok"] == [True] * 4
     for r, p in enumerate(procs[1:], 1):
@@ -160,14 +159,8 @@ def test_mla_pages_are_written_once_and_read_by_every_rank(ranks, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_mamba_state_is_per_rank_even_under_mla(ranks, tp):
     store, procs, _ = ranks
-    procs, engine = procs[:tp], f"mla{tp}"
-    keys = _keys(3, f"{store}/{engine}/state")
-    written = [p.write(engine, "mamba", keys, seed=300 + r) for r, p in enumerate(procs)]
-    assert all(w["ok"] == [True] * 3 for w in written)
-    for r, p in enumerate(procs):
-        got = p.read(engine, "mamba", keys)
-        assert got["ok"] == [True] * 3 and got["digests"] == written[r]["digests"], f"rank {r}"
-    assert len({tuple(w["digests"]) for w in written}) == tp
+    engine = f"mla{tp}"
+    _each_rank_reads_back_its_own(procs[:tp], engine, "mamba", _keys(3, f"{store}/{engine}/state"), seed=300)
 
 
 def test_clear_and_delete_remove_only_what_that_rank_of_that_engine_owns(ranks):
