@@ -200,14 +200,11 @@ class HF3FSStore(PageStore):
                 raise
             self.meta = remote
         else:
-            if rank is None:
-                # No rank from the engine (and no service): the in-process index makes the
-                # file's old contents meaningless, so any file no other process holds will
-                # do. Take the first free one; with TP > 1 each rank gets its own, as in SGLang.
-                self._take_free_local_file(config, suffix)
-            else:
-                self.meta = _LOCAL.acquire(self.path)
-                self._local_path = self.path
+            # No service: the in-process index makes the file's old contents meaningless, so
+            # any file no other process holds will do: the rank's own if free (SGLang's
+            # naming), else the first free one (another process of the same TP rank, e.g. a
+            # second pipeline stage, holds it). Without a rank: the first free one.
+            self._take_free_local_file(config, suffix, prefer=rank)
         try:
             # Open (create) the primary data file now: an unwritable path fails the start.
             PosixFile(self.path, 0).close()
@@ -220,9 +217,10 @@ class HF3FSStore(PageStore):
             self._release()
             raise
 
-    def _take_free_local_file(self, config: HF3FSConfig, suffix: str) -> None:
+    def _take_free_local_file(self, config: HF3FSConfig, suffix: str, prefer: int | None = None) -> None:
         last: ConfigError | None = None
-        for n in range(1024):
+        order = range(1024) if prefer is None else [int(prefer)] + [n for n in range(1024) if n != prefer]
+        for n in order:
             path = f"{config.file_path_prefix}.{n}.bin{suffix}"
             try:
                 self.meta = _LOCAL.acquire(path)

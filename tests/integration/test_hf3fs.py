@@ -472,22 +472,27 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
 
 
 def test_second_process_on_a_file_without_service(tmp_path):
-    """Without a metadata service a file belongs to one process: a second process naming
-    the same rank is refused; one without an engine context (a tool, a test) takes the
-    next free file, as SGLang's per-rank files with a local index would."""
+    """Without a metadata service a file belongs to one process (an exclusive lock): a
+    second process of the same TP rank (another pipeline stage) takes the next free file
+    instead of sharing the first, and does not see the first's pages, which still read back
+    byte-exact. (Stores of one process share that process's index and file.)"""
     opts = store_opts(tmp_path)
-    s = create_store("hf3fs", opts, context=EngineContext())
+    s = create_store("hf3fs", opts, context=EngineContext(page_bytes=PAGE))
+    keys = keyset(4)
     try:
+        assert s.path.endswith("hicache.0.bin")
+        assert write_pages(s, keys) == [True] * 4
         code = ("import sys; sys.path.insert(0, %r)\n"
                 "from kvconnect.connectors.registry import create_store\n"
-                "from kvconnect.connectors.base import ConfigError\n"
                 "from kvconnect.connectors.context import EngineContext\n"
-                "try:\n    create_store('hf3fs', %r, context=EngineContext())\nexcept ConfigError as e:\n"
-                "    print('refused', e)\n"
-                "t = create_store('hf3fs', %r)\nprint('took', t.path)\nt.close()\n") % (str(ROOT), opts, opts)
+                "a = create_store('hf3fs', %r, context=EngineContext(pp_rank=1, pp_size=2))\n"
+                "print(a.path, a.exists(%r))\n") % (str(ROOT), opts, keys)
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-        assert "refused" in r.stdout and "metadata_server_url" in r.stdout, r.stdout + r.stderr
-        assert r.stdout.strip().endswith("hicache.1.bin"), r.stdout
+        path, seen = r.stdout.split(" ", 1)
+        assert path.endswith("hicache.1.bin"), r.stdout + r.stderr
+        assert seen == "[False, False, False, False]\n", r.stdout
+        ok, data = read_pages(s, keys)
+        assert ok == [True] * 4 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 4
     finally:
         s.close()
 
