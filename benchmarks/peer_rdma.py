@@ -132,7 +132,7 @@ def role_ours_bench(args) -> None:
     # raw Transfer Engine, same process, same connection, same remote bytes (the slots the
     # directory points at), same destination: the floor of a one-sided batched read
     node = store.node
-    entries = node._locate(final, time.monotonic() + 30)
+    entries = node.reader.locate(final, time.monotonic() + 30)
     holder = node.view.members[entries[0][0]]
     remote = [holder.seg_base + e[2] for e in entries]
     te = node.transport.engine

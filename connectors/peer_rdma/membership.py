@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 from kvconnect.connectors.peer_rdma.rpc import Clients, RpcError
 

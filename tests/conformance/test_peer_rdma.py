@@ -169,7 +169,7 @@ else:
             keys = self.keys(24)
             assert self.write(store, keys) == [True] * 24
             node = store.node
-            stale = [(k, e) for k, e in zip(keys, node._locate(keys, time.monotonic() + 5))
+            stale = [(k, e) for k, e in zip(keys, node.reader.locate(keys, time.monotonic() + 5))
                      if e is not None and e[0] != node.node_id]  # held by the other nodes
             assert len(stale) >= 8
             store.clear()
@@ -180,7 +180,7 @@ else:
                     per.setdefault(t, []).append([key, e])
             for t, batch in per.items():  # the late re-publish, as the holders would send it
                 if t == node.node_id:
-                    node._h_dir_put([batch, True])
+                    node.directory.put([batch, True])
                 else:
                     node.clients.call(t, "DirPut", [batch, True])
             assert store.exists(keys) == [False] * 24
@@ -192,7 +192,7 @@ else:
             keys = self.keys(16)
             assert self.write(store, keys) == [True] * 16
             node = store.node
-            entries = node._locate(keys, time.monotonic() + 5)
+            entries = node.reader.locate(keys, time.monotonic() + 5)
             dst = self.buf(16)
             node.register_memory(dst.address, len(dst.raw))
             for holder in {e[0] for e in entries if e[0] != node.node_id}:
