@@ -2,7 +2,7 @@
 host pool, with kvconnect's SGLang adapter and the ``peer_rdma`` store.
 
 It serves the requests the router hands it (JSON lines on stdin) the way SGLang's cache
-controller does (``kvconnect.connectors.demo.serve_request``: exists, load the hit prefix, verify
+controller does (``kvconnect.connectors.workload.serve_request``: exists, load the hit prefix, verify
 every byte, prefill and write back the rest) and answers with the totals. No GPU and no
 model weights are needed: the "prefill" writes bytes derived from the page hash.
 """
@@ -34,7 +34,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        from kvconnect.connectors.demo import SHAPES, PageContent, SGLangPath, Totals, Workload, page_hasher, serve_request
+        from kvconnect.connectors.workload import (SHAPES, PageContent, SGLangPath, Totals, Workload, page_hasher,
+                                                   serve_request)
 
         shape = SHAPES[a.model_shape]
         wl = Workload(**json.loads(a.workload))

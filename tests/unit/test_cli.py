@@ -353,7 +353,7 @@ def test_demo_bad_configuration(capsys):
 
 
 def test_page_hashes_follow_sglangs_scheme():
-    from kvconnect.connectors.demo import hashlib_page_hashes
+    from kvconnect.connectors.workload import hashlib_page_hashes
 
     import hashlib
     import struct
@@ -374,7 +374,7 @@ def test_page_hashes_follow_sglangs_scheme():
 def test_page_hashes_equal_sglangs_own_function():
     from sglang.srt.mem_cache.utils import get_hash_str
 
-    from kvconnect.connectors.demo import hashlib_page_hashes
+    from kvconnect.connectors.workload import hashlib_page_hashes
 
     import random
 
