@@ -24,37 +24,34 @@ from kvconnect.connectors.errors import ConfigError
 
 @dataclass(frozen=True)
 class EngineContext:
-    """One engine process: its parallel ranks, the pool a store serves, where pages live.
-
-    Attributes:
-        engine: which integration (``"sglang-hicache"``, ``"lmcache"``, ``"sglang-pd"``).
-        model: served model name.
-        tp_rank/tp_size, pp_rank/pp_size: tensor and pipeline parallel ranks.
-        cp_rank/cp_size: attention context parallel.
-        dcp_rank/dcp_size: decode context parallel (MLA).
-        dp_rank: attention data parallel rank (SGLang gives storage the rank, not the size).
-        rank_replicated: the KV is the same on every TP rank (MLA); one rank writes it.
-        pool: the pool the store serves first (``kv``; side pools: ``mamba``, ``swa``, ...).
-        page_bytes: bytes of one page of that pool, when the engine knows it up front.
-        device: where the engine's pages live: ``"cpu"`` (host memory) or a GPU kind
-            (``"cuda"``, ...); a store must be able to reach that memory.
-    """
+    """One engine process: its parallel ranks, the pool a store serves, where pages live."""
 
     engine: str = ""
+    """Which integration: ``"sglang-hicache"``, ``"lmcache"``, ``"sglang-pd"``."""
     model: str = ""
     tp_rank: int = 0
     tp_size: int = 1
+    """Tensor parallel."""
     pp_rank: int = 0
     pp_size: int = 1
+    """Pipeline parallel."""
     cp_rank: int = 0
     cp_size: int = 1
+    """Attention context parallel."""
     dcp_rank: int = 0
     dcp_size: int = 1
+    """Decode context parallel (MLA)."""
     dp_rank: int = 0
+    """Attention data parallel rank (SGLang gives storage the rank, not the size)."""
     rank_replicated: bool = False
+    """The KV is the same on every TP rank (MLA): one rank writes it, all read it."""
     pool: str = "kv"
+    """The pool the store serves first (``kv``; side pools: ``mamba``, ``swa``, ...)."""
     page_bytes: int | None = None
+    """Bytes of one page of that pool, when the engine knows it up front."""
     device: str = "cpu"
+    """Where the engine's pages live: ``"cpu"`` (host memory) or a GPU kind (``"cuda"``,
+    ...); a store must be able to reach that memory."""
 
     def __post_init__(self) -> None:
         if self.dp_rank < 0:

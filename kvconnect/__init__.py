@@ -24,32 +24,7 @@ import os as _os
 if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "connectors")):
     __path__.append(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))  # type: ignore[name-defined]
 
-from kvconnect.connectors import (  # noqa: E402,F401
-    BackendUnavailable,
-    Capability,
-    ConfigError,
-    EngineContext,
-    KVStoreError,
-    MissingCapability,
-    MissingDependency,
-    NotFound,
-    Page,
-    PageSizeMismatch,
-    PageStore,
-    Segment,
-    StoreClosed,
-    StoreStats,
-    UnknownConfigKey,
-    UnknownStore,
-    Unsupported,
-    available_stores,
-    create_store,
-    register_store,
-    store_class,
-)
+from kvconnect.connectors import *  # noqa: E402,F401,F403 - the public API, at the root
+from kvconnect.connectors import __all__  # noqa: E402,F401
 
-__all__ = ["BackendUnavailable", "Capability", "ConfigError", "EngineContext", "KVStoreError", "MissingCapability",
-           "MissingDependency", "NotFound", "Page",
-           "PageSizeMismatch", "PageStore", "Segment", "StoreClosed", "StoreStats", "UnknownConfigKey",
-           "UnknownStore", "Unsupported", "available_stores", "create_store", "register_store", "store_class"]
 __version__ = "0.1.0"
