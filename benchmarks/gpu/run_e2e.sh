@@ -14,7 +14,7 @@
 #           (shared_segment) and SGLang copies pages from it instead of a Transfer Engine transfer)
 #         kvc_mooncake (kvconnect Mooncake store: mooncake_master + a standalone `kvconnect mooncake-store`
 #           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang
-#           server lends its own memory, as in the seed guide, plus a memory-only `kvconnect peer serve`
+#           server lends its own memory, as in the peer-pool deployment guide, plus a memory-only `kvconnect peer serve`
 #           node as the seed; Transfer Engine over TCP)
 #   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit)
 #   cross_STORE:   two servers (ports 30000/30001) sharing one store; prompts prefilled on A, read on B
@@ -29,7 +29,7 @@ set -u
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 REPO=$(pwd)
-G=$REPO/.gpu                         # the shared recipe (hicache_client.py), carried as .gpu
+G=$REPO/.gpu                         # the install recipe folder (hicache_client.py; benchmarks/gpu/README.md)
 B=$REPO/benchmarks/gpu
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 LOGD=/tmp/sglogs; mkdir -p "$LOGD"
