@@ -3,7 +3,7 @@
 Run: ``kvconnect bench mooncake [--quick]`` or ``python benchmarks/mooncake.py [--quick]``
 (root: it makes a loopback-only network namespace).
 
-The seed's deployment, on one machine: a ``mooncake_master`` and a process that only
+The Mooncake Store deployment guide's setup, on one machine: a ``mooncake_master`` and a process that only
 contributes a memory segment (the standalone store), both in a loopback-only netns made
 for the run; the engine side contributes no memory, so every page crosses the Transfer
 Engine's TCP path, as between SGLang and a standalone store. With ``--shared-segment`` the

@@ -1,4 +1,4 @@
-"""Options of the ``peer_rdma`` store (SGLang extra-config names where the seed guide has them)."""
+"""Options of the ``peer_rdma`` store (SGLang extra-config names where the peer-pool deployment guide has them)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Terminal 2: the LMCache MP server of seed 004 experiment 5, with a kvconnect store as its L2.
+# Terminal 2: the LMCache MP server of the LMCache deployment guide, with a kvconnect store as its L2.
 #   STORE=memory   (default) pages in the server process, LRU over CAPACITY
 #   STORE=hf3fs    pages in one file under KV_DIR (a 3FS mount, or any POSIX file system);
 #                  with META_URL (see 1_meta_server.sh) several servers/nodes share the pages

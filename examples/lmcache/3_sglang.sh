@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Terminal 3 (a CUDA GPU): SGLang connected to the LMCache server (seed 004, experiment 5).
+# Terminal 3 (a CUDA GPU): SGLang connected to the LMCache server (the LMCache deployment guide).
 # LMCache's SGLang connector needs CUDA KV tensors and the same GPUs / IPC namespace as the
 # server (lmcache_driven transfers): run both on the same machine.
 set -euo pipefail

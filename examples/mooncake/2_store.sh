@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Terminal 2: the standalone store: holds 4 GB of pages so they outlive engine restarts.
-# Same MOONCAKE_* variables as the seed's `python -m mooncake.mooncake_store_service`;
+# Same MOONCAKE_* variables as the Mooncake Store deployment guide's `python -m mooncake.mooncake_store_service`;
 # kvconnect reads them, so one configuration serves the store and every engine.
 set -euo pipefail
 export MOONCAKE_LOCAL_HOSTNAME="${MOONCAKE_LOCAL_HOSTNAME:-localhost}"

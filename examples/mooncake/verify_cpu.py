@@ -1,4 +1,4 @@
-"""The seed's experiment 4 (Mooncake Store external reuse), runnable on a CPU machine.
+"""The Mooncake Store deployment guide (external reuse), runnable on a CPU machine.
 
     sudo .venv/bin/python examples/mooncake/verify_cpu.py [--metadata http|p2p] [--pages 32]
 
@@ -9,7 +9,7 @@ Everything runs inside a network namespace made for the run (root needed) that h
 2. a standalone store: ``kvconnect mooncake-store`` contributing a segment (2_store.sh);
 3. "SGLang run 1": a process with a real SGLang host KV pool writes pages through
    kvconnect's HiCache adapter (``KVConnectStorage``, ``"store":"mooncake"``, configured
-   only by the seed's ``MOONCAKE_*`` variables, contributing no memory), then exits;
+   only by the guide's ``MOONCAKE_*`` variables, contributing no memory), then exits;
 4. "SGLang run 2" (a new process: the engine restarted, master and store kept) asks
    ``batch_exists`` and reads the pages with ``batch_get_v1``; the bytes must equal run 1's.
 
@@ -65,7 +65,7 @@ def engine(role: str, pages: int, keys: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--metadata", choices=["http", "p2p"], default="http",
-                    help="Transfer Engine metadata: the master's HTTP server (as the seed) or P2PHANDSHAKE")
+                    help="Transfer Engine metadata: the master's HTTP server (as the guide does) or P2PHANDSHAKE")
     ap.add_argument("--pages", type=int, default=32)
     ap.add_argument("--engine", choices=["write", "read"], help=argparse.SUPPRESS)
     ap.add_argument("--keys", default="[]", help=argparse.SUPPRESS)
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = Netns("kvc-mc")
     procs: list[subprocess.Popen] = []
     # With a metadata server, Mooncake's Transfer Engine advertises a LAN address of the host
-    # (MOONCAKE_LOCAL_HOSTNAME=localhost, as in the seed); a loopback-only namespace has
+    # (MOONCAKE_LOCAL_HOSTNAME=localhost, as in the guide); a loopback-only namespace has
     # none, so the run gives its namespace a veth pair (both ends inside it) with a
     # private address that exists only there.
     env = dict(os.environ, PYTHONPATH=str(ROOT), LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1",

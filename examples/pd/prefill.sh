@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Terminal 1: the prefill server of the seed's 1P1D deployment (experiment 6), with kvconnect
+# Terminal 1: the prefill server of the PD deployment guide's 1P1D setup, with kvconnect
 # as the PD transfer backend. GPU 0. Pick the transport with KVCONNECT_PD_CONFIG (a JSON
 # text or a file; see direct.json, relay_mooncake.json, relay_hf3fs.json next to this script).
 set -euo pipefail

@@ -5,7 +5,7 @@ CPU host pool, kvconnect's SGLang adapter, the ``peer_rdma`` store; no GPU or mo
 with its own address 10.77.0.<i>. This script is the router: each round it hands every
 conversation of a generated-shared-prefix workload (groups sharing a long system prompt)
 to a different node than the round before, so nodes must load each other's prefix KV from
-the pool. At the end it prints the counters the seed guide checks, per node, from each
+the pool. At the end it prints the counters the peer-pool deployment guide checks, per node, from each
 node's Prometheus endpoint, and removes the namespaces.
 
     sudo .venv/bin/python examples/peer_rdma/one_machine.py [--rounds 4] [--passes 2]

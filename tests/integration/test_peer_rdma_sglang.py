@@ -39,7 +39,7 @@ def test_sglang_adapter_over_the_peer_pool(tmp_path):
                                   "127.0.0.1:31998", "--token", "t0k"], capture_output=True).returncode:
                 assert node.poll() is None and time.monotonic() < deadline, open(os.path.join(tmp, "node.log")).read()
                 time.sleep(0.5)
-            # the seed guide's option names, as SGLang's extra config carries them
+            # the peer-pool deployment guide's option names, as SGLang's extra config carries them
             opts = {"discovery_addr": "127.0.0.1:31998", "protocol": "rdma", "device_name": "",
                     "local_hostname": "127.0.0.1", "global_segment_size": "0", "placement": "owner",
                     "control_port": 0, "auth_token": "t0k"}
