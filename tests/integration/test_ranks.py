@@ -1,8 +1,9 @@
-"""TP ranks as processes over each shared store: what one rank writes, who may read it.
+"""TP and PP ranks as processes over each shared store: what one rank writes, who may read it.
 
 Real: four processes, each one SGLang TP rank (``kvconnect.connectors.testing.ranks``) of
-two engines of TP 4 and, on ranks 0 and 1, two engines of TP 2: an MHA model (per-rank
-KV) and an MLA model (rank-replicated KV), each with a real SGLang 0.5.23 host KV pool
+two engines of TP 4, two of TP 2 x PP 2 (process r: TP rank r % 2 of stage r // 2) and, on
+ranks 0 and 1, two engines of TP 2: an MHA model (per-rank KV) and an MLA model
+(rank-replicated KV), each with a real SGLang 0.5.23 host KV pool
 and a real ``MambaPoolHost`` side pool (TP-sharded state), kvconnect's backend built by
 SGLang's ``StorageBackendFactory`` and registered as SGLang's controller registers it.
 The stores are the real shared ones: HF3FS with its metadata service, Mooncake with a
@@ -11,7 +12,8 @@ peer pool whose nodes are the rank processes plus a memory-only seed node (same)
 
 Checked, byte for byte (BLAKE2b of SGLang's flat pages): every rank reads back its own
 MHA pages and never another rank's; MLA pages are written once (by the writer rank) and
-read by every rank; the Mamba state is per rank even under MLA; clear and delete remove
+read by every rank (of its pipeline stage); pipeline stages never read each other's pages;
+the Mamba state is per rank even under MLA; clear and delete remove
 only what that rank of that engine owns; HF3FS keeps one data file per rank for
 per-rank KV and one shared file for replicated KV.
 """
@@ -94,6 +96,10 @@ def _engines(rank: int) -> list[dict]:
     if rank < 2:
         out += [{"name": "mha2", "model": "model/mha2", "mla": False, "tp_rank": rank, "tp_size": 2, **PAGE_GEOMETRY},
                 {"name": "mla2", "model": "model/mla2", "mla": True, "tp_rank": rank, "tp_size": 2, **PAGE_GEOMETRY}]
+    # the four processes as TP 2 x PP 2: process r is TP rank r % 2 of pipeline stage r // 2
+    stage = {"tp_rank": rank % 2, "tp_size": 2, "pp_rank": rank // 2, "pp_size": 2, "mamba": False, **PAGE_GEOMETRY}
+    out += [{"name": "mha2pp2", "model": "model/mha-pp", "mla": False, **stage},
+            {"name": "mla2pp2", "model": "model/mla-pp", "mla": True, **stage}]
     return out
 
 
@@ -161,6 +167,26 @@ def test_mamba_state_is_per_rank_even_under_mla(ranks, tp):
     store, procs, _ = ranks
     engine = f"mla{tp}"
     _each_rank_reads_back_its_own(procs[:tp], engine, "mamba", _keys(3, f"{store}/{engine}/state"), seed=300)
+
+
+def test_pipeline_stages_keep_their_own_pages(ranks):
+    """TP 2 x PP 2: the same page hashes on the two stages are different layers. MHA: each
+    of the four (TP, PP) ranks reads back its own bytes only. MLA: per stage, the stage's
+    writer rank (TP 0) writes once and its other TP rank reads that; the stages never see
+    each other's."""
+    store, procs, _ = ranks
+    _each_rank_reads_back_its_own(procs, "mha2pp2", "kv", _keys(5, f"{store}/pp/mha"), seed=600)
+    keys = _keys(5, f"{store}/pp/mla")
+    before = [p.call("stats", engine="mla2pp2")["store"]["put_pages"] for p in procs]
+    written = [p.write("mla2pp2", "kv", keys, seed=700 + r) for r, p in enumerate(procs)]
+    assert all(w["ok"] == [True] * 5 for w in written)
+    after = [p.call("stats", engine="mla2pp2")["store"]["put_pages"] for p in procs]
+    assert [a - b for a, b in zip(after, before)] == [5, 0, 5, 0]  # one writer per stage
+    assert written[0]["digests"] != written[2]["digests"]
+    for r, p in enumerate(procs):
+        got = p.read("mla2pp2", "kv", keys)
+        writer = 2 * (r // 2)
+        assert got["ok"] == [True] * 5 and got["digests"] == written[writer]["digests"], f"process {r}"
 
 
 def test_clear_and_delete_remove_only_what_that_rank_of_that_engine_owns(ranks):
