@@ -104,11 +104,11 @@ def _fresh_spaces():
 
 
 def storage_config(extra: dict, *, tp_rank=0, tp_size=1, mla=False, model="tiny/model",
-                   metrics=False, layout="page_first") -> HiCacheStorageConfig:
+                   metrics=False, layout="page_first", dp_rank=0) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=mla, enable_storage_metrics=metrics, is_page_first_layout=layout == "page_first",
-        model_name=model, extra_config=dict(extra))
+        model_name=model, extra_config=dict(extra), dp_rank=dp_rank)
 
 
 def backend(host, store=SHARED, space="s", **kw) -> KVConnectStorage:
@@ -765,6 +765,24 @@ def test_engine_context_carries_every_rank_of_the_storage_config():
                                  is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=True,
                                  model_name="m")
         assert engine_context(c).is_writer == c.is_storage_writer
+
+
+def test_dp_attention_replicas_share_pages_on_real_host_pools():
+    """Two DP-attention replicas (SGLang's dp_rank 0 and 1, same attention TP rank) hold the
+    same heads: the DP rank reaches the context but not the key, so replica 1 reads what
+    replica 0 wrote, byte-exact."""
+    pools = {dp: make_cpu_host_pool("page_first") for dp in (0, 1)}
+    replicas = {dp: backend(host, space="dp", dp_rank=dp) for dp, host in pools.items()}
+    try:
+        assert {dp: b.context.dp_rank for dp, b in replicas.items()} == {0: 0, 1: 1}
+        keys, idx = hashes(3, "dp"), {dp: alloc_pages(host, 3) for dp, host in pools.items()}
+        fill_pages(pools[0], idx[0], seed=11)
+        assert replicas[0].batch_set_v1(keys, idx[0]) == [True] * 3 and replicas[1].batch_exists(keys) == 3
+        assert replicas[1].batch_get_v1(keys, idx[1]) == [True] * 3
+        assert pages_of(pools[1], idx[1]) == pages_of(pools[0], idx[0])
+    finally:
+        for b in replicas.values():
+            b.close()
 
 
 def test_the_store_receives_the_engine_context():
