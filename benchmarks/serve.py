@@ -5,11 +5,12 @@ Runs on a GPU node with SGLang, sglang-router and the stores installed (see docs
     kvconnect bench serve                                   # every workload x every configuration
     kvconnect bench serve --workloads w1 --configs l2_only,sglang_hf3fs,kvc_hf3fs
     kvconnect bench serve --pairs w1:l2_only,w1:kvc_hf3fs,w3:l2_only,w3:kvc_hf3fs --deadline-s 1200
-    kvconnect bench serve --report benchmarks/results/serving   # re-render serving.json + serving.png
+    kvconnect bench serve --report RUN_DIR [RUN_DIR...]       # rebuild serving.json + serving.png from raw runs
 
 Each (workload, configuration) pair is measured on the same servers: L3 backends are switched at run
 time through SGLang's admin API. Writes ``<out>/runs.jsonl`` and ``<out>/requests.jsonl.gz`` while it
-runs, then ``serving.json`` (figures, ``ratios``, targets) and ``serving.png`` (TTFT CDF, throughput).
+runs, then ``benchmarks/results/serving.json`` (figures, ``ratios``, targets) and ``serving.png`` (TTFT
+CDF, throughput).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ try:
 except ImportError:  # the package's one import root
     from kvconnect.connectors.config import parse_size
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "serving"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def build_workloads(a: argparse.Namespace) -> dict:
@@ -74,7 +75,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--list-configs", action="store_true", help="describe the configurations and exit")
     g.add_argument("--quick", action="store_true", help="tiny workloads (a smoke run)")
     g.add_argument("--deadline-s", type=float, default=0, help="start no pair after this many seconds (0: none)")
-    g.add_argument("--report", metavar="DIR", help="only rebuild serving.json/png from DIR/runs.jsonl")
+    g.add_argument("--report", metavar="DIR", nargs="+",
+                   help="only rebuild serving.json/png from DIR/runs.jsonl (several DIRs: the latest run of each "
+                        "pair wins) into --out")
     s = p.add_argument_group("servers")
     s.add_argument("--servers", type=int, default=2, help="SGLang servers (default 2)")
     s.add_argument("--gpus", default="0", help="GPU ids, server i uses gpus[i %% len] (default 0: all share GPU 0)")
@@ -90,7 +93,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--l3-file-size", default="32gb", help="size of the hf3fs files (kvconnect's and SGLang's)")
     s.add_argument("--port-base", type=int, default=0, help="offset added to every port")
     s.add_argument("--workdir", default="/tmp/kvconnect-serve", help="logs, model, store data")
-    s.add_argument("--out", default=str(DEFAULT_OUT), help="results directory (default benchmarks/results/serving)")
+    s.add_argument("--out", default=None, help="raw results of this run: runs.jsonl, requests.jsonl.gz "
+                   "(default: WORKDIR/out)")
+    s.add_argument("--results-dir", default=str(RESULTS), help="where serving.json and serving.png go "
+                   "(default: benchmarks/results)")
     s.add_argument("--probe", type=int, default=8, help="prompts in the output check of each pair")
     w = p.add_argument_group("workloads (defaults: the guides' shapes, scaled to one GPU)")
     w.add_argument("--w1-groups", type=int, default=64)
@@ -112,9 +118,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def render(out: Path, command: str) -> dict:
-    doc = report.build(out / "runs.jsonl", out / "serving.json", command)
-    png = report.plot(out, doc, out / "serving.png")
+def render(run_dirs: list, out: Path, command: str) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    doc = report.build([Path(d) for d in run_dirs], out / "serving.json", command)
+    png = report.plot([Path(d) for d in run_dirs], doc, out / "serving.png")
     print(f"results written to {out / 'serving.json'}" + (f" and {png}" if png else ""))
     for t in doc["targets"]:
         print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']} (bound {t['bound']})")
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
             print(f"{name:<18} {c.kind:<9} {c.description}")
         return 0
     if a.report:
-        render(Path(a.report), "")
+        render(a.report, Path(a.results_dir), "")
         return 0
     loads = build_workloads(a)
     pairs = plan_pairs(a, loads)
@@ -145,7 +152,7 @@ def main(argv=None) -> int:
                       model_path=a.model_path, mem_fraction=a.mem_fraction, max_total_tokens=a.max_total_tokens,
                       hicache_ratio=a.hicache_ratio, router_policy=a.router_policy,
                       extra_args=tuple(a.server_arg), server_module=a.server_module)
-    out = Path(a.out)
+    out = Path(a.out or Path(a.workdir) / "out")
     l3_per_server, l3_file = ("256mb", "1gb") if a.quick else (a.l3_per_server, a.l3_file_size)
     plan = Plan(pairs, spec, Path(a.workdir), out, default_ports(a.port_base), a.probe,
                 deadline=time.time() + a.deadline_s if a.deadline_s else 0.0, l3_bytes_per_server=l3_per_server,
@@ -154,7 +161,7 @@ def main(argv=None) -> int:
           flush=True)
     _stop_on_sigterm()
     records = execute(plan)
-    render(out, "kvconnect bench serve " + " ".join(sys.argv[1:] if argv is None else argv))
+    render([out], Path(a.results_dir), "kvconnect bench serve " + " ".join(sys.argv[1:] if argv is None else argv))
     return 0 if records and all("summary" in r for r in records) else 1
 
 

@@ -34,6 +34,7 @@ SGLANG_VERSION=0.5.23
 LMCACHE_VERSION=0.5.6
 MOONCAKE_SPEC="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 PEERCACHE_SPEC="peercache==0.8.4"
+ROUTER_SPEC="sglang-router==0.3.2"   # the serving benchmark's router (a Rust binary wheel)
 APT_PACKAGES=(libibverbs1 librdmacm1 iproute2)
 
 step() { printf '[install %4ds] %s\n' "$((SECONDS - T0))" "$*"; }
@@ -185,7 +186,7 @@ SGLANG_DEPS=(numpy psutil packaging pydantic requests tqdm pyzmq orjson msgspec 
     easydict watchfiles interegular partial_json_parser nvidia-ml-py openai anthropic
     tiktoken sentencepiece ninja dill pillow IPython compressed-tensors gguf)
 TOOLS=(grpcio grpcio-tools protobuf prometheus-client tqdm pytest pytest-timeout numpy
-    "setuptools>=64" wheel "$MOONCAKE_SPEC")
+    "setuptools>=64" wheel "$MOONCAKE_SPEC" "$ROUTER_SPEC" matplotlib)
 # (a command substitution, so that a failure here stops the script under set -e)
 EXTRA_REQS_TXT="$("$PY" - <<'EOF'
 import importlib.metadata as md, re, tomllib

@@ -45,7 +45,7 @@ phase_start() {
   # shellcheck disable=SC2086
   python3 -c 'import os, sys
 os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m connectors.cli bench serve --workdir "$SERVE/work" \
-    --out "$SERVE/out" ${SERVE_ARGS:-} > "$SERVE/bench.log" 2>&1 < /dev/null &
+    --out "$SERVE/out" --results-dir "$SERVE/out" ${SERVE_ARGS:-} > "$SERVE/bench.log" 2>&1 < /dev/null &
   echo $! > "$SERVE/pid"
   say "serving benchmark started (pid $(cat "$SERVE/pid")): ${SERVE_ARGS:-}"
 }

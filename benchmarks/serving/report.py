@@ -18,7 +18,7 @@ SHARED_KVC = ("kvc_hf3fs", "kvc_peer_rdma", "kvc_mooncake", "kvc_mooncake_shm")
 
 
 def load_runs(path: Path) -> tuple[dict, list[dict]]:
-    """The last start header and the pair records written after it."""
+    """The last start header of ``path`` (a runs.jsonl) and the pair records written after it."""
     header, records = {}, []
     for line in Path(path).read_text().splitlines():
         if not line.strip():
@@ -29,6 +29,23 @@ def load_runs(path: Path) -> tuple[dict, list[dict]]:
         else:
             records.append(row)
     return header, records
+
+
+def merge_runs(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """Headers of every run, and per (workload, config) the measured record of the latest run that has one.
+
+    Ratios are computed within a workload; a workload whose pairs come from several runs says so
+    in each record's ``run`` index.
+    """
+    headers, chosen = [], {}
+    for n, d in enumerate(run_dirs):
+        header, records = load_runs(Path(d) / "runs.jsonl")
+        headers.append(header)
+        for r in records:
+            key = (r["workload"], r["config"])
+            if "summary" in r or key not in chosen:
+                chosen[key] = {**r, "run": n}
+    return headers, list(chosen.values())
 
 
 def _row(metric, ours, reference, ratio, reference_system, lower_is_better=False) -> dict:
@@ -120,6 +137,7 @@ def figures_of(records: Iterable[dict]) -> dict:
         s.update({"probe_prompts": p.get("prompts"), "probe_ok": p.get("ok"),
                   "probe_storage_tokens": p.get("storage_tokens"), "probe_mismatches": p.get("mismatches")})
         s["store_counters"] = _counters(r.get("store_metrics", {}))
+        s["run"] = r.get("run", 0)
         figs.setdefault(r["workload"], {})[r["config"]] = s
     return figs
 
@@ -134,12 +152,14 @@ def _counters(metrics: dict) -> dict:
     return out
 
 
-def build(runs_path: Path, out_json: Path, command: str = "") -> dict:
-    header, records = load_runs(runs_path)
+def build(run_dirs: list[Path], out_json: Path, command: str = "") -> dict:
+    headers, records = merge_runs(run_dirs)
     figs = figures_of(records)
     rows = ratios(figs)
-    doc = {"name": "serving", "when": header.get("when"), "machine": header.get("machine"),
-           "command": command, "params": {"spec": header.get("spec"), "workloads": header.get("workloads")},
+    first = headers[0] if headers else {}
+    doc = {"name": "serving", "when": first.get("when"), "machine": first.get("machine"), "command": command,
+           "runs": [{"dir": str(d), "when": h.get("when"), "spec": h.get("spec"), "workloads": h.get("workloads")}
+                    for d, h in zip(run_dirs, headers)],
            "figures": figs, "ratios": rows, "targets": targets(figs, rows),
            "failed_pairs": [{k: r.get(k) for k in ("workload", "config", "error", "skipped")}
                             for r in records if "summary" not in r],
@@ -151,7 +171,7 @@ def build(runs_path: Path, out_json: Path, command: str = "") -> dict:
     return doc
 
 
-def plot(runs_dir: Path, doc: dict, out_png: Path) -> Optional[Path]:
+def plot(run_dirs: list[Path], doc: dict, out_png: Path) -> Optional[Path]:
     """TTFT CDF per configuration and input throughput, one row per workload (needs matplotlib)."""
     try:
         import matplotlib
@@ -162,12 +182,15 @@ def plot(runs_dir: Path, doc: dict, out_png: Path) -> Optional[Path]:
         print("[serve] matplotlib is not installed: no picture (pip install matplotlib)")
         return None
     ttfts: dict = {}
-    reqs = Path(runs_dir) / "requests.jsonl.gz"
-    if reqs.exists():
+    for n, d in enumerate(run_dirs):
+        reqs = Path(d) / "requests.jsonl.gz"
+        if not reqs.exists():
+            continue
         with gzip.open(reqs, "rt") as f:
             for line in f:
                 r = json.loads(line)
-                if r.get("ok"):
+                fig = doc["figures"].get(r["workload"], {}).get(r["config"])
+                if r.get("ok") and fig is not None and fig["run"] == n:
                     ttfts.setdefault(r["workload"], {}).setdefault(r["config"], []).append(r["ttft"])
     workloads = [w for w in doc["figures"] if w in ttfts]
     if not workloads:

@@ -48,8 +48,10 @@ class Engine:
         self.device: OrderedDict[str, bytes] = OrderedDict()
         self.device_pages = max(1, a.max_total_tokens // self.page)
         self.backend = None
+        self.zero_copy = False
         self.lock = threading.Lock()
         self.us_per_token = a.us_per_token
+        self.served = 0
 
     # -- storage ---------------------------------------------------------------------
     def attach(self, backend: str, extra: dict) -> None:
@@ -65,6 +67,26 @@ class Engine:
             b = StorageBackendFactory.create_backend(backend, cfg, self.host)
             b.register_mem_pool_host(self.host)
             self.backend = b
+            # SGLang's controller rule: zero-copy v1 calls for dynamic backends that ask for them
+            self.zero_copy = backend == "dynamic" and bool(extra.get("interface_v1"))
+
+    def _get(self, keys: list[str], idx) -> list[bool]:
+        if self.zero_copy:
+            return self.backend.batch_get_v1(keys, idx)
+        data = self.backend.batch_get(keys, [self.host.get_dummy_flat_data_page() for _ in keys]) or []
+        ok = []
+        for i, page in enumerate(data):
+            if page is None:
+                break
+            self.host.set_from_flat_data_page(int(idx[i * self.page]), page)
+            ok.append(True)
+        return ok + [False] * (len(keys) - len(ok))
+
+    def _set(self, keys: list[str], idx) -> None:
+        if self.zero_copy:
+            self.backend.batch_set_v1(keys, idx)
+        else:
+            self.backend.batch_set(keys, [self.host.get_data_page(int(idx[i * self.page])) for i in range(len(keys))])
 
     def detach(self) -> None:
         with self.lock:
@@ -92,7 +114,7 @@ class Engine:
                 stored = int(self.backend.batch_exists(rest))
             if stored:
                 idx = self.host.alloc(stored * self.page)
-                ok = self.backend.batch_get_v1(rest[:stored], idx)
+                ok = self._get(rest[:stored], idx)
                 stored = next((i for i, good in enumerate(ok) if not good), stored)
                 for i in range(stored):
                     flat = self.host.get_data_page(int(idx[i * self.page]), flat=True)
@@ -106,7 +128,7 @@ class Engine:
                     raw = torch.frombuffer(bytearray(self.expected(k)), dtype=torch.uint8)
                     self.host.set_from_flat_data_page(int(idx[i * self.page]),
                                                       raw.view(self.host.get_dummy_flat_data_page().dtype))
-                self.backend.batch_set_v1(computed, idx)
+                self._set(computed, idx)
                 self.host.free(idx)
             for k, b in zip(keys, pages):
                 self.device[k] = b
@@ -127,7 +149,8 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
         return web.Response(text="ok")
 
     async def info(request):
-        return web.json_response({"model_path": "serving-test", "is_generation": True, "page_size": engine.page})
+        return web.json_response({"model_path": "serving-test", "is_generation": True, "page_size": engine.page,
+                                  "requests_served": engine.served})
 
     async def flush(request):
         if not authorized(request):
@@ -155,6 +178,7 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
         ids = [int(w[1:]) for w in body["text"].split()]
         n = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
         counts, digest = await asyncio.to_thread(engine.prefill, ids)
+        engine.served += 1
         out = [int.from_bytes(hashlib.sha256(digest + j.to_bytes(4, "little")).digest()[:4], "little") % VOCAB + 1
                for j in range(n)]
         meta = {"prompt_tokens": len(ids), "cached_tokens": counts["device"] + counts["storage"],
