@@ -125,6 +125,8 @@ def render(run_dirs: list, out: Path, command: str) -> dict:
     print(f"results written to {out / 'serving.json'}" + (f" and {png}" if png else ""))
     for t in doc["targets"]:
         print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']} (bound {t['bound']})")
+    for w, b in doc["bounds"].items():
+        print(f"  {w}: what any L3 could do here: " + ", ".join(f"{k} {v}" for k, v in b.items()))
     return doc
 
 
@@ -144,7 +146,7 @@ def main(argv=None) -> int:
             print(f"{name:<18} {c.kind:<9} {c.description}")
         return 0
     if a.report:
-        render(a.report, Path(a.results_dir), "")
+        render(a.report, Path(a.results_dir), "kvconnect bench serve --report " + " ".join(a.report))
         return 0
     loads = build_workloads(a)
     pairs = plan_pairs(a, loads)

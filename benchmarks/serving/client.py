@@ -173,13 +173,25 @@ def percentile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
+def offered(results) -> dict:
+    """The load as sent: the arrival span and the prompt tokens per second it offered.
+
+    An open-loop run cannot take in more than it is offered, so ``offered_input_tps`` over the
+    baseline's ``input_tps`` bounds every configuration's throughput ratio.
+    """
+    rows = [r if isinstance(r, dict) else asdict(r) for r in results]
+    span = max((r["sent"] for r in rows), default=0.0)
+    tokens = sum(r["prompt_tokens"] for r in rows if r["ok"])
+    return {"arrival_span_s": span, "offered_input_tps": tokens / span if span > 0 else 0.0}
+
+
 def summarize(results: list[Result], wall_s: float) -> dict:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok]
     prompt = sum(r.prompt_tokens for r in ok)
     span = max((r.sent + r.latency for r in ok), default=wall_s)
     cached = {k: sum(r.cached_from.get(k, 0) for r in ok) for k in ("device", "host", "storage")}
-    return {
+    return {**offered(results),
         "requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
         "ttft_p50_s": percentile(ttft, 50), "ttft_p90_s": percentile(ttft, 90),

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
+from . import workloads
 from .configs import BASELINE, CONFIGS
 
 SHARED_KVC = ("kvc_hf3fs", "kvc_peer_rdma", "kvc_mooncake", "kvc_mooncake_shm")
@@ -152,15 +153,61 @@ def _counters(metrics: dict) -> dict:
     return out
 
 
+def _requests_by_pair(run_dirs: list[Path]) -> dict:
+    out: dict = {}
+    for n, d in enumerate(run_dirs):
+        reqs = Path(d) / "requests.jsonl.gz"
+        if reqs.exists():
+            with gzip.open(reqs, "rt") as f:
+                for line in f:
+                    r = json.loads(line)
+                    out.setdefault((n, r["workload"], r["config"]), []).append(r)
+    return out
+
+
+def bounds(figs: dict, headers: list[dict]) -> dict:
+    """What any L3 could do on each workload, measured on the baseline of the same run.
+
+    ``reuse_ceiling``: share of prompt pages an unbounded prefix cache could serve (from the load
+    itself); ``baseline_cached_share``: share the baseline's GPU + host caches served; their
+    difference is the most L3 can add. ``input_tps_ratio_bound``: the offered prompt tokens/s over
+    the baseline's, which bounds any throughput ratio of an open-loop run.
+    """
+    params = {}
+    for h in headers:
+        params.update(h.get("workloads") or {})
+    out = {}
+    for w, by_cfg in figs.items():
+        base = by_cfg.get(BASELINE)
+        b: dict = {}
+        if w in params:
+            b["reuse_ceiling"] = round(workloads.prefix_reuse(workloads.from_params(w, params[w])), 4)
+        if base:
+            share = base["cached_tokens"] / base["input_tokens"] if base["input_tokens"] else 0.0
+            b["baseline_cached_share"] = round(share, 4)
+            if "reuse_ceiling" in b:
+                b["l3_room_share"] = round(max(0.0, b["reuse_ceiling"] - share), 4)
+            if base.get("offered_input_tps"):
+                b["input_tps_ratio_bound"] = round(base["offered_input_tps"] / base["input_tps"], 4)
+        out[w] = b
+    return out
+
+
 def build(run_dirs: list[Path], out_json: Path, command: str = "") -> dict:
+    from .client import offered
+
     headers, records = merge_runs(run_dirs)
+    reqs = _requests_by_pair(run_dirs)
+    for r in records:   # runs recorded before the summary carried the offered load
+        if "summary" in r and "offered_input_tps" not in r["summary"]:
+            r["summary"].update(offered(reqs.get((r["run"], r["workload"], r["config"]), [])))
     figs = figures_of(records)
     rows = ratios(figs)
     first = headers[0] if headers else {}
     doc = {"name": "serving", "when": first.get("when"), "machine": first.get("machine"), "command": command,
            "runs": [{"dir": str(d), "when": h.get("when"), "spec": h.get("spec"), "workloads": h.get("workloads")}
                     for d, h in zip(run_dirs, headers)],
-           "figures": figs, "ratios": rows, "targets": targets(figs, rows),
+           "figures": figs, "ratios": rows, "targets": targets(figs, rows), "bounds": bounds(figs, headers),
            "failed_pairs": [{k: r.get(k) for k in ("workload", "config", "error", "skipped")}
                             for r in records if "summary" not in r],
            "notes": ["TTFT: send -> first streamed output token, through sglang_router; input_tps: prompt tokens "

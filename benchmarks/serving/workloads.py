@@ -165,3 +165,12 @@ def prefix_reuse(workload: Workload, page: int = 64) -> float:
         hit += h
         total += len(r.prompt) // page
     return hit / total if total else 0.0
+
+
+def from_params(name: str, params: dict) -> Workload:
+    """Rebuild a workload from the ``params`` a run recorded (loads are deterministic)."""
+    import inspect
+
+    build = {"w1": shared_prefix, "w2": multi_turn, "w3": trace}[name]
+    accepted = inspect.signature(build).parameters
+    return build(**{k: v for k, v in params.items() if k in accepted})

@@ -115,3 +115,25 @@ def test_ratio_names_and_orientation():
     assert not targets["w1: kvc_peer_rdma TTFT p50 vs sglang_hf3fs"]["met"]    # 1.0 < 1.2
     assert not targets["w1: kvc_peer_rdma TTFT p99 / baseline"]["met"]        # 1.25 > 1.0
     assert not targets["w1: kvc_peer_rdma output mismatches on the sample"]["met"]
+
+
+def test_offered_load_bounds_open_loop_throughput():
+    rs = [client.Result(f"r{i}", sent=float(i), ok=True, ttft=0.1, latency=3.0, prompt_tokens=1000,
+                        completion_tokens=1) for i in range(5)]
+    s = client.summarize(rs, wall_s=8.0)
+    assert s["arrival_span_s"] == 4.0 and s["offered_input_tps"] == pytest.approx(5000 / 4.0)
+    assert s["input_tps"] == pytest.approx(5000 / 7.0)   # last completion at 4 + 3 s
+    figs = {"w1": {"l2_only": {**s, "cached_tokens": 2500}}}
+    b = report.bounds(figs, [{"workloads": {"w1": {"groups": 3, "per_group": 4, "system_len": 128,
+                                                   "question_len": 64, "output_len": 1, "rate": 10.0}}}])["w1"]
+    assert b["input_tps_ratio_bound"] == pytest.approx(7.0 / 4.0)
+    assert b["baseline_cached_share"] == 0.5
+    # 3 groups x 4 prompts of 2 + 1 pages: every group's first 2 pages repeat in its 3 later prompts
+    assert b["reuse_ceiling"] == pytest.approx(3 * 3 * 2 / (12 * 3), abs=1e-4)
+    assert b["l3_room_share"] == 0.0
+
+
+def test_workload_rebuilt_from_recorded_params():
+    w = workloads.trace(sample_every=200, block_tokens=32, limit=10)
+    again = workloads.from_params("w3", w.params)
+    assert [r.prompt for r in again.requests] == [r.prompt for r in w.requests]
