@@ -23,24 +23,13 @@ SHAPES = {
         "eos_token_id": 128001, "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
         "initializer_range": 0.02, "torch_dtype": "bfloat16", "use_cache": True,
     },
-    # A small shape for trying the benchmark on a modest GPU.
-    "llama-1b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
-        "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-        "num_key_value_heads": 8, "head_dim": 64, "hidden_act": "silu", "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "vocab_size": 128256, "bos_token_id": 128000,
-        "eos_token_id": 128001, "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
-        "initializer_range": 0.02, "torch_dtype": "bfloat16", "use_cache": True,
-    },
 }
+# A small shape for trying the benchmark on a modest GPU.
+SHAPES["llama-1b"] = {**SHAPES["llama3-8b"], "hidden_size": 2048, "intermediate_size": 8192,
+                      "num_hidden_layers": 16, "head_dim": 64, "tie_word_embeddings": True}
 
 # Prompt ids stay below the special-token range of Llama-3's vocabulary.
 PROMPT_VOCAB = 128000
-
-
-def kv_bytes_per_token(shape: str) -> int:
-    c = SHAPES[shape]
-    return c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2 * 2
 
 
 def word(i: int) -> str:
