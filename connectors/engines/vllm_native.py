@@ -300,6 +300,7 @@ class KVConnectConnector(KVConnectorBase_V1):
             self._load_errors: set[int] = set()
             self.loaded_pages = 0
             self.saved_pages = 0
+            self.load_error_pages = 0
             if self.config.metrics_port is not None:
                 serve_store_metrics(self.store, self.config.metrics_port, engine="vllm")
         _live.add(self)
@@ -501,7 +502,9 @@ class KVConnectConnector(KVConnectorBase_V1):
             return
         for keys, ids in self._batches(meta.loads):
             ok = self._load_batch(keys, ids)
-            self._load_errors.update(b for b, good in zip(ids, ok) if not good)
+            failed = [b for b, good in zip(ids, ok) if not good]
+            self.load_error_pages += len(failed)
+            self._load_errors.update(failed)
 
     def _load_batch(self, keys: list[str], ids: list[int]) -> list[bool]:
         import torch
@@ -564,7 +567,8 @@ class KVConnectConnector(KVConnectorBase_V1):
         out: dict[str, Any] = {"role": self.role.name.lower(), "store": self.store.name,
                                "errors": self._errors.as_dict()}
         if self.role != KVConnectorRole.SCHEDULER:
-            out.update(loaded_pages=self.loaded_pages, saved_pages=self.saved_pages)
+            out.update(loaded_pages=self.loaded_pages, saved_pages=self.saved_pages,
+                       load_error_pages=self.load_error_pages)
         stats = safe_call(self.store.stats, default=None, what="vllm.stats", errors=self._errors, rlog=self._rlog)
         if stats is not None:
             out["store_stats"] = {k: v for k, v in stats.as_dict().items() if isinstance(v, (int, float))}
