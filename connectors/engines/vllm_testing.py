@@ -208,6 +208,7 @@ def drive(spec: dict) -> None:
                 reply = {"tokens": [list(r.outputs[0].token_ids) for r in res],
                          "cached": [int(r.num_cached_tokens or 0) for r in res],
                          "prompt_tokens": [len(r.prompt_token_ids) for r in res],
+                         "prompt_ids": [list(r.prompt_token_ids) for r in res],
                          "external_hits": _metric(llm, "vllm:external_prefix_cache_hits") - ext0,
                          "local_hits": _metric(llm, "vllm:prefix_cache_hits") - loc0,
                          "seconds": dt}
