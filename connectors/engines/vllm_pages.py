@@ -29,12 +29,70 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
+from connectors.base import ConfigError
+from connectors.config import parse_size
+from connectors.engines.common import split_engine_options
 from namespace import KeySpace
 
 PAGE_LAYOUTS = ("native", "layer_first", "page_first")
 SGLANG_LAYOUTS = ("layer_first", "page_first")
+WHERE = "kvconnect vllm connector"
+ENGINE_KEYS = ("model_name", "page_layout", "staging_size")
+DEFAULT_STAGING = 256 << 20
+
+
+# ---------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VLLMConnectorConfig:
+    """``kv_connector_extra_config`` of ``KVConnectConnector``.
+
+    Keys:
+      * ``store`` (required): ``memory``, ``hf3fs``, ``mooncake``, ``peer_rdma`` or
+        ``"pkg.mod:Class"``; the store's options inline or under ``store_options``;
+      * ``tenant``: isolates these pages from other tenants sharing the store;
+      * ``model_fingerprint``: weights revision, to tell fine-tunes served under one name apart;
+      * ``metrics_port``: serve the store's Prometheus ``/metrics`` (127.0.0.1) on this port;
+      * ``model_name`` (default: vLLM's served model name): the model in the key space;
+        give the same name to every engine that should share pages;
+      * ``page_layout`` (``native`` | ``layer_first`` | ``page_first``, default ``native``):
+        the byte order of a page; ``layer_first`` / ``page_first`` are SGLang's;
+      * ``staging_size`` (size, default ``256mb``): host buffer that pages pass through;
+        larger loads and saves go in several batches.
+    """
+
+    options: dict[str, Any]
+    model_name: str = ""
+    page_layout: str = "native"
+    staging_size: int = DEFAULT_STAGING
+    tenant: str = ""
+    model_fingerprint: str = ""
+    metrics_port: int | None = None
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> "VLLMConnectorConfig":
+        extra = dict(extra or {})
+        eo = split_engine_options(extra, where=WHERE, engine_keys=ENGINE_KEYS)
+        model = eo.extra.get("model_name", "")
+        if model is None:
+            model = ""
+        if not isinstance(model, str):
+            raise ConfigError("model_name", f"expected a string, got {model!r}", None, WHERE)
+        layout = eo.extra.get("page_layout", "native")
+        if layout not in PAGE_LAYOUTS:
+            raise ConfigError("page_layout", f"invalid value {layout!r}", PAGE_LAYOUTS, WHERE)
+        staging = parse_size(eo.extra.get("staging_size", DEFAULT_STAGING), "staging_size", WHERE)
+        if staging <= 0:
+            raise ConfigError("staging_size", "must be > 0", None, WHERE)
+        return cls(options=extra, model_name=model, page_layout=layout, staging_size=staging,
+                   tenant=eo.tenant, model_fingerprint=eo.model_fingerprint, metrics_port=eo.metrics_port)
+
+
 
 
 # ---------------------------------------------------------------------------------

@@ -139,3 +139,18 @@ def test_peer_rdma_second_vllm_reads_the_first_ones_memory(model, tmp_path):
                 assert st["get_hits"] == usable_tokens(hit) // BLOCK
                 check_failure_recomputed(b, flag, ps, cold)
     assert os.path.exists(tmp_path / "b.log")
+
+
+@pytest.mark.parametrize("ktc, message", [
+    ({**connector_config({"store": "memory"}), "kv_load_failure_policy": "fail"},
+     "config key 'kv_load_failure_policy'.*accepted: 'recompute'"),
+    (connector_config({"store": "hf3fs", "file_path_prefix": "/tmp/x", "file_size": "1gb", "numjobs": 1,
+                       "entries": 1, "num_jobs": 2}),
+     "config key 'num_jobs': unknown key.*'numjobs'"),
+], ids=["failure-policy", "unknown-store-option"])
+def test_bad_config_stops_vllm_at_start_naming_the_key(model, tmp_path, ktc, message):
+    import re
+
+    with pytest.raises(RuntimeError) as e:
+        VLLMProcess(model, tmp_path / "vllm.log", ktc).close()
+    assert re.search(message, str(e.value)), str(e.value)[-2000:]
