@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -213,12 +216,14 @@ def drive(spec: dict) -> None:
                          "local_hits": _metric(llm, "vllm:prefix_cache_hits") - loc0,
                          "seconds": dt}
             elif op == "reset":
+                # A connector that saves asynchronously (LMCache) holds blocks until a later
+                # engine step reports the save done: drive steps with a one-token request.
                 ok = False
-                for _ in range(50):
+                for attempt in range(20):
                     if llm.reset_prefix_cache():
                         ok = True
                         break
-                    time.sleep(0.1)
+                    llm.generate([f"flush {attempt}"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
                 reply = {"reset": ok}
             elif op == "report":
                 from connectors.engines.vllm_native import live_connectors
@@ -236,6 +241,82 @@ def drive(spec: dict) -> None:
             reply = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         out.write(json.dumps(reply) + "\n")
         out.flush()
+
+
+# ---------------------------------------------------------------------------------
+# The client side: such a process, started from another environment
+# ---------------------------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_PY = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+class VLLMProcess:
+    def __init__(self, model: Path, log: Path, kv_transfer_config: dict | None = None, ns: str | None = None,
+                 env: dict | None = None, **spec: Any):
+        spec = {"model": str(model), **spec}
+        if kv_transfer_config:
+            spec["kv_transfer_config"] = kv_transfer_config
+        full_env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), **CPU_ENV, **(env or {}))
+        argv = [str(VLLM_PY), "-u", "-m", "connectors.engines.vllm_testing", json.dumps(spec)]
+        if ns:
+            argv = ["ip", "netns", "exec", ns, *argv]
+        self.log_path = log
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(argv, cwd=str(REPO_ROOT), env=full_env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, bufsize=1)
+        self.ready = self._recv(300)
+
+    def _recv(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if r:
+                line = self.proc.stdout.readline()
+                if not line:
+                    break
+                if line.startswith("{"):
+                    return json.loads(line)
+        tail = self.log_path.read_text()[-4000:] if self.log_path.exists() else ""
+        raise RuntimeError(f"vLLM process did not answer (rc={self.proc.poll()}): {tail}")
+
+    def call(self, op: str, timeout: float = 300, **args: Any) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._recv(timeout)
+        if "error" in reply:
+            raise RuntimeError(f"{op}: {reply['error']}\n{reply.get('trace', '')}")
+        return reply
+
+    def generate(self, prompts: list[str], max_tokens: int = 8) -> dict:
+        return self.call("generate", prompts=prompts, max_tokens=max_tokens)
+
+    def worker_report(self) -> dict:
+        reps = self.call("report")["connectors"]
+        return next(r for r in reps if r["role"] == "worker")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+    def __enter__(self) -> "VLLMProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 if __name__ == "__main__":
