@@ -248,7 +248,8 @@ def drive(spec: dict) -> None:
 # ---------------------------------------------------------------------------------
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-VLLM_PY = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PY = Path(os.environ.get("KVCONNECT_VLLM_PYTHON") or REPO_ROOT / ".venv-vllm" / "bin" / "python")
+"""The interpreter of vLLM's environment (``$KVCONNECT_VLLM_PYTHON`` overrides ``.venv-vllm``)."""
 
 
 class VLLMProcess:

@@ -154,3 +154,32 @@ def test_bad_config_stops_vllm_at_start_naming_the_key(model, tmp_path, ktc, mes
     with pytest.raises(RuntimeError) as e:
         VLLMProcess(model, tmp_path / "vllm.log", ktc).close()
     assert re.search(message, str(e.value)), str(e.value)[-2000:]
+
+
+def test_mooncake_store_second_vllm_reads_what_the_first_wrote(model, tmp_path):
+    """A real ``mooncake_master`` in a loopback netns; both vLLM processes are store clients
+    lending a segment; B reads A's pages through the Transfer Engine (TCP)."""
+    from connectors.mooncake.testing import MooncakeCluster
+    from tests.mooncake_env import mooncake_skip_reason
+
+    why = mooncake_skip_reason()
+    if why:
+        pytest.skip(why)
+    cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=tmp_path)
+    try:
+        opts = {"master_server_address": cluster.master.address, "metadata_server": "P2PHANDSHAKE",
+                "local_hostname": "127.0.0.1", "protocol": "tcp", "global_segment_size": "64mb",
+                "local_buffer_size": "16mb", "staging_size": "16mb", "setup_timeout": 15, "op_timeout": 5}
+        ns = cluster.netns.name
+        env = {"GLOG_minloglevel": "2", "MC_LOG_LEVEL": "ERROR", "MC_STORE_CLIENT_SETUP_RETRIES": "1"}
+        ps = prompts(6)
+        with VLLMProcess(model, tmp_path / "a.log", connector_config({"store": "mooncake", **opts}),
+                         ns=ns, env=env) as a:
+            cold = a.generate(ps)
+            assert a.worker_report()["saved_pages"] == usable_tokens(cold) // BLOCK
+            with VLLMProcess(model, tmp_path / "b.log", connector_config({"store": "mooncake", **opts}),
+                             ns=ns, env=env) as b:
+                hit = b.generate(ps)
+                check_hit(cold, hit)
+    finally:
+        cluster.close()
