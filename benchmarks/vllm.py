@@ -11,7 +11,9 @@ the external hit tokens vLLM reports are recorded.
 Systems:
   * ``recompute``: vLLM without a KV connector (prefix cache emptied before each pass);
   * ``kvc_memory``, ``kvc_hf3fs``: kvconnect's ``KVConnectConnector`` over ``memory`` /
-    ``hf3fs`` (POSIX file, in-process index);
+    ``hf3fs`` (POSIX file, in-process index), reloads in the same process;
+  * ``kvc_hf3fs_meta``: ``hf3fs`` with the metadata service, reloads in fresh vLLM processes
+    exactly as the LMCache rows (the like-for-like comparison with ``lmcache_mp``);
   * ``lmcache_mp``: vLLM's ``LMCacheMPConnector`` + ``lmcache server`` (engine-driven CPU
     path), hits from LMCache's own L1 (its CPU offloading path on this machine);
   * ``lmcache_mp_kvc_hf3fs``: the same server with kvconnect's L2 plugin over ``hf3fs`` and
@@ -46,9 +48,11 @@ MODEL_ARGS = {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 4, "intermedia
 CHUNK = 64
 
 
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tests.integration's LMCache server and HF3FS service launchers
+
+
 def _lmcache_server(tmp: Path, tag: str, *extra: str):
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from tests.integration.lmcache_support import Server
 
     params = {"store": "hf3fs", "file_path_prefix": str(tmp / f"{tag}-l2"), "file_size": "2gb", "numjobs": 2,
@@ -95,6 +99,13 @@ def run_system(name: str, model: Path, tmp: Path, prompts: list[str], repeats: i
     elif name == "kvc_hf3fs":
         ktc = {**NATIVE, "kv_connector_extra_config": {"store": "hf3fs", "file_path_prefix": str(tmp / "kvc"),
                                                        "file_size": "2gb", "numjobs": 2, "entries": 8}}
+    elif name == "kvc_hf3fs_meta":
+        from tests.integration.test_hf3fs import MetaProcess
+
+        server = MetaProcess(tmp / "meta").start()
+        ktc = {**NATIVE, "kv_connector_extra_config": {"store": "hf3fs", "file_path_prefix": str(tmp / "kvcm"),
+                                                       "file_size": "2gb", "numjobs": 2, "entries": 8,
+                                                       "metadata_server_url": server.url}}
     elif name == "lmcache_mp":
         server = _lmcache_server(tmp, name)
         ktc = _mp(server)
@@ -116,7 +127,7 @@ def run_system(name: str, model: Path, tmp: Path, prompts: list[str], repeats: i
     # LMCache's connector keeps a finished request's last blocks until a later step: vLLM's prefix
     # cache never empties in that process, so its reloads run in fresh vLLM processes (the server
     # keeps the cache), one per repeat.
-    fresh = name.startswith("lmcache_mp")
+    fresh = name.startswith("lmcache_mp") or name == "kvc_hf3fs_meta"
     out["reload_in"] = "a fresh vLLM process per repeat" if fresh else "the same process, prefix cache emptied"
 
     def vllm(tag: str) -> Any:
@@ -164,8 +175,9 @@ def run_system(name: str, model: Path, tmp: Path, prompts: list[str], repeats: i
             server.stop()
     if "error" not in out and name != "recompute" and not any(out.get("external_hit_tokens") or [0]):
         out["error"] = "no external hits: the connector started but served nothing on CPU"
-        if name == "lmcache_v1":
-            log = (tmp / f"{name}-vllm.log").read_text(errors="replace")
+        log_path = tmp / f"{name}-a.log"
+        if name == "lmcache_v1" and log_path.exists():
+            log = log_path.read_text(errors="replace")
             cause = [ln for ln in log.splitlines() if "No supported" in ln or "RuntimeError" in ln]
             if cause:
                 out["error"] += f" ({cause[-1].strip()[-200:]})"
@@ -192,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.prompts or (2 if args.quick else 8)
     repeats = args.repeats or (1 if args.quick else 3)
     systems = (args.systems.split(",") if args.systems else
-               ["recompute", "kvc_memory", "kvc_hf3fs", "lmcache_mp", "lmcache_mp_kvc_hf3fs"]
+               ["recompute", "kvc_memory", "kvc_hf3fs", "kvc_hf3fs_meta", "lmcache_mp", "lmcache_mp_kvc_hf3fs"]
                + ([] if args.quick else ["vllm_offloading", "vllm_simple_cpu_offload", "lmcache_v1"]))
     tmp = Path(tempfile.mkdtemp(prefix="kvc-vllm-bench-"))
     model = make_tiny_model(tmp / "model", **MODEL_ARGS)
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         r = rows.get(name, {})
         return None if "error" in r else r.get("reload_median_s")
 
-    for ours in ("kvc_memory", "kvc_hf3fs", "lmcache_mp_kvc_hf3fs"):
+    for ours in ("kvc_memory", "kvc_hf3fs", "kvc_hf3fs_meta", "lmcache_mp_kvc_hf3fs"):
         for ref in ("recompute", "lmcache_mp"):
             a, b = reload(ours), reload(ref)
             if a and b and ours != ref:

