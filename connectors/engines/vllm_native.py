@@ -350,6 +350,18 @@ class KVConnectConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = KVConnectMetadata(loads=self._pending_loads)
         self._pending_loads = []
+        # Saves are best effort. After a planning failure a request's block list may be stale,
+        # and a stale block id would store another block's bytes under this key: stop saving
+        # the requests in flight (they are recomputed or loaded as usual).
+        ok = safe_call(self._plan_saves, meta, scheduler_output, default=False, what="vllm.plan_save",
+                       errors=self._errors, rlog=self._rlog)
+        if ok is False:
+            meta.saves = []
+            for st in self._reqs.values():
+                st.saved_blocks = len(st.hashes)
+        return meta
+
+    def _plan_saves(self, meta: KVConnectMetadata, scheduler_output: "SchedulerOutput") -> bool:
         num_sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -368,7 +380,7 @@ class KVConnectConnector(KVConnectorBase_V1):
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
             self._plan_save(meta, req_id, st, cached.num_computed_tokens[i] + num_sched.get(req_id, 0))
-        return meta
+        return True
 
     def _plan_save(self, meta: KVConnectMetadata, req_id: str, st: _ReqState, computed: int) -> None:
         """Prompt blocks this step completes that the store does not hold yet."""
@@ -441,11 +453,20 @@ class KVConnectConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVConnectMetadata) or not meta.loads or self.codec is None:
             return
-        for keys, ids in self._batches(meta.loads):
-            ok = self._load_batch(keys, ids)
-            failed = [b for b, good in zip(ids, ok) if not good]
-            self.load_error_pages += len(failed)
-            self._load_errors.update(failed)
+        done: set[int] = set()
+        try:
+            for keys, ids in self._batches(meta.loads):
+                ok = self._load_batch(keys, ids)
+                failed = [b for b, good in zip(ids, ok) if not good]
+                self.load_error_pages += len(failed)
+                self._load_errors.update(failed)
+                done.update(ids)
+        except Exception as e:  # noqa: BLE001 - whatever was not loaded is a load error
+            rest = {b for op in meta.loads for b in op.block_ids} - done
+            self.load_error_pages += len(rest)
+            self._load_errors.update(rest)
+            self._errors.add("vllm.load")
+            self._rlog.error("load", "kvconnect vllm: load failed: %s: %s", type(e).__name__, e, exc_info=True)
 
     def _load_batch(self, keys: list[str], ids: list[int]) -> list[bool]:
         import torch
@@ -478,9 +499,12 @@ class KVConnectConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, KVConnectMetadata) or not meta.saves or self.codec is None:
             return
+        safe_call(self._save, meta.saves, default=None, what="vllm.save", errors=self._errors, rlog=self._rlog)
+
+    def _save(self, saves: Sequence[BlockOp]) -> None:
         import torch
 
-        for keys, ids in self._batches(meta.saves):
+        for keys, ids in self._batches(saves):
             n = len(keys)
             try:
                 self.codec.gather(torch.tensor(ids, dtype=torch.int64), self._staging[:n])
