@@ -42,8 +42,9 @@ How vLLM's contract maps onto the store (one store page = one vLLM block of one 
 
 Engine glue only: the store is used through ``PageStore`` and its declared capabilities
 (``needs_registered_memory``), never by name. One store instance per process and
-configuration serves both roles when they share a process (vLLM's ``uni`` executor):
-the process-local ``memory`` store works only there.
+configuration serves both roles when they share a process (offline ``LLM`` with
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor): the process-local ``memory``
+store serves hits only there; ``vllm serve`` runs the two roles in two processes.
 """
 
 from __future__ import annotations
