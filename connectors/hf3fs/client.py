@@ -61,7 +61,21 @@ def _reply_body(rep: bytes) -> bytes:
 
 
 class MetadataClient:
-    """What ``HF3FSStore`` needs from a page index."""
+    """What ``HF3FSStore`` needs from a page index.
+
+    ``may_serve_stale``: the index can answer an out-of-date mapping (a replica promoted
+    after a failover maps a key to a slot since given to another key); the store then
+    checks every page's identity on read (``verify_pages: auto``).
+    """
+
+    may_serve_stale = False
+
+    def connect(self) -> None:
+        """Fail fast at start if the index cannot be reached (``MetadataError``)."""
+
+    def forget(self, ns: str, keys: list[bytes], slots: list[int], gens: list[int]) -> bytes:
+        """Drop keys whose page failed its identity check on read (default: delete them)."""
+        return self.delete(ns, keys)
 
     def initialize(self, ns: str, num_pages: int, page_bytes: int) -> NamespaceInfo: ...
     def reserve(self, ns: str, keys: list[bytes]) -> tuple[bytes, list[int], list[int]]: ...

@@ -1,0 +1,106 @@
+"""Page identities beside a data file: what makes a stale index entry a miss.
+
+A page index that fails over to an asynchronous replica (``redis_index.py``) can come
+back behind: it may map key A to slot 7 while, before the failover, slot 7 was given to
+key B and B's bytes were written there. Reading slot 7 for A must then be a miss. So every
+slot has a 16-byte record in a sidecar file ``{data file}.ids``:
+``<u64 hash of the key><u64 generation of the slot>``, all zeros while no page is complete.
+
+* Write (a seqlock): zero the records of the batch's slots, write the pages, then write
+  their records. A page whose write failed keeps a zero record.
+* Read: read the records, read the pages, read the records again; a page is a hit only
+  if both reads of its record equal the identity its index entry names (the key's hash and
+  the generation the index gave the slot). A slot rewritten during the read changes its
+  record (zeroed first), so a torn page is a miss too.
+
+What it costs: 16 bytes per page of disk (a 1 TiB file of 512 KiB pages: 32 MiB), a
+``blake2b`` of each key (~0.4 us), and per run of adjacent slots two 16-byte-per-page
+``pwrite`` calls on a write and two ``pread`` calls on a read (measured in
+``benchmarks/hf3fs_ha.py``, figures in docs/hf3fs_ha.md).
+
+What it does not cover: two writers of one slot at the same moment (only possible when two
+primaries both hand it out, a split brain that ``WAIT`` / ``min-replicas-to-write`` rule
+out): enable ``checksums`` to have every byte checked as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+REC = 16
+_GEN = struct.Struct("<Q")
+ZERO = bytes(REC)
+
+
+def ident(key: bytes, gen: int) -> bytes:
+    """The record a page of ``key`` written in a slot of generation ``gen`` carries (never zero)."""
+    h = hashlib.blake2b(key, digest_size=8, person=b"kvc-page").digest()
+    if h == bytes(8):
+        h = b"\x01" + h[1:]
+    return h + _GEN.pack(gen & 0xFFFFFFFFFFFFFFFF)
+
+
+def _runs(slots: list[int]) -> list[tuple[int, list[int]]]:
+    """(first slot, [item index, ...]) per run of adjacent slots, in slot order."""
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    runs: list[tuple[int, list[int]]] = []
+    prev = None
+    for i in order:
+        s = slots[i]
+        if prev is not None and s == prev + 1:
+            runs[-1][1].append(i)
+        elif prev is None or s != prev:  # the same slot twice: read once per run anyway
+            runs.append((s, [i]))
+        else:
+            runs[-1][1].append(i)
+        prev = s
+    return runs
+
+
+class PageIds:
+    """The ``.ids`` sidecar of one data file (lane): 16 bytes per slot, grown, never shrunk."""
+
+    def __init__(self, path: str, num_pages: int):
+        from connectors.hf3fs.files import open_data_file
+
+        self.path = path
+        self.fd = open_data_file(path, num_pages * REC)
+
+    def _write(self, slots: list[int], recs: list[bytes]) -> None:
+        for first, idx in _runs(slots):
+            if len(idx) > 1 and slots[idx[-1]] - first + 1 != len(idx):  # repeated slots: one by one
+                for i in idx:
+                    os.pwrite(self.fd, recs[i], slots[i] * REC)
+                continue
+            os.pwrite(self.fd, b"".join(recs[i] for i in idx), first * REC)
+
+    def clear(self, slots: list[int]) -> None:
+        """Mark slots as being written (before their pages are)."""
+        self._write(slots, [ZERO] * len(slots))
+
+    def publish(self, slots: list[int], recs: list[bytes]) -> None:
+        """Name the pages now complete in ``slots`` (after they were written)."""
+        self._write(slots, recs)
+
+    def read(self, slots: list[int]) -> list[bytes]:
+        """The record of each slot (``ZERO`` where the file is shorter)."""
+        out = [ZERO] * len(slots)
+        for first, idx in _runs(slots):
+            last = max(slots[i] for i in idx)
+            blob = os.pread(self.fd, (last - first + 1) * REC, first * REC)
+            for i in idx:
+                o = (slots[i] - first) * REC
+                rec = blob[o:o + REC]
+                if len(rec) == REC:
+                    out[i] = rec
+        return out
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

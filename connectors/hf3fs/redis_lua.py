@@ -1,0 +1,382 @@
+"""Server-side Lua of the Redis-protocol page index (``redis_index.py``).
+
+One namespace (a data file: ``"{rank}:{pool}"``) is six Redis keys sharing one hash tag,
+so they live in one cluster slot and one script serves a whole batch atomically:
+
+====== ====== ===================================================================
+suffix type   contents
+====== ====== ===================================================================
+``m``  hash   ``np`` pages, ``pb`` page bytes, ``rl`` / ``wl`` read / write lease
+              (ms), ``fr`` first never-used slot, ``gt`` last generation handed
+              out, ``ev`` evictions, ``ex`` expired reservations, ``sw`` next sweep
+``k``  hash   confirmed key -> ``<i8 slot><i8 gen><u4 crc>`` (20 bytes)
+``l``  zset   confirmed key, score = last touch (ms): LRU order *and* read lease (a
+              key touched less than ``rl`` ago is under a read lease)
+``f``  zset   free slot, score = the time it may be handed out again (the read lease
+              of the key that last held it)
+``p``  hash   reserved key -> ``<i8 slot><i8 gen><i8 deadline ms>``
+``s``  string i64 per slot (``BITFIELD``): the generation of the confirmed page in the
+              slot, 0 when none (``validate``)
+====== ====== ===================================================================
+
+Keys arrive as one argument, joined by ``"\\n"`` (as on the kvconnect service's wire): one
+bulk string instead of 128 is most of a client's cost per call. Time is the server's
+(``TIME``); scripts are replicated by their effects (Redis >= 5), so a replica applies the
+same writes whatever its clock. Replies are packed little-endian arrays (one bulk string),
+which the client decodes with one C loop.
+
+A ``get`` moves a key to the LRU tail (and so starts a new read lease) only if its last
+touch is older than a tenth of the read lease: hot keys read again and again cost a lookup,
+not a sorted-set update. A reader's lease is therefore at least 0.9 of ``rl`` from its
+call, and the store trusts 0.8 of it (``store.LEASE_TRUST``).
+"""
+
+from __future__ import annotations
+
+SUFFIXES = ("m", "k", "l", "f", "p", "s")
+
+_PRELUDE = r"""
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local M, K, L, F, P, S = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function split(blob)  -- keys joined by newlines
+  local t, n, i, len = {}, 0, 1, #blob
+  while i <= len do
+    local j = string.find(blob, '\n', i, true) or (len + 1)
+    n = n + 1
+    t[n] = string.sub(blob, i, j - 1)
+    i = j + 1
+  end
+  return t, n
+end
+local function many(cmd, key, args)  -- one command per 4000 arguments (Lua's C stack)
+  local n = #args
+  local i = 1
+  while i <= n do
+    local j = math.min(n, i + 3999)
+    redis.call(cmd, key, unpack(args, i, j))
+    i = j + 1
+  end
+end
+local function i64s(t, n)
+  local out = {}
+  for i = 1, n do out[i] = struct.pack('<i8', t[i]) end
+  return table.concat(out)
+end
+local function flags(t, n)
+  local out = {}
+  for i = 1, n do out[i] = string.char(t[i]) end
+  return table.concat(out)
+end
+local function set_gens(slots, gens)  -- gens nil: 0 (no confirmed page)
+  local args = {}
+  for j = 1, #slots do
+    args[#args + 1] = 'SET'
+    args[#args + 1] = 'i64'
+    args[#args + 1] = '#' .. slots[j]
+    args[#args + 1] = gens and gens[j] or 0
+  end
+  if #args > 0 then many('BITFIELD', S, args) end
+end
+"""
+
+# ARGV: num_pages, page_bytes, read lease ms, write lease ms. Creates the namespace when
+# num_pages > 0 and it does not exist; answers {pages, bytes, read ms, write ms}.
+INITIALIZE = _PRELUDE + r"""
+local v = redis.call('HMGET', M, 'np', 'pb', 'rl', 'wl')
+if v[1] then return {tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[4])} end
+if tonumber(ARGV[1]) <= 0 then return {0, 0, tonumber(ARGV[3]), tonumber(ARGV[4])} end
+redis.call('HSET', M, 'np', ARGV[1], 'pb', ARGV[2], 'rl', ARGV[3], 'wl', ARGV[4], 'fr', 0, 'gt', 0,
+           'ev', 0, 'ex', 0, 'sw', 0)
+return {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
+"""
+
+# ARGV: keys (joined). Reply: u8 status[n] (index.NEW/EXISTS/INFLIGHT/NOSPACE), i64 slot[n],
+# i64 gen[n].
+RESERVE = _PRELUDE + r"""
+local meta = redis.call('HMGET', M, 'np', 'rl', 'wl', 'fr', 'sw')
+if not meta[1] then return redis.error_reply('NOINIT namespace is not initialized') end
+local np, rl, wl, fresh, sweep = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]),
+  tonumber(meta[4]), tonumber(meta[5])
+local now = now_ms()
+local keys, n = split(ARGV[1])
+local expired = 0
+local npend = redis.call('HLEN', P)
+if npend > 0 and now >= sweep then  -- reservations never confirmed: their slots are free again
+  local all = redis.call('HGETALL', P)
+  local dead, fargs = {}, {}
+  for i = 1, #all, 2 do
+    local ps, pg, pd = struct.unpack('<i8i8i8', all[i + 1])
+    if pd <= now then
+      dead[#dead + 1] = all[i]
+      fargs[#fargs + 1] = now
+      fargs[#fargs + 1] = ps
+    end
+  end
+  if #dead > 0 then
+    many('HDEL', P, dead)
+    many('ZADD', F, fargs)
+    expired = #dead
+    npend = npend - #dead
+  end
+  redis.call('HSET', M, 'sw', now + 1000)
+end
+local found = redis.call('HMGET', K, unpack(keys))
+local pend = nil
+if npend > 0 then pend = redis.call('HMGET', P, unpack(keys)) end
+local status, slots, gens, want, claimed, touch = {}, {}, {}, {}, {}, {}
+for i = 1, n do
+  local k = keys[i]
+  local v = found[i]
+  slots[i] = -1
+  gens[i] = 0
+  if v then
+    local s, g = struct.unpack('<i8i8', v)
+    status[i] = 1
+    slots[i] = s
+    gens[i] = g
+    touch[#touch + 1] = now
+    touch[#touch + 1] = k
+  else
+    local busy = false
+    local p = pend and pend[i]
+    if p then
+      local ps, pg, pd = struct.unpack('<i8i8i8', p)
+      if pd > now then
+        busy = true
+      else  -- an expired reservation: take it over
+        redis.call('HDEL', P, k)
+        redis.call('ZADD', F, now, ps)
+        expired = expired + 1
+      end
+    end
+    if busy or claimed[k] then
+      status[i] = 2
+    else
+      claimed[k] = true
+      status[i] = 0
+      want[#want + 1] = i
+    end
+  end
+end
+if #touch > 0 then many('ZADD', L, touch) end
+if expired > 0 then redis.call('HINCRBY', M, 'ex', expired) end
+local m = #want
+if m > 0 then
+  local got = {}
+  local take = math.min(m, np - fresh)
+  if take > 0 then
+    for j = 0, take - 1 do got[#got + 1] = fresh + j end
+    redis.call('HSET', M, 'fr', fresh + take)
+  end
+  if #got < m then  -- freed slots whose last reader's lease ran out
+    local fr = redis.call('ZRANGEBYSCORE', F, '-inf', now, 'LIMIT', 0, m - #got)
+    if #fr > 0 then
+      redis.call('ZREM', F, unpack(fr))
+      for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
+    end
+  end
+  if #got < m then  -- evict the least recently used keys that no reader holds
+    local cand = redis.call('ZRANGEBYSCORE', L, '-inf', now - rl, 'LIMIT', 0, m - #got)
+    if #cand > 0 then
+      local vals = redis.call('HMGET', K, unpack(cand))
+      local sl = {}
+      for j = 1, #cand do
+        if vals[j] then
+          local s = struct.unpack('<i8', vals[j])
+          got[#got + 1] = s
+          sl[#sl + 1] = s
+        end
+      end
+      redis.call('HDEL', K, unpack(cand))
+      redis.call('ZREM', L, unpack(cand))
+      set_gens(sl, nil)
+      redis.call('HINCRBY', M, 'ev', #cand)
+    end
+  end
+  local got_n = #got
+  if got_n > 0 then
+    local g = redis.call('HINCRBY', M, 'gt', 1)  -- one new generation for the batch
+    local deadline = now + wl
+    local pargs = {}
+    for j = 1, got_n do
+      local i = want[j]
+      slots[i] = got[j]
+      gens[i] = g
+      pargs[#pargs + 1] = keys[i]
+      pargs[#pargs + 1] = struct.pack('<i8i8i8', got[j], g, deadline)
+    end
+    many('HSET', P, pargs)
+  end
+  for j = got_n + 1, m do status[want[j]] = 3 end
+end
+return flags(status, n) .. i64s(slots, n) .. i64s(gens, n)
+"""
+
+# ARGV: i64 slot[n], i64 gen[n], u32 crc[n], u8 confirm[n], keys (joined). Reply: u8 ok[n].
+COMMIT = _PRELUDE + r"""
+local SL, GN, CR, CF = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local keys, n = split(ARGV[5])
+if n == 0 then return '' end
+local now = now_ms()
+local pend = redis.call('HMGET', P, unpack(keys))
+local ok, done, kargs, largs, cs, cg, fargs = {}, {}, {}, {}, {}, {}, {}
+for i = 1, n do
+  local s = struct.unpack('<i8', SL, 8 * i - 7)
+  local g = struct.unpack('<i8', GN, 8 * i - 7)
+  local conf = string.byte(CF, i) ~= 0
+  ok[i] = 0
+  local p = pend[i]
+  if p then
+    local ps, pg = struct.unpack('<i8i8', p)
+    if ps == s and pg == g then
+      done[#done + 1] = keys[i]
+      if conf then
+        local c = struct.unpack('<I4', CR, 4 * i - 3)
+        kargs[#kargs + 1] = keys[i]
+        kargs[#kargs + 1] = struct.pack('<i8i8I4', s, g, c)
+        largs[#largs + 1] = now
+        largs[#largs + 1] = keys[i]
+        cs[#cs + 1] = s
+        cg[#cg + 1] = g
+      else
+        fargs[#fargs + 1] = now
+        fargs[#fargs + 1] = s
+      end
+      ok[i] = 1
+    end
+  elseif conf then  -- already confirmed by an earlier attempt of this call?
+    local v = redis.call('HGET', K, keys[i])
+    if v then
+      local vs, vg = struct.unpack('<i8i8', v)
+      if vs == s and vg == g then ok[i] = 1 end
+    end
+  end
+end
+if #done > 0 then many('HDEL', P, done) end
+if #kargs > 0 then
+  many('HSET', K, kargs)
+  many('ZADD', L, largs)
+  set_gens(cs, cg)
+end
+if #fargs > 0 then many('ZADD', F, fargs) end
+return flags(ok, n)
+"""
+
+# ARGV: keys (joined). Reply: <i8 slot><i8 gen><u4 crc> per key (slot -1: a miss). Moves
+# keys not touched within a tenth of the read lease to the LRU tail (their read lease).
+GET = _PRELUDE + r"""
+local keys, n = split(ARGV[1])
+local vals = redis.call('HMGET', K, unpack(keys))
+local miss = struct.pack('<i8i8I4', -1, 0, 0)
+local out, hit = {}, {}
+for i = 1, n do
+  local v = vals[i]
+  if v then
+    out[i] = v
+    hit[#hit + 1] = keys[i]
+  else
+    out[i] = miss
+  end
+end
+if #hit > 0 then
+  local now = now_ms()
+  local fresh_after = now - math.floor(tonumber(redis.call('HGET', M, 'rl') or '0') / 10)
+  local scores = redis.call('ZMSCORE', L, unpack(hit))
+  local touch = {}
+  for j = 1, #hit do
+    local sc = scores[j]
+    if not sc or tonumber(sc) < fresh_after then
+      touch[#touch + 1] = now
+      touch[#touch + 1] = hit[j]
+    end
+  end
+  if #touch > 0 then many('ZADD', L, touch) end
+end
+return table.concat(out)
+"""
+
+# ARGV: keys (joined). Reply: u8 present[n]. Reads only (no LRU touch).
+EXISTS = _PRELUDE + r"""
+local keys, n = split(ARGV[1])
+local vals = redis.call('HMGET', K, unpack(keys))
+local out = {}
+for i = 1, n do out[i] = vals[i] and 1 or 0 end
+return flags(out, n)
+"""
+
+# ARGV: i64 slot[n], i64 gen[n]. Reply: u8 ok[n] (slot still confirmed at that generation).
+VALIDATE = _PRELUDE + r"""
+local n = #ARGV[1] / 8
+if n == 0 then return '' end
+local args = {}
+for i = 1, n do
+  args[#args + 1] = 'GET'
+  args[#args + 1] = 'i64'
+  args[#args + 1] = '#' .. struct.unpack('<i8', ARGV[1], 8 * i - 7)
+end
+local cur = redis.call('BITFIELD_RO', S, unpack(args))
+local out = {}
+for i = 1, n do
+  local g = struct.unpack('<i8', ARGV[2], 8 * i - 7)
+  out[i] = (g ~= 0 and cur[i] == g) and 1 or 0
+end
+return flags(out, n)
+"""
+
+# ARGV: i64 slot[n], i64 gen[n] (or two empty strings: unconditional), keys (joined). Removes
+# each key (only where it still maps to that slot and generation when they are given); its
+# slot is free again once the key's read lease ran out. Reply: u8 removed[n].
+DELETE = _PRELUDE + r"""
+local keys, n = split(ARGV[3])
+if n == 0 then return '' end
+local rl = tonumber(redis.call('HGET', M, 'rl') or '0')
+local cond = #ARGV[1] > 0
+local vals = redis.call('HMGET', K, unpack(keys))
+local out, gone, sl, fargs, seen = {}, {}, {}, {}, {}
+for i = 1, n do
+  out[i] = 0
+  local v = vals[i]
+  if v and not seen[keys[i]] then
+    local s, g = struct.unpack('<i8i8', v)
+    if not cond or (s == struct.unpack('<i8', ARGV[1], 8 * i - 7) and g == struct.unpack('<i8', ARGV[2], 8 * i - 7)) then
+      local score = tonumber(redis.call('ZSCORE', L, keys[i]) or '0')
+      seen[keys[i]] = true
+      gone[#gone + 1] = keys[i]
+      sl[#sl + 1] = s
+      fargs[#fargs + 1] = score + rl
+      fargs[#fargs + 1] = s
+      out[i] = 1
+    end
+  end
+end
+if #gone > 0 then
+  redis.call('HDEL', K, unpack(gone))
+  redis.call('ZREM', L, unpack(gone))
+  set_gens(sl, nil)
+  many('ZADD', F, fargs)
+end
+return flags(out, n)
+"""
+
+# No ARGV. Drops every confirmed key (reservations stay); their slots are free after one
+# read lease. Reply: keys removed.
+CLEAR = _PRELUDE + r"""
+local rl = tonumber(redis.call('HGET', M, 'rl') or '0')
+local all = redis.call('HGETALL', K)
+local until_ms = now_ms() + rl
+local fargs = {}
+for i = 2, #all, 2 do
+  fargs[#fargs + 1] = until_ms
+  fargs[#fargs + 1] = struct.unpack('<i8', all[i])
+end
+if #fargs > 0 then many('ZADD', F, fargs) end
+redis.call('DEL', K, L, S)
+return #all / 2
+"""
+
+SCRIPTS = {"initialize": INITIALIZE, "reserve": RESERVE, "commit": COMMIT, "get": GET, "exists": EXISTS,
+           "validate": VALIDATE, "delete": DELETE, "clear": CLEAR}
