@@ -164,7 +164,7 @@ def _check_redis_keys(cfg: "HF3FSConfig", where: str) -> None:
                               "redis+sentinel:// or rediss+sentinel://", where)
     if cfg.metadata_wait_replicas < 0:
         raise ConfigError("metadata_wait_replicas", f"must be >= 0, got {cfg.metadata_wait_replicas}", None, where)
-    if not 0 < cfg.metadata_wait_timeout < cfg.client_timeout:
+    if cfg.metadata_wait_timeout <= 0 or (cfg.metadata_wait_replicas and cfg.metadata_wait_timeout >= cfg.client_timeout):
         raise ConfigError("metadata_wait_timeout", f"must be > 0 and below client_timeout ({cfg.client_timeout:g} s), "
                           f"got {cfg.metadata_wait_timeout:g}", None, where)
     if not cfg.metadata_key_prefix or any(c in cfg.metadata_key_prefix for c in "{}\n "):

@@ -195,7 +195,7 @@ class RedisMetadata(MetadataClient):
         attempt = max(0.05, timeout / self.retries)
         common = {"socket_timeout": attempt + (wait_timeout if wait_replicas else 0.0),
                   "socket_connect_timeout": attempt, "retry": Retry(NoBackoff(), 0), "health_check_interval": 0,
-                  "lib_name": None, "lib_version": None, "db": self.url.db,
+                  "driver_info": None, "db": self.url.db,
                   "username": self.url.username, "password": password}
         if self.url.tls:
             common.update(ssl=True, ssl_ca_certs=tls_ca_file, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
@@ -204,7 +204,7 @@ class RedisMetadata(MetadataClient):
         if self.url.sentinel:
             s_timeout = max(0.05, min(0.5, attempt / 3))
             skw = {"socket_timeout": s_timeout, "socket_connect_timeout": s_timeout, "retry": Retry(NoBackoff(), 0),
-                   "lib_name": None, "lib_version": None}
+                   "driver_info": None}
             if self.url.tls:
                 skw.update({k: v for k, v in common.items() if k.startswith("ssl")})
             if sentinel_auth:

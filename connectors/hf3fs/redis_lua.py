@@ -10,8 +10,10 @@ suffix type   contents
               (ms), ``fr`` first never-used slot, ``gt`` last generation handed
               out, ``ev`` evictions, ``ex`` expired reservations, ``sw`` next sweep
 ``k``  hash   confirmed key -> ``<i8 slot><i8 gen><u4 crc>`` (20 bytes)
-``l``  zset   confirmed key, score = last touch (ms): LRU order *and* read lease (a
-              key touched less than ``rl`` ago is under a read lease)
+``l``  zset   confirmed key, score = last use (ms): the LRU order. A confirm scores
+              ``now``; a ``get`` (or a reserve that finds the key) scores ``now + 0.5``:
+              the half marks a read lease, held while the score is above ``now - rl``.
+              (Scores are doubles: at ~1.8e12 ms their resolution is ~0.0002.)
 ``f``  zset   free slot, score = the time it may be handed out again (the read lease
               of the key that last held it)
 ``p``  hash   reserved key -> ``<i8 slot><i8 gen><i8 deadline ms>``
@@ -25,8 +27,8 @@ bulk string instead of 128 is most of a client's cost per call. Time is the serv
 same writes whatever its clock. Replies are packed little-endian arrays (one bulk string),
 which the client decodes with one C loop.
 
-A ``get`` moves a key to the LRU tail (and so starts a new read lease) only if its last
-touch is older than a tenth of the read lease: hot keys read again and again cost a lookup,
+A ``get`` moves a key to the LRU tail (and so starts a new read lease) unless its lease
+began less than a tenth of the read lease ago: hot keys read again and again cost a lookup,
 not a sorted-set update. A reader's lease is therefore at least 0.9 of ``rl`` from its
 call, and the store trusts 0.8 of it (``store.LEASE_TRUST``).
 """
@@ -52,12 +54,16 @@ local function split(blob)  -- keys joined by newlines
   end
   return t, n
 end
-local function many(cmd, key, args)  -- one command per 4000 arguments (Lua's C stack)
+local function many(cmd, key, args, opt)  -- one command per 4000 arguments (Lua's C stack)
   local n = #args
   local i = 1
   while i <= n do
     local j = math.min(n, i + 3999)
-    redis.call(cmd, key, unpack(args, i, j))
+    if opt then
+      redis.call(cmd, key, opt, unpack(args, i, j))
+    else
+      redis.call(cmd, key, unpack(args, i, j))
+    end
     i = j + 1
   end
 end
@@ -70,6 +76,9 @@ local function flags(t, n)
   local out = {}
   for i = 1, n do out[i] = string.char(t[i]) end
   return table.concat(out)
+end
+local function leased(sc, now, rl)  -- a score with the read mark, within its lease
+  return sc - math.floor(sc) >= 0.25 and sc > now - rl
 end
 local function set_gens(slots, gens)  -- gens nil: 0 (no confirmed page)
   local args = {}
@@ -138,7 +147,7 @@ for i = 1, n do
     status[i] = 1
     slots[i] = s
     gens[i] = g
-    touch[#touch + 1] = now
+    touch[#touch + 1] = now + 0.5  -- a writer met it: in use (and no reader loses a lease)
     touch[#touch + 1] = k
   else
     local busy = false
@@ -179,8 +188,16 @@ if m > 0 then
       for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
     end
   end
-  if #got < m then  -- evict the least recently used keys that no reader holds
-    local cand = redis.call('ZRANGEBYSCORE', L, '-inf', now - rl, 'LIMIT', 0, m - #got)
+  if #got < m then  -- evict the least recently used keys that no reader holds (looking 64 past)
+    local need = m - #got
+    local scan = redis.call('ZRANGE', L, 0, need + 63, 'WITHSCORES')
+    local cand = {}
+    for j = 1, #scan, 2 do
+      if not leased(tonumber(scan[j + 1]), now, rl) then
+        cand[#cand + 1] = scan[j]
+        if #cand == need then break end
+      end
+    end
     if #cand > 0 then
       local vals = redis.call('HMGET', K, unpack(cand))
       local sl = {}
@@ -243,7 +260,7 @@ for i = 1, n do
         cs[#cs + 1] = s
         cg[#cg + 1] = g
       else
-        fargs[#fargs + 1] = now
+        fargs[#fargs + 1] = 0  -- a failed write's slot: free at once
         fargs[#fargs + 1] = s
       end
       ok[i] = 1
@@ -284,13 +301,13 @@ for i = 1, n do
 end
 if #hit > 0 then
   local now = now_ms()
-  local fresh_after = now - math.floor(tonumber(redis.call('HGET', M, 'rl') or '0') / 10)
+  local rl = tonumber(redis.call('HGET', M, 'rl') or '0')
   local scores = redis.call('ZMSCORE', L, unpack(hit))
   local touch = {}
-  for j = 1, #hit do
+  for j = 1, #hit do  -- a new lease unless one began less than rl / 10 ago (score > now - rl / 10)
     local sc = scores[j]
-    if not sc or tonumber(sc) < fresh_after then
-      touch[#touch + 1] = now
+    if not sc or not leased(tonumber(sc), now + rl - math.floor(rl / 10), rl) then
+      touch[#touch + 1] = now + 0.5
       touch[#touch + 1] = hit[j]
     end
   end
@@ -347,7 +364,7 @@ for i = 1, n do
       seen[keys[i]] = true
       gone[#gone + 1] = keys[i]
       sl[#sl + 1] = s
-      fargs[#fargs + 1] = score + rl
+      fargs[#fargs + 1] = math.floor(score) + rl  -- free once a reader's lease would have run out
       fargs[#fargs + 1] = s
       out[i] = 1
     end
