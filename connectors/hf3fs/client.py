@@ -73,6 +73,11 @@ class MetadataClient:
     def connect(self) -> None:
         """Fail fast at start if the index cannot be reached (``MetadataError``)."""
 
+    def validate_keys(self, ns: str, keys: list[bytes], slots: list[int], gens: list[int]) -> bytes:
+        """Whether each key still maps to the (slot, generation) it was read at (default:
+        whether each (slot, generation) is still that confirmed page: ``validate``)."""
+        return self.validate(ns, slots, gens)
+
     def forget(self, ns: str, keys: list[bytes], slots: list[int], gens: list[int]) -> bytes:
         """Drop keys whose page failed its identity check on read (default: delete them)."""
         return self.delete(ns, keys)

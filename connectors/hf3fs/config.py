@@ -160,11 +160,12 @@ def _check_redis_keys(cfg: "HF3FSConfig", where: str) -> None:
     redis = is_redis_url(url)
     for key in REDIS_ONLY_KEYS:
         if getattr(cfg, key) and not redis:
-            raise ConfigError(key, "applies to a Redis page index only", "a metadata_server_url of redis://, rediss://, "
-                              "redis+sentinel:// or rediss+sentinel://", where)
+            raise ConfigError(key, "applies to a Redis page index only",
+                              "a metadata_server_url of redis://, rediss://, redis+sentinel:// or rediss+sentinel://", where)
     if cfg.metadata_wait_replicas < 0:
         raise ConfigError("metadata_wait_replicas", f"must be >= 0, got {cfg.metadata_wait_replicas}", None, where)
-    if cfg.metadata_wait_timeout <= 0 or (cfg.metadata_wait_replicas and cfg.metadata_wait_timeout >= cfg.client_timeout):
+    too_long = cfg.metadata_wait_replicas and cfg.metadata_wait_timeout >= cfg.client_timeout
+    if cfg.metadata_wait_timeout <= 0 or too_long:
         raise ConfigError("metadata_wait_timeout", f"must be > 0 and below client_timeout ({cfg.client_timeout:g} s), "
                           f"got {cfg.metadata_wait_timeout:g}", None, where)
     if not cfg.metadata_key_prefix or any(c in cfg.metadata_key_prefix for c in "{}\n "):

@@ -13,10 +13,10 @@ slot has a 16-byte record in a sidecar file ``{data file}.ids``:
   the generation the index gave the slot). A slot rewritten during the read changes its
   record (zeroed first), so a torn page is a miss too.
 
-What it costs: 16 bytes per page of disk (a 1 TiB file of 512 KiB pages: 32 MiB), a
-``blake2b`` of each key (~0.4 us), and per run of adjacent slots two 16-byte-per-page
-``pwrite`` calls on a write and two ``pread`` calls on a read (measured in
-``benchmarks/hf3fs_ha.py``, figures in docs/hf3fs_ha.md).
+What it costs: 16 bytes per page of disk (a 1 TiB file of 512 KiB pages: 32 MiB), the
+key's digest (``key_digest``: SGLang's hex keys are read, others hashed), and per run of
+adjacent slots two 16-byte-per-page ``pwrite`` calls on a write and two ``pread`` calls on
+a read (measured in ``benchmarks/hf3fs_ha.py``, figures in docs/hf3fs_ha.md).
 
 What it does not cover: two writers of one slot at the same moment (only possible when two
 primaries both hand it out, a split brain that ``WAIT`` / ``min-replicas-to-write`` rule
@@ -34,12 +34,40 @@ _GEN = struct.Struct("<Q")
 ZERO = bytes(REC)
 
 
-def ident(key: bytes, gen: int) -> bytes:
+def key_digest(key: bytes) -> bytes:
+    """16 bytes that stand for ``key``: the first half of a SHA-256 key given as 64 hex
+    characters (SGLang's page keys: already a hash, so read, not hashed again), else a
+    16-byte BLAKE2b of the key."""
+    if len(key) == 64:
+        try:
+            return bytes.fromhex(key[:32].decode("ascii"))
+        except (ValueError, UnicodeDecodeError):
+            pass
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def key_digests(keys) -> bytes:
+    """``key_digest`` of every key, back to back; one ``bytes.fromhex`` for a batch of hex keys."""
+    if all(len(k) == 64 for k in keys):
+        try:
+            return bytes.fromhex(b"".join([k[:32] for k in keys]).decode("ascii"))
+        except (ValueError, UnicodeDecodeError):
+            pass
+    return b"".join([key_digest(k) for k in keys])
+
+
+def ident(key: bytes, gen: int, digest: bytes | None = None) -> bytes:
     """The record a page of ``key`` written in a slot of generation ``gen`` carries (never zero)."""
-    h = hashlib.blake2b(key, digest_size=8, person=b"kvc-page").digest()
+    h = (digest or key_digest(key))[:8]
     if h == bytes(8):
         h = b"\x01" + h[1:]
     return h + _GEN.pack(gen & 0xFFFFFFFFFFFFFFFF)
+
+
+def idents(keys, gens) -> list[bytes]:
+    """``ident`` of each (key, generation), the keys' digests taken in one pass."""
+    d = key_digests(keys)
+    return [ident(k, g, d[16 * i:16 * i + 16]) for i, (k, g) in enumerate(zip(keys, gens))]
 
 
 def _runs(slots: list[int]) -> list[tuple[int, list[int]]]:

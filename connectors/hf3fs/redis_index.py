@@ -44,6 +44,7 @@ from connectors.base import ConfigError, MissingDependency
 from connectors.hf3fs import protocol as P
 from connectors.hf3fs.client import AuthError, MetadataClient, MetadataError
 from connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, NamespaceInfo
+from connectors.hf3fs.pageid import key_digests
 from connectors.hf3fs.redis_lua import SCRIPTS, SUFFIXES
 
 log = logging.getLogger("kvconnect.hf3fs")
@@ -54,7 +55,8 @@ URL_FORMS = ("redis://[user@]host:port[/db]", "rediss://[user@]host:port[/db]",
              "rediss+sentinel://[user@]host:port,.../master-name[/db]")
 KEY = "metadata_server_url"
 MAX_BATCH = 1000  # keys per script call (Lua's C stack takes ~8000 arguments)
-_ENTRY = struct.Struct("<qqI")  # a get reply item: slot, generation, crc
+_ENTRY = struct.Struct("<qqI")  # an index entry (and a get reply item): slot, generation, crc
+_PAGE = struct.Struct("<qq")  # slot, generation
 _TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS", "BUSY", "CLUSTERDOWN")
 
 
@@ -356,7 +358,7 @@ class RedisMetadata(MetadataClient):
         n = len(keys)
         if not n:
             return b"", [], []
-        rep = self._script("reserve", ns, (P.join_keys(keys),))
+        rep = self._script("reserve", ns, (key_digests(keys),))
         return rep[:n], P.read_i64(rep, n, n), P.read_i64(rep, 9 * n, n)
 
     def commit(self, ns, keys, slots, gens, crcs, confirm):
@@ -368,7 +370,7 @@ class RedisMetadata(MetadataClient):
         if not n:
             return b""
         confirm = bytes(confirm)
-        args = (P.i64s(slots), P.i64s(gens), P.u32s(crcs), confirm, P.join_keys(keys))
+        args = (b"".join(map(_ENTRY.pack, slots, gens, crcs)), confirm, key_digests(keys))
         nsk = self._ns_keys(ns)
         if not self.wait_replicas or not any(confirm):
             return self._script("commit", ns, args)
@@ -388,37 +390,43 @@ class RedisMetadata(MetadataClient):
             return tuple(sum((p[j] for p in parts), []) for j in range(3))
         if not n:
             return [], [], []
-        rep = self._script("get", ns, (P.join_keys(keys),))
+        rep = self._script("get", ns, (key_digests(keys),))
         slots, gens, crcs = zip(*_ENTRY.iter_unpack(rep))
         return list(slots), list(gens), list(crcs)
 
     def validate(self, ns, slots, gens):
-        if not slots:
+        """Without the keys this index cannot tell (it maps keys, not slots): every page is
+        reported changed, which the store turns into misses. The store calls
+        ``validate_keys``."""
+        return bytes(len(slots))
+
+    def validate_keys(self, ns, keys, slots, gens):
+        if not keys:
             return b""
-        return self._script("validate", ns, (P.i64s(slots), P.i64s(gens)))
+        return self._script("validate", ns, (b"".join(map(_PAGE.pack, slots, gens)), key_digests(keys)))
 
     def exists(self, ns, keys):
         if len(keys) > MAX_BATCH:
             return b"".join(self.exists(ns, keys[i:i + MAX_BATCH]) for i in range(0, len(keys), MAX_BATCH))
-        return self._script("exists", ns, (P.join_keys(keys),)) if keys else b""
+        return self._script("exists", ns, (key_digests(keys),)) if keys else b""
 
     def delete(self, ns, keys):
         if len(keys) > MAX_BATCH:
             return b"".join(self.delete(ns, keys[i:i + MAX_BATCH]) for i in range(0, len(keys), MAX_BATCH))
-        return self._script("delete", ns, (b"", b"", P.join_keys(keys))) if keys else b""
+        return self._script("delete", ns, (b"", key_digests(keys))) if keys else b""
 
     def forget(self, ns, keys, slots, gens):
         """Remove keys whose page failed its identity check, where they still map to the
         (slot, generation) that was read (a key rewritten meanwhile stays)."""
         if not keys:
             return b""
-        return self._script("delete", ns, (P.i64s(slots), P.i64s(gens), P.join_keys(keys)))
+        return self._script("delete", ns, (b"".join(map(_PAGE.pack, slots, gens)), key_digests(keys)))
 
     def clear(self, ns):
         return int(self._script("clear", ns, ()))
 
     def usage(self, ns):
-        m, k, _l, f, p, _s = self._ns_keys(ns)
+        m, k, _l, f, p = self._ns_keys(ns)
 
         (np_, pb, ev, ex, fr), keys, reserved, free = self._cmds(
             "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr"), ("HLEN", k), ("HLEN", p), ("ZCARD", f)])

@@ -1,6 +1,6 @@
 """Server-side Lua of the Redis-protocol page index (``redis_index.py``).
 
-One namespace (a data file: ``"{rank}:{pool}"``) is six Redis keys sharing one hash tag,
+One namespace (a data file: ``"{rank}:{pool}"``) is five Redis keys sharing one hash tag,
 so they live in one cluster slot and one script serves a whole batch atomically:
 
 ====== ====== ===================================================================
@@ -17,15 +17,15 @@ suffix type   contents
 ``f``  zset   free slot, score = the time it may be handed out again (the read lease
               of the key that last held it)
 ``p``  hash   reserved key -> ``<i8 slot><i8 gen><i8 deadline ms>``
-``s``  string i64 per slot (``BITFIELD``): the generation of the confirmed page in the
-              slot, 0 when none (``validate``)
 ====== ====== ===================================================================
 
-Keys arrive as one argument, joined by ``"\\n"`` (as on the kvconnect service's wire): one
-bulk string instead of 128 is most of a client's cost per call. Time is the server's
-(``TIME``); scripts are replicated by their effects (Redis >= 5), so a replica applies the
-same writes whatever its clock. Replies are packed little-endian arrays (one bulk string),
-which the client decodes with one C loop.
+A key is its 16-byte digest (``pageid.key_digest``, computed by the client): fixed-width fields make a
+batch one bulk string the script cuts with ``string.sub``, and an index entry costs 16
+bytes of key instead of SGLang's 64 hex characters. Values are stored and compared as the
+packed bytes the client sends, so the hot paths run few Lua operations per key. Time is the
+server's (``TIME``); scripts are replicated by their effects (Redis >= 5), so a replica
+applies the same writes whatever its clock. Replies are packed little-endian arrays (one
+bulk string), which the client decodes with one C loop.
 
 A ``get`` moves a key to the LRU tail (and so starts a new read lease) unless its lease
 began less than a tenth of the read lease ago: hot keys read again and again cost a lookup,
@@ -35,23 +35,21 @@ call, and the store trusts 0.8 of it (``store.LEASE_TRUST``).
 
 from __future__ import annotations
 
-SUFFIXES = ("m", "k", "l", "f", "p", "s")
+SUFFIXES = ("m", "k", "l", "f", "p")
+KEY_BYTES = 16
 
 _PRELUDE = r"""
 if redis.replicate_commands then pcall(redis.replicate_commands) end
-local M, K, L, F, P, S = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local M, K, L, F, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local sub = string.sub
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
-local function split(blob)  -- keys joined by newlines
-  local t, n, i, len = {}, 0, 1, #blob
-  while i <= len do
-    local j = string.find(blob, '\n', i, true) or (len + 1)
-    n = n + 1
-    t[n] = string.sub(blob, i, j - 1)
-    i = j + 1
-  end
+local function split(blob)  -- 16-byte keys, back to back
+  local t = {}
+  local n = #blob / 16
+  for i = 1, n do t[i] = sub(blob, 16 * i - 15, 16 * i) end
   return t, n
 end
 local function many(cmd, key, args, opt)  -- one command per 4000 arguments (Lua's C stack)
@@ -67,28 +65,8 @@ local function many(cmd, key, args, opt)  -- one command per 4000 arguments (Lua
     i = j + 1
   end
 end
-local function i64s(t, n)
-  local out = {}
-  for i = 1, n do out[i] = struct.pack('<i8', t[i]) end
-  return table.concat(out)
-end
-local function flags(t, n)
-  local out = {}
-  for i = 1, n do out[i] = string.char(t[i]) end
-  return table.concat(out)
-end
 local function leased(sc, now, rl)  -- a score with the read mark, within its lease
   return sc - math.floor(sc) >= 0.25 and sc > now - rl
-end
-local function set_gens(slots, gens)  -- gens nil: 0 (no confirmed page)
-  local args = {}
-  for j = 1, #slots do
-    args[#args + 1] = 'SET'
-    args[#args + 1] = 'i64'
-    args[#args + 1] = '#' .. slots[j]
-    args[#args + 1] = gens and gens[j] or 0
-  end
-  if #args > 0 then many('BITFIELD', S, args) end
 end
 """
 
@@ -103,8 +81,7 @@ redis.call('HSET', M, 'np', ARGV[1], 'pb', ARGV[2], 'rl', ARGV[3], 'wl', ARGV[4]
 return {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
 """
 
-# ARGV: keys (joined). Reply: u8 status[n] (index.NEW/EXISTS/INFLIGHT/NOSPACE), i64 slot[n],
-# i64 gen[n].
+# ARGV: keys. Reply: u8 status[n] (index.NEW/EXISTS/INFLIGHT/NOSPACE), i64 slot[n], i64 gen[n].
 RESERVE = _PRELUDE + r"""
 local meta = redis.call('HMGET', M, 'np', 'rl', 'wl', 'fr', 'sw')
 if not meta[1] then return redis.error_reply('NOINIT namespace is not initialized') end
@@ -136,20 +113,20 @@ end
 local found = redis.call('HMGET', K, unpack(keys))
 local pend = nil
 if npend > 0 then pend = redis.call('HMGET', P, unpack(keys)) end
+local NONE, ZERO = struct.pack('<i8', -1), struct.pack('<i8', 0)
 local status, slots, gens, want, claimed, touch = {}, {}, {}, {}, {}, {}
 for i = 1, n do
-  local k = keys[i]
   local v = found[i]
-  slots[i] = -1
-  gens[i] = 0
   if v then
-    local s, g = struct.unpack('<i8i8', v)
     status[i] = 1
-    slots[i] = s
-    gens[i] = g
+    slots[i] = sub(v, 1, 8)
+    gens[i] = sub(v, 9, 16)
     touch[#touch + 1] = now + 0.5  -- a writer met it: in use (and no reader loses a lease)
-    touch[#touch + 1] = k
+    touch[#touch + 1] = keys[i]
   else
+    local k = keys[i]
+    slots[i] = NONE
+    gens[i] = ZERO
     local busy = false
     local p = pend and pend[i]
     if p then
@@ -200,91 +177,78 @@ if m > 0 then
     end
     if #cand > 0 then
       local vals = redis.call('HMGET', K, unpack(cand))
-      local sl = {}
       for j = 1, #cand do
-        if vals[j] then
-          local s = struct.unpack('<i8', vals[j])
-          got[#got + 1] = s
-          sl[#sl + 1] = s
-        end
+        if vals[j] then got[#got + 1] = struct.unpack('<i8', vals[j]) end
       end
       redis.call('HDEL', K, unpack(cand))
       redis.call('ZREM', L, unpack(cand))
-      set_gens(sl, nil)
       redis.call('HINCRBY', M, 'ev', #cand)
     end
   end
   local got_n = #got
   if got_n > 0 then
     local g = redis.call('HINCRBY', M, 'gt', 1)  -- one new generation for the batch
-    local deadline = now + wl
+    local gp = struct.pack('<i8', g)
+    local tail = gp .. struct.pack('<i8', now + wl)
     local pargs = {}
     for j = 1, got_n do
       local i = want[j]
-      slots[i] = got[j]
-      gens[i] = g
-      pargs[#pargs + 1] = keys[i]
-      pargs[#pargs + 1] = struct.pack('<i8i8i8', got[j], g, deadline)
+      local sp = struct.pack('<i8', got[j])
+      slots[i] = sp
+      gens[i] = gp
+      pargs[2 * j - 1] = keys[i]
+      pargs[2 * j] = sp .. tail
     end
     many('HSET', P, pargs)
   end
   for j = got_n + 1, m do status[want[j]] = 3 end
 end
-return flags(status, n) .. i64s(slots, n) .. i64s(gens, n)
+return string.char(unpack(status)) .. table.concat(slots) .. table.concat(gens)
 """
 
-# ARGV: i64 slot[n], i64 gen[n], u32 crc[n], u8 confirm[n], keys (joined). Reply: u8 ok[n].
+# ARGV: <i8 slot><i8 gen><u4 crc> per key (the index entry to store), u8 confirm[n], keys.
+# Reply: u8 ok[n].
 COMMIT = _PRELUDE + r"""
-local SL, GN, CR, CF = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local keys, n = split(ARGV[5])
+local VALS, CF = ARGV[1], ARGV[2]
+local keys, n = split(ARGV[3])
 if n == 0 then return '' end
 local now = now_ms()
 local pend = redis.call('HMGET', P, unpack(keys))
-local ok, done, kargs, largs, cs, cg, fargs = {}, {}, {}, {}, {}, {}, {}
+local ok, done, kargs, largs, fargs = {}, {}, {}, {}, {}
 for i = 1, n do
-  local s = struct.unpack('<i8', SL, 8 * i - 7)
-  local g = struct.unpack('<i8', GN, 8 * i - 7)
-  local conf = string.byte(CF, i) ~= 0
-  ok[i] = 0
+  local val = sub(VALS, 20 * i - 19, 20 * i)
+  local sg = sub(val, 1, 16)
   local p = pend[i]
+  ok[i] = 0
   if p then
-    local ps, pg = struct.unpack('<i8i8', p)
-    if ps == s and pg == g then
+    if sub(p, 1, 16) == sg then
       done[#done + 1] = keys[i]
-      if conf then
-        local c = struct.unpack('<I4', CR, 4 * i - 3)
+      if string.byte(CF, i) ~= 0 then
         kargs[#kargs + 1] = keys[i]
-        kargs[#kargs + 1] = struct.pack('<i8i8I4', s, g, c)
+        kargs[#kargs + 1] = val
         largs[#largs + 1] = now
         largs[#largs + 1] = keys[i]
-        cs[#cs + 1] = s
-        cg[#cg + 1] = g
-      else
-        fargs[#fargs + 1] = 0  -- a failed write's slot: free at once
-        fargs[#fargs + 1] = s
+      else  -- a failed write: its slot is free at once
+        fargs[#fargs + 1] = 0
+        fargs[#fargs + 1] = struct.unpack('<i8', p)
       end
       ok[i] = 1
     end
-  elseif conf then  -- already confirmed by an earlier attempt of this call?
+  elseif string.byte(CF, i) ~= 0 then  -- already confirmed by an earlier attempt of this call?
     local v = redis.call('HGET', K, keys[i])
-    if v then
-      local vs, vg = struct.unpack('<i8i8', v)
-      if vs == s and vg == g then ok[i] = 1 end
-    end
+    if v and sub(v, 1, 16) == sg then ok[i] = 1 end
   end
 end
-if #done > 0 then many('HDEL', P, done) end
+if #done > 0 then redis.call('HDEL', P, unpack(done)) end
 if #kargs > 0 then
   many('HSET', K, kargs)
   many('ZADD', L, largs)
-  set_gens(cs, cg)
 end
 if #fargs > 0 then many('ZADD', F, fargs) end
-return flags(ok, n)
+return string.char(unpack(ok))
 """
 
-# ARGV: keys (joined). Reply: <i8 slot><i8 gen><u4 crc> per key (slot -1: a miss). Moves
-# keys not touched within a tenth of the read lease to the LRU tail (their read lease).
+# ARGV: keys. Reply: <i8 slot><i8 gen><u4 crc> per key (slot -1: a miss). Starts read leases.
 GET = _PRELUDE + r"""
 local keys, n = split(ARGV[1])
 local vals = redis.call('HMGET', K, unpack(keys))
@@ -302,11 +266,12 @@ end
 if #hit > 0 then
   local now = now_ms()
   local rl = tonumber(redis.call('HGET', M, 'rl') or '0')
+  local recent = now - math.floor(rl / 10)
   local scores = redis.call('ZMSCORE', L, unpack(hit))
   local touch = {}
-  for j = 1, #hit do  -- a new lease unless one began less than rl / 10 ago (score > now - rl / 10)
-    local sc = scores[j]
-    if not sc or not leased(tonumber(sc), now + rl - math.floor(rl / 10), rl) then
+  for j = 1, #hit do  -- a new lease unless one began less than rl / 10 ago
+    local sc = scores[j] and tonumber(scores[j])
+    if not sc or sc - math.floor(sc) < 0.25 or sc < recent then
       touch[#touch + 1] = now + 0.5
       touch[#touch + 1] = hit[j]
     end
@@ -316,67 +281,57 @@ end
 return table.concat(out)
 """
 
-# ARGV: keys (joined). Reply: u8 present[n]. Reads only (no LRU touch).
+# ARGV: keys. Reply: u8 present[n]. Reads only (no LRU touch).
 EXISTS = _PRELUDE + r"""
 local keys, n = split(ARGV[1])
 local vals = redis.call('HMGET', K, unpack(keys))
 local out = {}
 for i = 1, n do out[i] = vals[i] and 1 or 0 end
-return flags(out, n)
+return string.char(unpack(out))
 """
 
-# ARGV: i64 slot[n], i64 gen[n]. Reply: u8 ok[n] (slot still confirmed at that generation).
+# ARGV: <i8 slot><i8 gen> per key, keys. Reply: u8 ok[n] (the key still maps to that page).
 VALIDATE = _PRELUDE + r"""
-local n = #ARGV[1] / 8
+local SG = ARGV[1]
+local keys, n = split(ARGV[2])
 if n == 0 then return '' end
-local args = {}
-for i = 1, n do
-  args[#args + 1] = 'GET'
-  args[#args + 1] = 'i64'
-  args[#args + 1] = '#' .. struct.unpack('<i8', ARGV[1], 8 * i - 7)
-end
-local cur = redis.call('BITFIELD_RO', S, unpack(args))
+local vals = redis.call('HMGET', K, unpack(keys))
 local out = {}
 for i = 1, n do
-  local g = struct.unpack('<i8', ARGV[2], 8 * i - 7)
-  out[i] = (g ~= 0 and cur[i] == g) and 1 or 0
+  out[i] = (vals[i] and sub(vals[i], 1, 16) == sub(SG, 16 * i - 15, 16 * i)) and 1 or 0
 end
-return flags(out, n)
+return string.char(unpack(out))
 """
 
-# ARGV: i64 slot[n], i64 gen[n] (or two empty strings: unconditional), keys (joined). Removes
-# each key (only where it still maps to that slot and generation when they are given); its
-# slot is free again once the key's read lease ran out. Reply: u8 removed[n].
+# ARGV: <i8 slot><i8 gen> per key (or an empty string: unconditional), keys. Removes each
+# key (only where it still maps to that page when one is named); its slot is free again once
+# the key's read lease ran out. Reply: u8 removed[n].
 DELETE = _PRELUDE + r"""
-local keys, n = split(ARGV[3])
+local SG = ARGV[1]
+local keys, n = split(ARGV[2])
 if n == 0 then return '' end
 local rl = tonumber(redis.call('HGET', M, 'rl') or '0')
-local cond = #ARGV[1] > 0
 local vals = redis.call('HMGET', K, unpack(keys))
-local out, gone, sl, fargs, seen = {}, {}, {}, {}, {}
+local out, gone, fargs, seen = {}, {}, {}, {}
 for i = 1, n do
   out[i] = 0
   local v = vals[i]
-  if v and not seen[keys[i]] then
-    local s, g = struct.unpack('<i8i8', v)
-    if not cond or (s == struct.unpack('<i8', ARGV[1], 8 * i - 7) and g == struct.unpack('<i8', ARGV[2], 8 * i - 7)) then
-      local score = tonumber(redis.call('ZSCORE', L, keys[i]) or '0')
-      seen[keys[i]] = true
-      gone[#gone + 1] = keys[i]
-      sl[#sl + 1] = s
-      fargs[#fargs + 1] = math.floor(score) + rl  -- free once a reader's lease would have run out
-      fargs[#fargs + 1] = s
-      out[i] = 1
-    end
+  local k = keys[i]
+  if v and not seen[k] and (#SG == 0 or sub(v, 1, 16) == sub(SG, 16 * i - 15, 16 * i)) then
+    local score = tonumber(redis.call('ZSCORE', L, k) or '0')
+    seen[k] = true
+    gone[#gone + 1] = k
+    fargs[#fargs + 1] = math.floor(score) + rl  -- free once a reader's lease would have run out
+    fargs[#fargs + 1] = struct.unpack('<i8', v)
+    out[i] = 1
   end
 end
 if #gone > 0 then
   redis.call('HDEL', K, unpack(gone))
   redis.call('ZREM', L, unpack(gone))
-  set_gens(sl, nil)
   many('ZADD', F, fargs)
 end
-return flags(out, n)
+return string.char(unpack(out))
 """
 
 # No ARGV. Drops every confirmed key (reservations stay); their slots are free after one
@@ -391,7 +346,7 @@ for i = 2, #all, 2 do
   fargs[#fargs + 1] = struct.unpack('<i8', all[i])
 end
 if #fargs > 0 then many('ZADD', F, fargs) end
-redis.call('DEL', K, L, S)
+redis.call('DEL', K, L)
 return #all / 2
 """
 

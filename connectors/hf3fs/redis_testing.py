@@ -316,8 +316,9 @@ class RedisHA:
                         break
                 for r in self.nodes[1:]:
                     info = r.command("INFO", "replication")
-                    text = info.decode() if isinstance(info, bytes) else (info if isinstance(info, str) else
-                                                                          "\n".join(f"{k}:{v}" for k, v in info.items()))
+                    if isinstance(info, dict):
+                        info = "\n".join(f"{k}:{v}" for k, v in info.items())
+                    text = info.decode() if isinstance(info, bytes) else info
                     if "master_link_status:up" not in text:
                         ok = False
                         last = f"{r.addr} not in sync"

@@ -42,7 +42,7 @@ from connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioF
                                    usable_cpus)
 from connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
 from connectors.hf3fs.pageid import PageIds
-from connectors.hf3fs.pageid import ident as page_ident
+from connectors.hf3fs.pageid import idents as page_idents
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -444,7 +444,8 @@ class HF3FSStore(PageStore):
         hits = [j for j, s in enumerate(slots) if s >= 0]
         if not hits:
             return out
-        ids = [page_ident(kb[j], gens[j]) for j in hits] if lane.ids is not None else [None] * len(hits)
+        ids = ([None] * len(hits) if lane.ids is None else
+               page_idents([kb[j] for j in hits], [gens[j] for j in hits]))
         ok = self._fan_out(self._read_chunk, [(slots[j], pages[j], crcs[j], ids[h]) for h, j in enumerate(hits)],
                            lane, self.config.checksums)
         stale = [h for h, o in enumerate(ok) if o is None]
@@ -465,7 +466,8 @@ class HF3FSStore(PageStore):
             if idx:
                 self.validations += 1
                 try:
-                    still = self.meta.validate(lane.ns, [slots[hits[h]] for h in idx], [gens[hits[h]] for h in idx])
+                    still = self.meta.validate_keys(lane.ns, [kb[hits[h]] for h in idx], [slots[hits[h]] for h in idx],
+                                                    [gens[hits[h]] for h in idx])
                 except MetadataError as e:
                     self._note_error("validate", e)
                     still = bytes(len(idx))
@@ -514,7 +516,8 @@ class HF3FSStore(PageStore):
         deadline = t0 + lane.write_lease_s * LEASE_TRUST
         if self.stripes > 1:
             new.sort(key=lambda j: slots[j] % self.stripes)  # a worker's chunk mostly in one file
-        ids = [page_ident(kb[j], gens[j]) for j in new] if lane.ids is not None else [None] * len(new)
+        ids = ([None] * len(new) if lane.ids is None else
+               page_idents([kb[j] for j in new], [gens[j] for j in new]))
         res = self._fan_out(self._write_chunk, [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], lane,
                             deadline, self.config.checksums)
         if self.config.fsync_data and any(o for o, _ in res):

@@ -23,6 +23,7 @@ from connectors.base import BackendUnavailable, ConfigError
 from connectors.hf3fs.config import HF3FSConfig
 from connectors.hf3fs.failover_testing import bound_s
 from connectors.hf3fs.index import EXISTS, INFLIGHT, NEW, NOSPACE
+from connectors.hf3fs.redis_index import key_digests
 from connectors.hf3fs.redis_testing import Durability, RedisProcess, free_port
 from connectors.hf3fs.store import HF3FSStore
 from tests.conformance.suite import PAGE, PageStoreConformance, check_page
@@ -111,7 +112,8 @@ def test_reserve_confirm_inflight_and_duplicates(redis_url):  # noqa: F811
     assert list(st3) == [EXISTS, NEW] and sl3[0] == sl[0]
     s, g, crc = c.get(NS, [a, b"absent"])
     assert s == [sl[0], -1] and g[0] == gn[0] and crc[0] == 5
-    assert c.validate(NS, [sl[0], sl[0]], [gn[0], gn[0] + 1]) == b"\x01\x00"
+    assert c.validate_keys(NS, [a, a], [sl[0], sl[0]], [gn[0], gn[0] + 1]) == b"\x01\x00"
+    assert c.validate(NS, sl[:1], gn[:1]) == b"\x00"  # without keys: changed, to be safe
     c.close()
 
 
@@ -155,7 +157,7 @@ def test_delete_forget_clear_and_spaces(redis_url):  # noqa: F811
     assert c.delete(NS, [ks[0], ks[0], b"absent"]) == b"\x01\x00\x00"
     assert c.forget(NS, [ks[1]], [sl[1]], [gn[1] + 1]) == b"\x00"  # not the page that was read: kept
     assert c.forget(NS, [ks[1]], [sl[1]], [gn[1]]) == b"\x01"
-    assert c.validate(NS, sl[:3], gn[:3]) == b"\x00\x00\x01"
+    assert c.validate_keys(NS, ks[:3], sl[:3], gn[:3]) == b"\x00\x00\x01"
     assert c.clear(NS) == 4 and c.exists(NS, ks) == b"\x00" * 6
     assert c.spaces("0:kv") == [["0:kv", 64, 4096], ["0:kv:p8192", 64, 8192]]
     with pytest.raises(ConfigError, match="page_bytes"):
@@ -203,9 +205,8 @@ def test_stale_entry_is_a_miss_never_another_keys_bytes(redis_url, tmp_path):  #
     kname = c._ns_keys(s.ns)[1]
     import struct
 
-    admin = redis_url and c._r
     for slot, gen in ((sb, gb), (sb, ga)):
-        admin.hset(kname, a, struct.pack("<qqI", slot, gen, 0))
+        c._r.hset(kname, key_digests([a.encode()]), struct.pack("<qqI", slot, gen, 0))
         ok, buf = t.read(s, [a, b])
         assert ok == [False, True], (slot, gen)
         check_page(b, buf.read(1))
@@ -230,7 +231,7 @@ def test_verify_pages_off_shows_why_it_is_on(redis_url, tmp_path):  # noqa: F811
     (sb,), (gb,), _ = c.get(s.ns, [b.encode()])
     import struct
 
-    c._r.hset(c._ns_keys(s.ns)[1], a, struct.pack("<qqI", sb, gb, 0))
+    c._r.hset(c._ns_keys(s.ns)[1], key_digests([a.encode()]), struct.pack("<qqI", sb, gb, 0))
     ok, buf = t.read(s, [a])
     assert ok == [True]  # without the check: B's bytes handed out as A's
     with pytest.raises(AssertionError, match="another key"):
