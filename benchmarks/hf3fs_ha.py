@@ -322,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=None, help="index batches of 128 keys (default 400; quick 80)")
     ap.add_argument("--threads", type=int, default=8, help="client threads of the concurrent index pass (default 8)")
     ap.add_argument("--page", type=int, default=512 * KiB, help="store page bytes (default 512 KiB)")
+    ap.add_argument("--reps", type=int, default=None, help="store repetitions, best of (default 9; quick 4)")
     ap.add_argument("--skip-index", action="store_true")
     ap.add_argument("--skip-store", action="store_true")
     ap.add_argument("--skip-failover", action="store_true")
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger().setLevel(logging.WARNING)
     batches = args.batches or (80 if args.quick else 400)
-    reps = 3 if args.quick else 5
+    reps = args.reps or (4 if args.quick else 9)
     scenarios = (args.scenarios.split(",") if args.scenarios else
                  (["kill9", "lagging"] if args.quick else ["kill9", "sigstop", "partition", "lagging"]))
     result = BenchResult("hf3fs_ha", params={

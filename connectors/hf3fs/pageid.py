@@ -26,8 +26,11 @@ out): enable ``checksums`` to have every byte checked as well.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
+
+log = logging.getLogger("kvconnect.hf3fs")
 
 REC = 16
 _GEN = struct.Struct("<Q")
@@ -88,21 +91,48 @@ def _runs(slots: list[int]) -> list[tuple[int, list[int]]]:
 
 
 class PageIds:
-    """The ``.ids`` sidecar of one data file (lane): 16 bytes per slot, grown, never shrunk."""
+    """The ``.ids`` sidecar of one data file (lane): 16 bytes per slot, grown, never shrunk.
 
-    def __init__(self, path: str, num_pages: int):
+    ``mapped`` (local file systems, where the data file is read through a mapping too): the
+    file's blocks are allocated up front (so a store into the mapping cannot meet a full
+    disk: no SIGBUS) and records are read and written in a shared mapping, no system call;
+    the I/O workers that read the records around their pages then never wait to take the GIL
+    back after one. Elsewhere (3FS, network file systems): ``pread`` / ``pwrite``."""
+
+    def __init__(self, path: str, num_pages: int, mapped: bool = False):
         from connectors.hf3fs.files import open_data_file
 
         self.path = path
         self.fd = open_data_file(path, num_pages * REC)
+        self._map = None
+        if mapped and num_pages > 0:
+            import mmap
+
+            try:
+                os.posix_fallocate(self.fd, 0, num_pages * REC)
+            except OSError as e:  # no fallocate here (or no room): system calls, no mapping
+                log.info("hf3fs: %s not preallocated (%s): records by pread/pwrite", path, e)
+            else:
+                self._map = mmap.mmap(self.fd, num_pages * REC, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _put(self, off: int, blob: bytes) -> None:
+        if self._map is not None and off + len(blob) <= len(self._map):
+            self._map[off:off + len(blob)] = blob
+        else:
+            os.pwrite(self.fd, blob, off)
+
+    def _get(self, off: int, n: int) -> bytes:
+        if self._map is not None:
+            return self._map[off:off + n]
+        return os.pread(self.fd, n, off)
 
     def _write(self, slots: list[int], recs: list[bytes]) -> None:
         for first, idx in _runs(slots):
             if len(idx) > 1 and slots[idx[-1]] - first + 1 != len(idx):  # repeated slots: one by one
                 for i in idx:
-                    os.pwrite(self.fd, recs[i], slots[i] * REC)
+                    self._put(slots[i] * REC, recs[i])
                 continue
-            os.pwrite(self.fd, b"".join(recs[i] for i in idx), first * REC)
+            self._put(first * REC, b"".join([recs[i] for i in idx]))
 
     def clear(self, slots: list[int]) -> None:
         """Mark slots as being written (before their pages are)."""
@@ -112,23 +142,46 @@ class PageIds:
         """Name the pages now complete in ``slots`` (after they were written)."""
         self._write(slots, recs)
 
+    def _records(self, runs, slots: list[int]) -> list[bytes]:
+        """One blob per run: the records of its slots, first to last."""
+        return [self._get(first * REC, (max(slots[i] for i in idx) - first + 1) * REC) for first, idx in runs]
+
     def read(self, slots: list[int]) -> list[bytes]:
         """The record of each slot (``ZERO`` where the file is shorter)."""
         out = [ZERO] * len(slots)
-        for first, idx in _runs(slots):
-            last = max(slots[i] for i in idx)
-            blob = os.pread(self.fd, (last - first + 1) * REC, first * REC)
+        runs = _runs(slots)
+        for (first, idx), blob in zip(runs, self._records(runs, slots)):
             for i in idx:
-                o = (slots[i] - first) * REC
-                rec = blob[o:o + REC]
+                rec = blob[(slots[i] - first) * REC:(slots[i] - first + 1) * REC]
                 if len(rec) == REC:
                     out[i] = rec
         return out
+
+    def checked_read(self, slots: list[int], want: list[bytes], read) -> list:
+        """``read()`` (per item: read in full or not) between two reads of the slots'
+        records. Per item: ``read``'s answer where the record was ``want[i]`` both times,
+        else None (another page, or the slot rewritten during the read)."""
+        runs = _runs(slots)
+        before = self._records(runs, slots)
+        ok: list = list(read())
+        after = self._records(runs, slots)
+        for (first, idx), b, a in zip(runs, before, after):
+            if b == a and len(b) == len(idx) * REC and b == b"".join([want[i] for i in idx]):
+                continue  # the whole run as expected (the common case): one comparison
+            for i in idx:
+                o = (slots[i] - first) * REC
+                if not (b[o:o + REC] == a[o:o + REC] == want[i]) and ok[i]:
+                    ok[i] = None
+        return ok
 
     def sync(self) -> None:
         os.fdatasync(self.fd)
 
     def close(self) -> None:
+        if self._map is not None:
+            self._map.flush()
+            self._map.close()
+            self._map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

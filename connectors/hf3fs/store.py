@@ -249,7 +249,7 @@ class HF3FSStore(PageStore):
         ids = None
         if self.verify:
             try:
-                ids = PageIds(path + ".ids", info.num_pages)
+                ids = PageIds(path + ".ids", info.num_pages, mapped=getattr(f, "mapped", False))
             except BaseException:
                 f.close()
                 raise
@@ -342,22 +342,16 @@ class HF3FSStore(PageStore):
         during the read)."""
         pb = lane.page_bytes
         ids = lane.ids
-        if ids is not None:
-            slots = [it[0] for it in chunk]
+        items = [(it[0] * pb, it[1]) for it in chunk]
+        if ids is None:
+            ok: list = lane.file.read_batch(items)
+        else:
             try:
-                before = ids.read(slots)
+                ok = ids.checked_read([it[0] for it in chunk], [it[3] for it in chunk],
+                                      lambda: lane.file.read_batch(items))
             except OSError as e:
                 log.error("hf3fs: reading %s failed: %s", ids.path, e)
                 return [False] * len(chunk)
-        ok: list = lane.file.read_batch([(it[0] * pb, it[1]) for it in chunk])
-        if ids is not None:
-            try:
-                after = ids.read(slots)
-            except OSError as e:
-                log.error("hf3fs: reading %s failed: %s", ids.path, e)
-                return [False] * len(chunk)
-            ok = [(None if not (b == a == it[3]) else o) if o else o
-                  for o, b, a, it in zip(ok, before, after, chunk)]
         if checks:
             ok = [o and page_checksum(it[1]) == it[2] for o, it in zip(ok, chunk)]
         return ok

@@ -8,7 +8,7 @@ import pytest
 from connectors.base import ConfigError
 from connectors.config import parse_config
 from connectors.hf3fs.config import HF3FSConfig
-from connectors.hf3fs.pageid import REC, ZERO, PageIds, ident
+from connectors.hf3fs.pageid import REC, ZERO, PageIds, ident, key_digest, key_digests
 from connectors.hf3fs.redis_index import is_redis_url, parse_redis_url
 
 BASE = {"file_path_prefix": "/tmp/kvc-unit/hicache", "file_size": "1mb", "numjobs": 1, "entries": 1}
@@ -76,16 +76,30 @@ def test_bad_redis_keys_name_the_key(opts, key):
     assert e.value.key == key, str(e.value)
 
 
-def test_identity_records(tmp_path):
+@pytest.mark.parametrize("mapped", [False, True])
+def test_identity_records(tmp_path, mapped):
     a, b = ident(b"key-a", 7), ident(b"key-b", 7)
     assert len(a) == REC and a != b and a != ident(b"key-a", 8) and a != ZERO
-    ids = PageIds(str(tmp_path / "f.bin.ids"), 16)
+    hexkey = os.urandom(32).hex().encode()
+    assert key_digest(hexkey) == bytes.fromhex(hexkey[:32].decode())  # SGLang's keys: read, not hashed
+    assert key_digests([hexkey, b"other"]) == key_digest(hexkey) + key_digest(b"other")
+    ids = PageIds(str(tmp_path / "f.bin.ids"), 16, mapped=mapped)
     assert os.path.getsize(tmp_path / "f.bin.ids") == 16 * REC
     slots = [3, 4, 5, 9, 4]  # a run, a gap, a repeat
     assert ids.read(slots) == [ZERO] * 5
     ids.publish([3, 4, 5, 9], [a, b, a, b])
     assert ids.read(slots) == [a, b, a, b, b]
+    assert ids.checked_read([3, 4, 5], [a, b, a], lambda: [True, True, False]) == [True, True, False]
+    assert ids.checked_read([3, 4, 9], [a, a, b], lambda: [True, True, True]) == [True, None, True]  # 4 holds b
+
+    def rewritten():  # slot 5 is given to another page while it is read
+        ids.clear([5])
+        ids.publish([5], [b])
+        return [True, True]
+
+    assert ids.checked_read([4, 5], [b, a], rewritten) == [True, None]
     ids.clear([4, 9])  # being rewritten
     assert ids.read([3, 4, 9]) == [a, ZERO, ZERO]
     assert ids.read([40]) == [ZERO]  # beyond the file: no record
     ids.close()
+    assert PageIds(str(tmp_path / "f.bin.ids"), 16).read([3, 5]) == [a, b]  # on disk for the next process
