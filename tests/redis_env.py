@@ -5,7 +5,8 @@
 * ``redis_url``: its ``redis://`` URL with a key prefix of its own per test (``metadata_key_prefix``
   is returned beside it), so tests never see each other's namespaces;
 * ``redis_ha``: a primary, a replica and three sentinels for a test module (tests that
-  share it use key prefixes of their own; failure tests start their own sets).
+  share it use key prefixes of their own; failure tests start their own sets), every node
+  and sentinel with the password ``HA_PASSWORD``, as docs/hf3fs_ha.md deploys them.
 
 Import the fixtures into a test module (``from tests.redis_env import redis_server  # noqa``);
 everything skips where the servers or the client are not installed.
@@ -20,6 +21,7 @@ import pytest
 from connectors.hf3fs.redis_testing import Durability, RedisHA, RedisProcess, free_port, redis_skip_reason
 
 SKIP = redis_skip_reason()
+HA_PASSWORD = "kvc-" + os.urandom(6).hex()
 needs_redis = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
 
@@ -43,5 +45,5 @@ def redis_url(redis_server):
 def redis_ha(tmp_path_factory):
     if SKIP:
         pytest.skip(SKIP)
-    with RedisHA(workdir=tmp_path_factory.mktemp("ha")) as ha:
+    with RedisHA(workdir=tmp_path_factory.mktemp("ha"), password=HA_PASSWORD) as ha:
         yield ha

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 from connectors.base import ConfigError, MissingDependency
 from connectors.hf3fs import protocol as P
-from connectors.hf3fs.client import AuthError, MetadataClient, MetadataError
-from connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, NamespaceInfo
+from connectors.hf3fs.client import AuthError, LeasedWrites, MetadataError
+from connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, PUT_LOST, PUT_OK, NamespaceInfo
 from connectors.hf3fs.pageid import key_digests
 from connectors.hf3fs.redis_lua import SCRIPTS, SUFFIXES
 
@@ -57,6 +57,7 @@ KEY = "metadata_server_url"
 MAX_BATCH = 1000  # keys per script call (Lua's C stack takes ~8000 arguments)
 _ENTRY = struct.Struct("<qqI")  # an index entry (and a get reply item): slot, generation, crc
 _PAGE = struct.Struct("<qq")  # slot, generation
+_I64 = struct.Struct("<q")
 _TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS", "BUSY", "CLUSTERDOWN")
 
 
@@ -141,7 +142,7 @@ def _tag(ns: str) -> str:
     return ns.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
 
 
-class RedisMetadata(MetadataClient):
+class RedisMetadata(LeasedWrites):
     """The page index in Redis / Valkey (a server, or a Sentinel-managed primary + replicas).
 
     Args:
@@ -156,6 +157,8 @@ class RedisMetadata(MetadataClient):
         tls_ca_file, tls_cert_file, tls_key_file: TLS trust anchor and client certificate.
         sentinel_auth: send the user and password to the sentinels too.
         read_lease_s, write_lease_s: leases of namespaces this client creates.
+        lease_ahead: slots leased ahead per namespace for writes (0: every write reserves),
+            as ``RemoteMetadata``: a batch's write is then one ``put`` call.
     """
 
     may_serve_stale = True
@@ -164,7 +167,8 @@ class RedisMetadata(MetadataClient):
                  retries: int = 3, cooldown: float = 0.25, wait_replicas: int = 0, wait_timeout: float = 0.5,
                  key_prefix: str = "kvc:hf3fs", tls_ca_file: str | None = None, tls_cert_file: str | None = None,
                  tls_key_file: str | None = None, sentinel_auth: bool = False,
-                 read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S):
+                 read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
+                 lease_ahead: int = 4096):
         try:
             import redis
             from redis.backoff import NoBackoff
@@ -185,6 +189,7 @@ class RedisMetadata(MetadataClient):
         self.write_lease_ms = int(write_lease_s * 1000)
         self._down_until = 0.0
         self._lock = threading.Lock()
+        self._init_leases(lease_ahead)
         self._keys: dict[str, tuple[str, ...]] = {}
         self._registry = f"{key_prefix}:spaces"
         self._src = {n: s.encode() for n, s in SCRIPTS.items()}
@@ -271,8 +276,14 @@ class RedisMetadata(MetadataClient):
 
     def _reset(self) -> None:
         """Drop idle connections: the next attempt connects anew (asking Sentinel where the
-        primary is), and none is left pointing at a primary that was since demoted."""
+        primary is), and none is left pointing at a primary that was since demoted. Drop the
+        write leases taken ahead too: a new primary may not know them (its copy can be
+        behind) and may hand their slots to others."""
         self.reconnects += 1
+        with self._lock:
+            for pool in self._leases.values():
+                pool.chunks.clear()
+                pool.stale = ([], [])
         try:
             self._r.connection_pool.disconnect(inuse_connections=False)
         except Exception:  # noqa: BLE001 - best effort
@@ -351,9 +362,9 @@ class RedisMetadata(MetadataClient):
             self._cmds("register", [("HSET", self._registry, ns, f"{np_} {pb}")])
         return NamespaceInfo(ns, np_, pb, int(rl) / 1000.0, int(wl) / 1000.0)
 
-    def reserve(self, ns, keys):
+    def reserve_call(self, ns, keys):
         if len(keys) > MAX_BATCH:
-            parts = [self.reserve(ns, keys[i:i + MAX_BATCH]) for i in range(0, len(keys), MAX_BATCH)]
+            parts = [self.reserve_call(ns, keys[i:i + MAX_BATCH]) for i in range(0, len(keys), MAX_BATCH)]
             return b"".join(p[0] for p in parts), sum((p[1] for p in parts), []), sum((p[2] for p in parts), [])
         n = len(keys)
         if not n:
@@ -361,27 +372,52 @@ class RedisMetadata(MetadataClient):
         rep = self._script("reserve", ns, (key_digests(keys),))
         return rep[:n], P.read_i64(rep, n, n), P.read_i64(rep, 9 * n, n)
 
-    def commit(self, ns, keys, slots, gens, crcs, confirm):
+    def commit_call(self, ns, keys, slots, gens, crcs, confirm):
         n = len(keys)
         if n > MAX_BATCH:
-            return b"".join(self.commit(ns, keys[i:i + MAX_BATCH], slots[i:i + MAX_BATCH], gens[i:i + MAX_BATCH],
-                                        crcs[i:i + MAX_BATCH], bytes(confirm[i:i + MAX_BATCH]))
-                            for i in range(0, n, MAX_BATCH))
+            return b"".join(self.commit_call(ns, keys[i:i + MAX_BATCH], slots[i:i + MAX_BATCH],
+                                             gens[i:i + MAX_BATCH], crcs[i:i + MAX_BATCH],
+                                             bytes(confirm[i:i + MAX_BATCH])) for i in range(0, n, MAX_BATCH))
         if not n:
             return b""
         confirm = bytes(confirm)
         args = (b"".join(map(_ENTRY.pack, slots, gens, crcs)), confirm, key_digests(keys))
-        nsk = self._ns_keys(ns)
-        if not self.wait_replicas or not any(confirm):
-            return self._script("commit", ns, args)
-        rep, acked = self._call("commit", lambda deadline: self._eval("commit", nsk, args, deadline,
-                                                                      self.wait_replicas))
-        if acked >= self.wait_replicas:
-            return rep
+        rep, acked = self._write("commit", ns, args, any(confirm))
         # visible on the primary, but not on enough replicas to be promised: a failed write
+        return rep if acked else bytes(0 if c else o for o, c in zip(rep, confirm))
+
+    def _write(self, name: str, ns: str, args, wait: bool) -> tuple[bytes, bool]:
+        """A write script, with ``WAIT`` when asked; (reply, acknowledged by enough replicas)."""
+        nsk = self._ns_keys(ns)
+        if not (wait and self.wait_replicas):
+            return self._call(name, lambda deadline: self._eval(name, nsk, args, deadline)[0]), True
+        rep, acked = self._call(name, lambda deadline: self._eval(name, nsk, args, deadline, self.wait_replicas))
+        if acked >= self.wait_replicas:
+            return rep, True
         with self._lock:
             self.wait_shortfalls += 1
-        return bytes(0 if c else o for o, c in zip(rep, confirm))
+        return rep, False
+
+    def lease(self, ns, need, extra=0, give_back=((), ())):
+        rep, _ = self._write("lease", ns, (int(need), int(extra), b"".join(map(_PAGE.pack, *give_back))), False)
+        self._ttl = _I64.unpack_from(rep)[0] / 1000.0
+        n = (len(rep) - 8) // 16
+        return P.read_i64(rep, 8, n), P.read_i64(rep, 8 + 8 * n, n)
+
+    def put(self, ns, keys, slots, gens, crcs):
+        if len(keys) > MAX_BATCH:
+            return b"".join(self.put(ns, keys[i:i + MAX_BATCH], slots[i:i + MAX_BATCH], gens[i:i + MAX_BATCH],
+                                     crcs[i:i + MAX_BATCH]) for i in range(0, len(keys), MAX_BATCH))
+        if not keys:
+            return b""
+        rep, acked = self._write("put", ns, (b"".join(map(_ENTRY.pack, slots, gens, crcs)), key_digests(keys)), True)
+        # stored on the primary but not on enough replicas to be promised: failed writes
+        return rep if acked else bytes(PUT_LOST if s == PUT_OK else s for s in rep)
+
+    def unlease(self, ns, slots, gens):
+        if not slots:
+            return b""
+        return self._write("unlease", ns, (b"".join(map(_PAGE.pack, slots, gens)),), False)[0]
 
     def get(self, ns, keys):
         n = len(keys)
@@ -426,13 +462,14 @@ class RedisMetadata(MetadataClient):
         return int(self._script("clear", ns, ()))
 
     def usage(self, ns):
-        m, k, _l, f, p = self._ns_keys(ns)
+        m, k, _l, f, p, w = self._ns_keys(ns)
 
-        (np_, pb, ev, ex, fr), keys, reserved, free = self._cmds(
-            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr"), ("HLEN", k), ("HLEN", p), ("ZCARD", f)])
+        (np_, pb, ev, ex, fr), keys, reserved, free, leased = self._cmds(
+            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr"), ("HLEN", k), ("HLEN", p), ("ZCARD", f),
+                      ("HLEN", w)])
         if np_ is None:
             return {"keys": 0, "num_pages": 0, "page_bytes": 0}
-        return {"keys": keys, "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": 0,
+        return {"keys": keys, "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": leased,
                 "evictions": int(ev), "expired": int(ex), "free": free + int(np_) - int(fr),
                 "wait_shortfalls": self.wait_shortfalls}
 
@@ -448,6 +485,11 @@ class RedisMetadata(MetadataClient):
         return sorted(out)
 
     def close(self):
+        """Give unused leased slots back (best effort, within 1 s: else they expire), close
+        the connections."""
+        self.timeout = min(self.timeout, 1.0)
+        for ns in list(self._leases):
+            self.release_leases(ns)
         try:
             self._r.close()
             self._r.connection_pool.disconnect()

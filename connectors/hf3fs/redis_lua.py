@@ -17,6 +17,9 @@ suffix type   contents
 ``f``  zset   free slot, score = the time it may be handed out again (the read lease
               of the key that last held it)
 ``p``  hash   reserved key -> ``<i8 slot><i8 gen><i8 deadline ms>``
+``w``  hash   ``<i8 slot>`` leased to a writer ahead of its writes (no key yet) ->
+              ``<i8 gen><i8 deadline ms>`` (the one-call write path, as the kvconnect
+              service's ``Lease`` / ``Put``)
 ====== ====== ===================================================================
 
 A key is its 16-byte digest (``pageid.key_digest``, computed by the client): fixed-width fields make a
@@ -35,12 +38,12 @@ call, and the store trusts 0.8 of it (``store.LEASE_TRUST``).
 
 from __future__ import annotations
 
-SUFFIXES = ("m", "k", "l", "f", "p")
+SUFFIXES = ("m", "k", "l", "f", "p", "w")
 KEY_BYTES = 16
 
 _PRELUDE = r"""
 if redis.replicate_commands then pcall(redis.replicate_commands) end
-local M, K, L, F, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local M, K, L, F, P, W = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local sub = string.sub
 local function now_ms()
   local t = redis.call('TIME')
@@ -68,6 +71,68 @@ end
 local function leased(sc, now, rl)  -- a score with the read mark, within its lease
   return sc - math.floor(sc) >= 0.25 and sc > now - rl
 end
+local function sweep(now)  -- once a second: reservations and write leases past their deadline
+  local expired = 0
+  if redis.call('HLEN', P) > 0 then
+    local all = redis.call('HGETALL', P)
+    local dead, fargs = {}, {}
+    for i = 1, #all, 2 do
+      local ps, pg, pd = struct.unpack('<i8i8i8', all[i + 1])
+      if pd <= now then
+        dead[#dead + 1] = all[i]
+        fargs[#fargs + 1] = now
+        fargs[#fargs + 1] = ps
+      end
+    end
+    if #dead > 0 then
+      many('HDEL', P, dead)
+      many('ZADD', F, fargs)
+      expired = expired + #dead
+    end
+  end
+  if redis.call('HLEN', W) > 0 then
+    local all = redis.call('HGETALL', W)
+    local dead, fargs = {}, {}
+    for i = 1, #all, 2 do
+      if struct.unpack('<i8', all[i + 1], 9) <= now then
+        dead[#dead + 1] = all[i]
+        fargs[#fargs + 1] = now
+        fargs[#fargs + 1] = struct.unpack('<i8', all[i])
+      end
+    end
+    if #dead > 0 then
+      many('HDEL', W, dead)
+      many('ZADD', F, fargs)
+      expired = expired + #dead
+    end
+  end
+  redis.call('HSET', M, 'sw', now + 1000)
+  if expired > 0 then redis.call('HINCRBY', M, 'ex', expired) end
+end
+local function give_back(GB, now)  -- <i8 slot><i8 gen> items: write leases handed back unused
+  local n = #GB / 16
+  local ok = {}
+  if n == 0 then return ok end
+  local fields = {}
+  for i = 1, n do fields[i] = sub(GB, 16 * i - 15, 16 * i - 8) end
+  local cur = redis.call('HMGET', W, unpack(fields))
+  local del, fargs = {}, {}
+  for i = 1, n do
+    ok[i] = 0
+    if cur[i] and sub(cur[i], 1, 8) == sub(GB, 16 * i - 7, 16 * i) then
+      ok[i] = 1
+      cur[i] = false
+      del[#del + 1] = fields[i]
+      fargs[#fargs + 1] = 0  -- never held a key: free at once
+      fargs[#fargs + 1] = struct.unpack('<i8', fields[i])
+    end
+  end
+  if #del > 0 then
+    redis.call('HDEL', W, unpack(del))
+    many('ZADD', F, fargs)
+  end
+  return ok
+end
 """
 
 # ARGV: num_pages, page_bytes, read lease ms, write lease ms. Creates the namespace when
@@ -85,31 +150,13 @@ return {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4
 RESERVE = _PRELUDE + r"""
 local meta = redis.call('HMGET', M, 'np', 'rl', 'wl', 'fr', 'sw')
 if not meta[1] then return redis.error_reply('NOINIT namespace is not initialized') end
-local np, rl, wl, fresh, sweep = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]),
+local np, rl, wl, fresh, sw = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]),
   tonumber(meta[4]), tonumber(meta[5])
 local now = now_ms()
 local keys, n = split(ARGV[1])
 local expired = 0
+if now >= sw then sweep(now) end
 local npend = redis.call('HLEN', P)
-if npend > 0 and now >= sweep then  -- reservations never confirmed: their slots are free again
-  local all = redis.call('HGETALL', P)
-  local dead, fargs = {}, {}
-  for i = 1, #all, 2 do
-    local ps, pg, pd = struct.unpack('<i8i8i8', all[i + 1])
-    if pd <= now then
-      dead[#dead + 1] = all[i]
-      fargs[#fargs + 1] = now
-      fargs[#fargs + 1] = ps
-    end
-  end
-  if #dead > 0 then
-    many('HDEL', P, dead)
-    many('ZADD', F, fargs)
-    expired = #dead
-    npend = npend - #dead
-  end
-  redis.call('HSET', M, 'sw', now + 1000)
-end
 local found = redis.call('HMGET', K, unpack(keys))
 local pend = nil
 if npend > 0 then pend = redis.call('HMGET', P, unpack(keys)) end
@@ -350,5 +397,98 @@ redis.call('DEL', K, L)
 return #all / 2
 """
 
+# ARGV: need, extra, <i8 slot><i8 gen> items given back first. Leases up to need + extra
+# free slots (extra at most num_pages / 16; never evicts: a writer short of need reserves
+# instead), each the caller's until its deadline. Reply: <i8 write lease ms>, i64 slot[n],
+# i64 gen[n].
+LEASE = _PRELUDE + r"""
+local meta = redis.call('HMGET', M, 'np', 'wl', 'fr', 'sw')
+if not meta[1] then return redis.error_reply('NOINIT namespace is not initialized') end
+local np, wl, fresh, sw = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]), tonumber(meta[4])
+local now = now_ms()
+give_back(ARGV[3], now)
+if now >= sw then sweep(now) end
+local want = tonumber(ARGV[1]) + math.min(tonumber(ARGV[2]), math.floor(np / 16))
+local got = {}
+local take = math.min(want, np - fresh)
+if take > 0 then
+  for j = 0, take - 1 do got[#got + 1] = fresh + j end
+  redis.call('HSET', M, 'fr', fresh + take)
+end
+if #got < want then
+  local fr = redis.call('ZRANGEBYSCORE', F, '-inf', now, 'LIMIT', 0, want - #got)
+  if #fr > 0 then
+    many('ZREM', F, fr)
+    for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
+  end
+end
+local slots = {}
+local gp = ''
+if #got > 0 then
+  local g = redis.call('HINCRBY', M, 'gt', 1)
+  gp = struct.pack('<i8', g)
+  local tail = gp .. struct.pack('<i8', now + wl)
+  local wargs = {}
+  for j = 1, #got do
+    local sp = struct.pack('<i8', got[j])
+    slots[j] = sp
+    wargs[2 * j - 1] = sp
+    wargs[2 * j] = tail
+  end
+  many('HSET', W, wargs)
+end
+return struct.pack('<i8', wl) .. table.concat(slots) .. string.rep(gp, #got)
+"""
+
+# ARGV: <i8 slot><i8 gen><u4 crc> per key (slots of the caller's write leases, pages written),
+# keys. Stores each key at its slot. Reply: u8 status[n] (index.PUT_*): PUT_OK, PUT_DUP (the
+# key is stored or in flight elsewhere; the slot stays leased), PUT_LOST (not this writer's
+# lease any more).
+PUT = _PRELUDE + r"""
+local VALS = ARGV[1]
+local keys, n = split(ARGV[2])
+if n == 0 then return '' end
+local now = now_ms()
+local fields = {}
+for i = 1, n do fields[i] = sub(VALS, 20 * i - 19, 20 * i - 12) end
+local lv = redis.call('HMGET', W, unpack(fields))
+local kv = redis.call('HMGET', K, unpack(keys))
+local pv = nil
+if redis.call('HLEN', P) > 0 then pv = redis.call('HMGET', P, unpack(keys)) end
+local st, del, kargs, largs, claimed = {}, {}, {}, {}, {}
+for i = 1, n do
+  local val = sub(VALS, 20 * i - 19, 20 * i)
+  local k = keys[i]
+  local l = lv[i]
+  if not l or sub(l, 1, 8) ~= sub(val, 9, 16) or claimed[fields[i]] then
+    st[i] = (kv[i] and sub(kv[i], 1, 16) == sub(val, 1, 16)) and 1 or 0  -- stored by an earlier attempt?
+  elseif kv[i] or (pv and pv[i]) or claimed[k] then
+    st[i] = 2
+  else
+    st[i] = 1
+    claimed[k] = true
+    claimed[fields[i]] = true
+    del[#del + 1] = fields[i]
+    kargs[#kargs + 1] = k
+    kargs[#kargs + 1] = val
+    largs[#largs + 1] = now
+    largs[#largs + 1] = k
+  end
+end
+if #del > 0 then
+  redis.call('HDEL', W, unpack(del))
+  many('HSET', K, kargs)
+  many('ZADD', L, largs)
+end
+return string.char(unpack(st))
+"""
+
+# ARGV: <i8 slot><i8 gen> items. Write leases given back unused. Reply: u8 ok[n].
+UNLEASE = _PRELUDE + r"""
+local ok = give_back(ARGV[1], now_ms())
+if #ok == 0 then return '' end
+return string.char(unpack(ok))
+"""
+
 SCRIPTS = {"initialize": INITIALIZE, "reserve": RESERVE, "commit": COMMIT, "get": GET, "exists": EXISTS,
-           "validate": VALIDATE, "delete": DELETE, "clear": CLEAR}
+           "validate": VALIDATE, "delete": DELETE, "clear": CLEAR, "lease": LEASE, "put": PUT, "unlease": UNLEASE}

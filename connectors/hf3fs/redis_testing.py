@@ -91,9 +91,10 @@ class _Proc:
 
     kind = "redis"
 
-    def __init__(self, host: str, port: int, workdir: Path, netns: str | None = None):
+    def __init__(self, host: str, port: int, workdir: Path, netns: str | None = None, password: str | None = None):
         self.host = host
         self.port = port
+        self.password = password
         self.dir = workdir
         self.netns = netns
         self.proc: subprocess.Popen | None = None
@@ -136,13 +137,14 @@ class _Proc:
         import redis
 
         return redis.Redis(self.host, self.port, socket_timeout=timeout, socket_connect_timeout=timeout,
-                           driver_info=None)
+                           password=self.password, driver_info=None)
 
     def command(self, *args, timeout: float = 2.0):
         """One command over a fresh connection (from this process: loopback only, or a
         process in the node's namespace for namespaced nodes)."""
         if self.netns:
-            out = subprocess.run(_ns_prefix(self.netns) + ["redis-cli", "-h", self.host, "-p", str(self.port),
+            auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
+            out = subprocess.run(_ns_prefix(self.netns) + ["redis-cli", "-h", self.host, "-p", str(self.port), *auth,
                                                            *map(str, args)],
                                  capture_output=True, timeout=timeout + 5)
             return out.stdout.strip()
@@ -180,8 +182,8 @@ class RedisProcess(_Proc):
 
     def __init__(self, host: str, port: int, workdir: Path, durability: Durability = DURABILITY["async"],
                  replica_of: tuple[str, int] | None = None, netns: str | None = None,
-                 extra: dict[str, str] | None = None):
-        super().__init__(host, port, workdir, netns)
+                 extra: dict[str, str] | None = None, password: str | None = None):
+        super().__init__(host, port, workdir, netns, password)
         self.durability = durability
         self.replica_of = replica_of
         self.extra = dict(extra or {})
@@ -198,6 +200,8 @@ class RedisProcess(_Proc):
                 "repl-diskless-sync-delay": "0", "logfile": '""', **self.durability.server_conf(), **self.extra}
         if self.replica_of:
             conf["replicaof"] = f"{self.replica_of[0]} {self.replica_of[1]}"
+        if self.password:  # what docs/hf3fs_ha.md deploys: one password, for clients and replication
+            conf.update(requirepass=self.password, masterauth=self.password)
         path = self.dir / "redis.conf"
         path.write_text("".join(f"{k} {v}\n" for k, v in conf.items()))
         return [server_binary(), str(path)]
@@ -207,8 +211,8 @@ class SentinelProcess(_Proc):
     kind = "sentinel"
 
     def __init__(self, host: str, port: int, workdir: Path, primary: tuple[str, int], quorum: int = 2,
-                 netns: str | None = None, settings: dict | None = None):
-        super().__init__(host, port, workdir, netns)
+                 netns: str | None = None, settings: dict | None = None, password: str | None = None):
+        super().__init__(host, port, workdir, netns, password)
         self.primary = primary
         self.quorum = quorum
         self.settings = {**SENTINEL_SETTINGS, **(settings or {})}
@@ -218,6 +222,8 @@ class SentinelProcess(_Proc):
                  "protected-mode no", "sentinel resolve-hostnames no",
                  f"sentinel monitor {MASTER} {self.primary[0]} {self.primary[1]} {self.quorum}"]
         lines += [f"sentinel {k} {MASTER} {v}" for k, v in self.settings.items()]
+        if self.password:  # the data nodes' password, and the sentinels' own (metadata_sentinel_auth)
+            lines += [f"sentinel auth-pass {MASTER} {self.password}", f"requirepass {self.password}"]
         path = self.dir / "sentinel.conf"
         path.write_text("\n".join(lines) + "\n")
         return [sentinel_binary(), str(path)]
@@ -239,6 +245,7 @@ class RedisHA:
     bridge: object | None = None
     workdir: Path | None = None
     sentinel_settings: dict | None = None
+    password: str | None = None
     nodes: list[RedisProcess] = field(default_factory=list)
     sentinels: list[SentinelProcess] = field(default_factory=list)
 
@@ -263,18 +270,20 @@ class RedisHA:
     def start(self, timeout: float = 30.0) -> "RedisHA":
         try:
             host, ns = self._place(0)
-            primary = RedisProcess(host, self._port(6379), self.workdir / "node0", self.durability, netns=ns)
+            primary = RedisProcess(host, self._port(6379), self.workdir / "node0", self.durability, netns=ns,
+                                   password=self.password)
             self.nodes.append(primary.start())
             for r in range(self.replicas):
                 host, ns = self._place(r + 1)
                 self.nodes.append(RedisProcess(host, self._port(6380 + r), self.workdir / f"node{r + 1}",
                                                self.durability, replica_of=(primary.host, primary.port),
-                                               netns=ns).start())
+                                               netns=ns, password=self.password).start())
             for i in range(3):
                 host, ns = self._place(i)
                 self.sentinels.append(SentinelProcess(host, self._port(26379 + i), self.workdir / f"sentinel{i}",
                                                       (primary.host, primary.port), netns=ns,
-                                                      settings=self.sentinel_settings).start())
+                                                      settings=self.sentinel_settings,
+                                                      password=self.password).start())
             self.wait_ready(timeout)
         except BaseException:
             self.close()

@@ -28,7 +28,7 @@ from connectors.hf3fs.redis_testing import Durability, RedisProcess, free_port
 from connectors.hf3fs.store import HF3FSStore
 from tests.conformance.suite import PAGE, PageStoreConformance, check_page
 from tests.conformance import test_hf3fs as hf3fs_conformance
-from tests.redis_env import SKIP, redis_ha, redis_server, redis_url  # noqa: F401 - fixtures
+from tests.redis_env import HA_PASSWORD, SKIP, redis_ha, redis_server, redis_url  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 
@@ -36,9 +36,11 @@ NS = "0:kv"
 
 
 def rm(url: str, prefix: str, **kw):
+    """A client on the Reserve / Commit path (``lease_ahead=0``) unless told otherwise."""
     from connectors.hf3fs.redis_index import RedisMetadata
 
-    return RedisMetadata(url, key_prefix=prefix, timeout=kw.pop("timeout", 3.0), **kw)
+    return RedisMetadata(url, key_prefix=prefix, timeout=kw.pop("timeout", 3.0), lease_ahead=kw.pop("lease_ahead", 0),
+                         **kw)
 
 
 def keys(n: int, tag: str = "k") -> list[bytes]:
@@ -71,7 +73,8 @@ class TestHF3FSRedisIndex(hf3fs_conformance.TestHF3FSLocalIndex):
 
 
 class TestHF3FSRedisSentinel(PageStoreConformance):
-    """A few conformance checks through Sentinel (primary + replica + 3 sentinels), with WAIT."""
+    """The suite through Sentinel (primary + replica + 3 sentinels, all with a password, as
+    docs/hf3fs_ha.md deploys them), with WAIT 1 on every confirm."""
 
     store_name = "hf3fs"
     capacity_bytes = hf3fs_conformance.CAPACITY_PAGES * PAGE
@@ -79,11 +82,13 @@ class TestHF3FSRedisSentinel(PageStoreConformance):
     @pytest.fixture(autouse=True)
     def _ha(self, redis_ha, tmp_path):  # noqa: F811
         self.ha, self.dir, self.prefix = redis_ha, tmp_path, f"kvc-{os.urandom(4).hex()}"
+        (tmp_path / "pw").write_text(HA_PASSWORD)
 
     def store_options(self):
         return {"file_path_prefix": str(self.dir / "hicache"), "file_size": self.capacity_bytes, "numjobs": 2,
                 "entries": 4, "metadata_server_url": self.ha.url, "metadata_wait_replicas": 1,
-                "metadata_key_prefix": self.prefix, "client_timeout": 5}
+                "metadata_key_prefix": self.prefix, "client_timeout": 5,
+                "auth_token_file": str(self.dir / "pw"), "metadata_sentinel_auth": True}
 
     def make_store(self):
         return HF3FSStore(HF3FSConfig(**self.store_options()), rank=0)
@@ -114,6 +119,34 @@ def test_reserve_confirm_inflight_and_duplicates(redis_url):  # noqa: F811
     assert s == [sl[0], -1] and g[0] == gn[0] and crc[0] == 5
     assert c.validate_keys(NS, [a, a], [sl[0], sl[0]], [gn[0], gn[0] + 1]) == b"\x01\x00"
     assert c.validate(NS, sl[:1], gn[:1]) == b"\x00"  # without keys: changed, to be safe
+    c.close()
+
+
+def test_write_leases_one_put_per_batch(redis_url):  # noqa: F811
+    """The one-call write path (as the kvconnect service's): slots leased ahead, one put per
+    batch; a key another writer stored first is PUT_DUP and its slot goes back; leases taken
+    ahead and not used go back on close."""
+    url, prefix = redis_url
+    c1, c2 = rm(url, prefix, lease_ahead=64), rm(url, prefix, lease_ahead=64)
+    c1.initialize(NS, 1024, 4096)
+    batch = keys(16)
+    st, sl, gn = c1.reserve(NS, batch)
+    assert list(st) == [NEW] * 16 and c1.usage(NS)["leased"] == 16 + 64  # this batch and the lease ahead
+    st2, sl2, gn2 = c2.reserve(NS, batch[:4])  # another writer of the same keys (leases do not see keys)
+    assert not set(sl2) & set(sl)
+    assert c1.commit(NS, batch, sl, gn, [1] * 16, b"" * 16) == b"" * 16
+    assert c2.commit(NS, batch[:4], sl2, gn2, [2] * 4, b"" * 4) == b"" * 4  # stored already: ok
+    s, g, crc = c1.get(NS, batch)
+    assert s == sl and crc == [1] * 16  # the first writer's pages
+    st3, _, _ = c2.reserve(NS, batch[:4])  # after meeting stored keys: through reserve, which knows them
+    assert list(st3) == [EXISTS] * 4
+    assert c1.put(NS, batch[:1], sl[:1], gn[:1], [1]) == bytes([1])  # a retried put: ok
+    assert c1.put(NS, keys(1), sl[1:2], [gn[1] + 7], [0]) == b"\x00"  # not a lease of this writer: lost
+    c1.close()
+    c2.close()
+    c = rm(url, prefix)
+    u = c.usage(NS)
+    assert u["leased"] == 0 and u["keys"] == 16 and u["free"] == 1024 - 16  # every unused lease came back
     c.close()
 
 
