@@ -90,7 +90,7 @@ def bench_index(result: BenchResult, ha, batches: int, concurrency: int, tmp: Pa
     from connectors.hf3fs.redis_index import RedisMetadata
 
     B = 128
-    num_pages = batches * B * 4  # every pass writes new keys; never evict
+    num_pages = batches * B * 8  # five passes write new keys, leases hold more: never evict
     sport, mport = _free_port(), _free_port()
     token = os.urandom(8).hex()
     svc_p = _start_service(tmp, sport, token)
@@ -118,11 +118,16 @@ def bench_index(result: BenchResult, ha, batches: int, concurrency: int, tmp: Pa
             state["kb"] = [[k.encode() for k in _keys(B, f"{tag}{b}")] for b in range(batches)]
             state["ks"] = [[k.decode() for k in batch] for batch in state["kb"]]
 
+        failed: dict[int, int] = {}
+
         def kv_rc(c):
             def run(a, b):
                 for batch in state["kb"][a:b]:
                     st, sl, gn = c.reserve(NS, batch)
-                    assert c.commit(NS, batch, sl, gn, [0] * B, b"\x01" * B) == b"\x01" * B
+                    ok = c.commit(NS, batch, sl, gn, [0] * B, b"\x01" * B)
+                    if ok != b"\x01" * B:  # with WAIT: a confirm no replica acknowledged in time
+                        assert c.wait_replicas, ok
+                        failed[id(c)] = failed.get(id(c), 0) + B - sum(ok)
             return run
 
         def kv_get(c):
@@ -190,6 +195,8 @@ def bench_index(result: BenchResult, ha, batches: int, concurrency: int, tmp: Pa
                 cpu = {s: _cpu(pids[s]) - cpu0[s] for s in systems}
                 row = {f"{s}_keys_s": n / secs[s] for s in systems}
                 row.update({f"{s}_server_cpu_us_per_key": cpu[s] / n * 1e6 for s in systems})
+                if op == "reserve_confirm_wait":
+                    row["redis_failed_writes"] = failed.pop(id(rdw), 0)  # WAIT not acknowledged in time
                 fig[f"{op}/c{threads}"] = row
                 print(f"[index {op}, {threads} client thread(s)] " + ", ".join(
                     f"{s} {n / secs[s]:,.0f} keys/s" for s in systems), flush=True)
