@@ -16,7 +16,7 @@ interleaved in tenths. ``reserve_confirm_wait`` repeats the write row with ``WAI
 Store (same run): ``HF3FSStore`` (POSIX client, one file, 512 KiB pages, batches of 128,
 4 workers) with its index in the kvconnect service, in Redis with the page identity check
 (``verify_pages: auto``, what a Redis index runs with), and in Redis without it; interleaved
-repetitions, best of each. Sets write new keys; gets read the last set's keys (warm page
+repetitions (the order rotating), best of each. Sets write new keys; gets read the last set's keys (warm page
 cache).
 
 Failover (``connectors.hf3fs.failover_testing``): per scenario (kill -9, SIGSTOP, network
@@ -264,11 +264,12 @@ def bench_store(result: BenchResult, ha, page: int, batch: int, workers: int, re
             put(name, 99)  # the first writes allocate the files' page cache
         t_set = {n: [] for n in stores}
         t_get = {n: [] for n in stores}
-        for r in range(reps):
-            for name in stores:
+        names = list(stores)
+        for r in range(reps):  # the order rotates each repetition: no system always follows another
+            for name in names[r % 3:] + names[:r % 3]:
                 t_set[name] += _best(lambda _: put(name, r), 1)
-        for _ in range(reps + 1):
-            for name in stores:
+        for r in range(reps + 1):
+            for name in names[r % 3:] + names[:r % 3]:
                 t_get[name] += _best(lambda _: get(name), 1)
         tag = f"{page // KiB}KiB"
         fig = {f"set_gib_s/{n}": gib_per_s(nbytes, min(t)) for n, t in t_set.items()}
