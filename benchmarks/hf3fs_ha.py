@@ -16,8 +16,10 @@ interleaved in tenths. ``reserve_confirm_wait`` repeats the write row with ``WAI
 Store (same run): ``HF3FSStore`` (POSIX client, one file, 512 KiB pages, batches of 128,
 4 workers) with its index in the kvconnect service, in Redis with the page identity check
 (``verify_pages: auto``, what a Redis index runs with), and in Redis without it; interleaved
-repetitions (the order rotating), best of each. Sets write new keys; gets read the last set's keys (warm page
-cache).
+repetitions (the order rotating), best of each. Sets write new keys into a file of three
+batches (each set evicts the keys of the set two before and overwrites their pages: the dirty
+page cache stays small, no set waits for disk writeback; the index runs its full-file path);
+gets read the last set's keys (warm page cache).
 
 Failover (``connectors.hf3fs.failover_testing``): per scenario (kill -9, SIGSTOP, network
 partition, lagging replica promoted) and durability mode (``async``: AOF everysec,
@@ -52,7 +54,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `connect
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
-from benchmarks.hf3fs import _best, _cpu, _free_port, _keys, _wait_port  # noqa: E402
+from benchmarks.hf3fs import _best, _cpu, _free_port, _keys, _stop, _timed_split, _wait_port  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,15 +69,6 @@ def _start_service(tmp: Path, port: int, token: str) -> subprocess.Popen:
                              "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(tmp / "meta"),
                              "--token-file", str(tmp / "token")], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
-def _stop(p: subprocess.Popen) -> None:
-    p.terminate()
-    try:
-        p.wait(15)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(5)
 
 
 # ---------------------------------------------------------------------------------
@@ -165,15 +158,7 @@ def bench_index(result: BenchResult, ha, batches: int, concurrency: int, tmp: Pa
         list(pool.map(lambda _: barrier.wait(), range(concurrency)))
 
         def timed(fn, a: int, b: int, threads: int) -> float:
-            if threads == 1:
-                t0 = time.perf_counter()
-                fn(a, b)
-                return time.perf_counter() - t0
-            step = -(-(b - a) // threads)
-            t0 = time.perf_counter()
-            for f in [pool.submit(fn, i, min(b, i + step)) for i in range(a, b, step)]:
-                f.result()
-            return time.perf_counter() - t0
+            return _timed_split(pool, fn, a, b, threads)
 
         n = batches * B
         chunk = max(1, batches // 10)
@@ -233,7 +218,9 @@ def bench_store(result: BenchResult, ha, page: int, batch: int, workers: int, re
     token = os.urandom(8).hex()
     (tmp / "svc").mkdir()
     svc_p = _start_service(tmp / "svc", port, token)
-    file_size = page * batch * (reps + 3) * 2
+    # three batches: the sets of a run overwrite the same pages of the file (evicting the keys
+    # of two sets before), so dirty page cache stays small and no set waits on disk writeback
+    file_size = page * batch * 3
     buf = HostBuffer(batch, page, 1)
     for i in range(batch):
         ctypes.memset(buf.page(i)[0][0], (i * 7 + 1) & 0xFF, page)
@@ -330,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=None, help="index batches of 128 keys (default 400; quick 80)")
     ap.add_argument("--threads", type=int, default=8, help="client threads of the concurrent index pass (default 8)")
     ap.add_argument("--page", type=int, default=512 * KiB, help="store page bytes (default 512 KiB)")
-    ap.add_argument("--reps", type=int, default=None, help="store repetitions, best of (default 9; quick 4)")
+    ap.add_argument("--reps", type=int, default=None, help="store repetitions, best of (default 15; quick 6)")
     ap.add_argument("--skip-index", action="store_true")
     ap.add_argument("--skip-store", action="store_true")
     ap.add_argument("--skip-failover", action="store_true")
@@ -351,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger().setLevel(logging.WARNING)
     batches = args.batches or (80 if args.quick else 400)
-    reps = args.reps or (4 if args.quick else 9)
+    reps = args.reps or (6 if args.quick else 15)
     scenarios = (args.scenarios.split(",") if args.scenarios else
                  (["kill9", "lagging"] if args.quick else ["kill9", "sigstop", "partition", "lagging"]))
     result = BenchResult("hf3fs_ha", params={

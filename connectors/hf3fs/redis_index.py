@@ -469,7 +469,8 @@ class RedisMetadata(LeasedWrites):
                       ("HLEN", w)])
         if np_ is None:
             return {"keys": 0, "num_pages": 0, "page_bytes": 0}
-        return {"keys": keys, "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": leased,
+        return {"keys": max(0, keys - 1),  # less the field that keeps the hash a hash table (redis_lua.py)
+                "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": leased,
                 "evictions": int(ev), "expired": int(ex), "free": free + int(np_) - int(fr),
                 "wait_shortfalls": self.wait_shortfalls}
 

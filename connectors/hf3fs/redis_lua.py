@@ -9,7 +9,10 @@ suffix type   contents
 ``m``  hash   ``np`` pages, ``pb`` page bytes, ``rl`` / ``wl`` read / write lease
               (ms), ``fr`` first never-used slot, ``gt`` last generation handed
               out, ``ev`` evictions, ``ex`` expired reservations, ``sw`` next sweep
-``k``  hash   confirmed key -> ``<i8 slot><i8 gen><u4 crc>`` (20 bytes)
+``k``  hash   confirmed key -> ``<i8 slot><i8 gen><u4 crc>`` (20 bytes), plus one field
+              ``~`` whose long value keeps the hash a real hash table: Redis stores a
+              small hash (<= 512 short fields) as a list it searches linearly, which made
+              a 128-key lookup in a file of a few hundred pages cost ~1 ms instead of ~0.05
 ``l``  zset   confirmed key, score = last use (ms): the LRU order. A confirm scores
               ``now``; a ``get`` (or a reserve that finds the key) scores ``now + 0.5``:
               the half marks a read lease, held while the score is above ``now - rl``.
@@ -71,41 +74,47 @@ end
 local function leased(sc, now, rl)  -- a score with the read mark, within its lease
   return sc - math.floor(sc) >= 0.25 and sc > now - rl
 end
+local function expire(H, now, entry)  -- entries of hash H past their deadline: slots free
+  if redis.call('HLEN', H) == 0 then return 0 end
+  local all = redis.call('HGETALL', H)
+  local dead, fargs = {}, {}
+  for i = 1, #all, 2 do
+    local slot, deadline = entry(all[i], all[i + 1])
+    if deadline <= now then
+      dead[#dead + 1] = all[i]
+      fargs[#fargs + 1] = now
+      fargs[#fargs + 1] = slot
+    end
+  end
+  if #dead > 0 then
+    many('HDEL', H, dead)
+    many('ZADD', F, fargs)
+  end
+  return #dead
+end
+local function take_free(want, now, np, fresh)  -- never-used slots, then freed ones past their lease
+  local got = {}
+  local take = math.min(want, np - fresh)
+  if take > 0 then
+    for j = 0, take - 1 do got[#got + 1] = fresh + j end
+    redis.call('HSET', M, 'fr', fresh + take)
+  end
+  if #got < want then
+    local fr = redis.call('ZRANGEBYSCORE', F, '-inf', now, 'LIMIT', 0, want - #got)
+    if #fr > 0 then
+      many('ZREM', F, fr)
+      for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
+    end
+  end
+  return got
+end
 local function sweep(now)  -- once a second: reservations and write leases past their deadline
-  local expired = 0
-  if redis.call('HLEN', P) > 0 then
-    local all = redis.call('HGETALL', P)
-    local dead, fargs = {}, {}
-    for i = 1, #all, 2 do
-      local ps, pg, pd = struct.unpack('<i8i8i8', all[i + 1])
-      if pd <= now then
-        dead[#dead + 1] = all[i]
-        fargs[#fargs + 1] = now
-        fargs[#fargs + 1] = ps
-      end
-    end
-    if #dead > 0 then
-      many('HDEL', P, dead)
-      many('ZADD', F, fargs)
-      expired = expired + #dead
-    end
-  end
-  if redis.call('HLEN', W) > 0 then
-    local all = redis.call('HGETALL', W)
-    local dead, fargs = {}, {}
-    for i = 1, #all, 2 do
-      if struct.unpack('<i8', all[i + 1], 9) <= now then
-        dead[#dead + 1] = all[i]
-        fargs[#fargs + 1] = now
-        fargs[#fargs + 1] = struct.unpack('<i8', all[i])
-      end
-    end
-    if #dead > 0 then
-      many('HDEL', W, dead)
-      many('ZADD', F, fargs)
-      expired = expired + #dead
-    end
-  end
+  local expired = expire(P, now, function(k, v)
+    local s, g, d = struct.unpack('<i8i8i8', v)
+    return s, d
+  end) + expire(W, now, function(k, v)
+    return struct.unpack('<i8', k), struct.unpack('<i8', v, 9)
+  end)
   redis.call('HSET', M, 'sw', now + 1000)
   if expired > 0 then redis.call('HINCRBY', M, 'ex', expired) end
 end
@@ -143,6 +152,7 @@ if v[1] then return {tonumber(v[1]), tonumber(v[2]), tonumber(v[3]), tonumber(v[
 if tonumber(ARGV[1]) <= 0 then return {0, 0, tonumber(ARGV[3]), tonumber(ARGV[4])} end
 redis.call('HSET', M, 'np', ARGV[1], 'pb', ARGV[2], 'rl', ARGV[3], 'wl', ARGV[4], 'fr', 0, 'gt', 0,
            'ev', 0, 'ex', 0, 'sw', 0)
+redis.call('HSET', K, '~', string.rep('~', 80))
 return {tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])}
 """
 
@@ -199,19 +209,7 @@ if #touch > 0 then many('ZADD', L, touch) end
 if expired > 0 then redis.call('HINCRBY', M, 'ex', expired) end
 local m = #want
 if m > 0 then
-  local got = {}
-  local take = math.min(m, np - fresh)
-  if take > 0 then
-    for j = 0, take - 1 do got[#got + 1] = fresh + j end
-    redis.call('HSET', M, 'fr', fresh + take)
-  end
-  if #got < m then  -- freed slots whose last reader's lease ran out
-    local fr = redis.call('ZRANGEBYSCORE', F, '-inf', now, 'LIMIT', 0, m - #got)
-    if #fr > 0 then
-      redis.call('ZREM', F, unpack(fr))
-      for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
-    end
-  end
+  local got = take_free(m, now, np, fresh)
   if #got < m then  -- evict the least recently used keys that no reader holds (looking 64 past)
     local need = m - #got
     local scan = redis.call('ZRANGE', L, 0, need + 63, 'WITHSCORES')
@@ -388,13 +386,16 @@ local rl = tonumber(redis.call('HGET', M, 'rl') or '0')
 local all = redis.call('HGETALL', K)
 local until_ms = now_ms() + rl
 local fargs = {}
-for i = 2, #all, 2 do
-  fargs[#fargs + 1] = until_ms
-  fargs[#fargs + 1] = struct.unpack('<i8', all[i])
+for i = 1, #all, 2 do
+  if all[i] ~= '~' then
+    fargs[#fargs + 1] = until_ms
+    fargs[#fargs + 1] = struct.unpack('<i8', all[i + 1])
+  end
 end
 if #fargs > 0 then many('ZADD', F, fargs) end
 redis.call('DEL', K, L)
-return #all / 2
+redis.call('HSET', K, '~', string.rep('~', 80))
+return #fargs / 2
 """
 
 # ARGV: need, extra, <i8 slot><i8 gen> items given back first. Leases up to need + extra
@@ -408,20 +409,7 @@ local np, wl, fresh, sw = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]
 local now = now_ms()
 give_back(ARGV[3], now)
 if now >= sw then sweep(now) end
-local want = tonumber(ARGV[1]) + math.min(tonumber(ARGV[2]), math.floor(np / 16))
-local got = {}
-local take = math.min(want, np - fresh)
-if take > 0 then
-  for j = 0, take - 1 do got[#got + 1] = fresh + j end
-  redis.call('HSET', M, 'fr', fresh + take)
-end
-if #got < want then
-  local fr = redis.call('ZRANGEBYSCORE', F, '-inf', now, 'LIMIT', 0, want - #got)
-  if #fr > 0 then
-    many('ZREM', F, fr)
-    for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
-  end
-end
+local got = take_free(tonumber(ARGV[1]) + math.min(tonumber(ARGV[2]), math.floor(np / 16)), now, np, fresh)
 local slots = {}
 local gp = ''
 if #got > 0 then
