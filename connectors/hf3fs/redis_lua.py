@@ -232,6 +232,9 @@ if m > 0 then
   end
   local got_n = #got
   if got_n > 0 then
+    -- ascending slots for the batch's keys in order: adjacent pages of the caller's buffer
+    -- land in adjacent slots, and a read of the batch is a few large copies, not one per page
+    table.sort(got)
     local g = redis.call('HINCRBY', M, 'gt', 1)  -- one new generation for the batch
     local gp = struct.pack('<i8', g)
     local tail = gp .. struct.pack('<i8', now + wl)
@@ -410,6 +413,7 @@ local now = now_ms()
 give_back(ARGV[3], now)
 if now >= sw then sweep(now) end
 local got = take_free(tonumber(ARGV[1]) + math.min(tonumber(ARGV[2]), math.floor(np / 16)), now, np, fresh)
+table.sort(got)  -- see reserve
 local slots = {}
 local gp = ''
 if #got > 0 then
