@@ -71,6 +71,22 @@ local function many(cmd, key, args, opt)  -- one command per 4000 arguments (Lua
     i = j + 1
   end
 end
+local function flags(t)  -- u8 per item (any count: no unpack)
+  local out = {}
+  for i = 1, #t do out[i] = string.char(t[i]) end
+  return table.concat(out)
+end
+local function hmget(H, fields)  -- HMGET of any number of fields, 4000 at a time
+  local out, n = {}, #fields
+  local i = 1
+  while i <= n do
+    local j = math.min(n, i + 3999)
+    local part = redis.call('HMGET', H, unpack(fields, i, j))
+    for k = 1, j - i + 1 do out[i + k - 1] = part[k] end
+    i = j + 1
+  end
+  return out
+end
 local function leased(sc, now, rl)  -- a score with the read mark, within its lease
   return sc - math.floor(sc) >= 0.25 and sc > now - rl
 end
@@ -124,7 +140,7 @@ local function give_back(GB, now)  -- <i8 slot><i8 gen> items: write leases hand
   if n == 0 then return ok end
   local fields = {}
   for i = 1, n do fields[i] = sub(GB, 16 * i - 15, 16 * i - 8) end
-  local cur = redis.call('HMGET', W, unpack(fields))
+  local cur = hmget(W, fields)  -- a writer can hand back thousands
   local del, fargs = {}, {}
   for i = 1, n do
     ok[i] = 0
@@ -137,7 +153,7 @@ local function give_back(GB, now)  -- <i8 slot><i8 gen> items: write leases hand
     end
   end
   if #del > 0 then
-    redis.call('HDEL', W, unpack(del))
+    many('HDEL', W, del)
     many('ZADD', F, fargs)
   end
   return ok
@@ -251,7 +267,7 @@ if m > 0 then
   end
   for j = got_n + 1, m do status[want[j]] = 3 end
 end
-return string.char(unpack(status)) .. table.concat(slots) .. table.concat(gens)
+return flags(status) .. table.concat(slots) .. table.concat(gens)
 """
 
 # ARGV: <i8 slot><i8 gen><u4 crc> per key (the index entry to store), u8 confirm[n], keys.
@@ -293,7 +309,7 @@ if #kargs > 0 then
   many('ZADD', L, largs)
 end
 if #fargs > 0 then many('ZADD', F, fargs) end
-return string.char(unpack(ok))
+return flags(ok)
 """
 
 # ARGV: keys. Reply: <i8 slot><i8 gen><u4 crc> per key (slot -1: a miss). Starts read leases.
@@ -335,7 +351,7 @@ local keys, n = split(ARGV[1])
 local vals = redis.call('HMGET', K, unpack(keys))
 local out = {}
 for i = 1, n do out[i] = vals[i] and 1 or 0 end
-return string.char(unpack(out))
+return flags(out)
 """
 
 # ARGV: <i8 slot><i8 gen> per key, keys. Reply: u8 ok[n] (the key still maps to that page).
@@ -348,7 +364,7 @@ local out = {}
 for i = 1, n do
   out[i] = (vals[i] and sub(vals[i], 1, 16) == sub(SG, 16 * i - 15, 16 * i)) and 1 or 0
 end
-return string.char(unpack(out))
+return flags(out)
 """
 
 # ARGV: <i8 slot><i8 gen> per key (or an empty string: unconditional), keys. Removes each
@@ -379,7 +395,7 @@ if #gone > 0 then
   redis.call('ZREM', L, unpack(gone))
   many('ZADD', F, fargs)
 end
-return string.char(unpack(out))
+return flags(out)
 """
 
 # No ARGV. Drops every confirmed key (reservations stay); their slots are free after one
@@ -472,14 +488,14 @@ if #del > 0 then
   many('HSET', K, kargs)
   many('ZADD', L, largs)
 end
-return string.char(unpack(st))
+return flags(st)
 """
 
 # ARGV: <i8 slot><i8 gen> items. Write leases given back unused. Reply: u8 ok[n].
 UNLEASE = _PRELUDE + r"""
 local ok = give_back(ARGV[1], now_ms())
 if #ok == 0 then return '' end
-return string.char(unpack(ok))
+return flags(ok)
 """
 
 SCRIPTS = {"initialize": INITIALIZE, "reserve": RESERVE, "commit": COMMIT, "get": GET, "exists": EXISTS,

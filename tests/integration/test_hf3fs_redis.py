@@ -128,7 +128,7 @@ def test_write_leases_one_put_per_batch(redis_url):  # noqa: F811
     ahead and not used go back on close."""
     url, prefix = redis_url
     c1, c2 = rm(url, prefix, lease_ahead=64), rm(url, prefix, lease_ahead=64)
-    c1.initialize(NS, 1024, 4096)
+    c1.initialize(NS, 16384, 4096)
     batch = keys(16)
     st, sl, gn = c1.reserve(NS, batch)
     assert list(st) == [NEW] * 16 and c1.usage(NS)["leased"] == 16 + 64  # this batch and the lease ahead
@@ -142,11 +142,13 @@ def test_write_leases_one_put_per_batch(redis_url):  # noqa: F811
     assert list(st3) == [EXISTS] * 4
     assert c1.put(NS, batch[:1], sl[:1], gn[:1], [1]) == bytes([1])  # a retried put: ok
     assert c1.put(NS, keys(1), sl[1:2], [gn[1] + 7], [0]) == b"\x00"  # not a lease of this writer: lost
+    many_slots, many_gens = c1.lease(NS, 9000)  # far past Lua's unpack limit, given back in one call
+    assert len(many_slots) == 9000 and c1.unlease(NS, many_slots, many_gens) == b"\x01" * 9000
     c1.close()
     c2.close()
     c = rm(url, prefix)
     u = c.usage(NS)
-    assert u["leased"] == 0 and u["keys"] == 16 and u["free"] == 1024 - 16  # every unused lease came back
+    assert u["leased"] == 0 and u["keys"] == 16 and u["free"] == 16384 - 16  # every unused lease came back
     c.close()
 
 
