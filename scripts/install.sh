@@ -18,7 +18,7 @@
 #   * lmcache 0.5.6 with --no-deps + its declared deps minus the CUDA-only ones
 #     (cupy-cuda13x, cuda-python, cufile-python, nvtx: imported lazily / optionally).
 #   * mooncake-transfer-engine-non-cuda 0.3.13.post1, peercache 0.8.4 (--no-deps),
-#     grpc/protobuf/pytest tooling, the project's own declared deps, and the project
+#     grpc/protobuf/pytest tooling, the redis client, the project's own declared deps, and the project
 #     itself editable (--no-deps).
 set -euo pipefail
 
@@ -36,7 +36,10 @@ VLLM_VERSION=0.32.0
 MOONCAKE_SPEC="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 PEERCACHE_SPEC="peercache==0.8.4"
 ROUTER_SPEC="sglang-router==0.3.2"   # the serving benchmark's router (a Rust binary wheel)
-APT_PACKAGES=(libibverbs1 librdmacm1 iproute2)
+# redis-server / redis-sentinel (Debian 12: 7.0.15): the HF3FS Redis page index's tests and
+# benchmark start real primaries, replicas and sentinels on loopback (their packaged
+# services are not needed: in a container policy-rc.d keeps them from starting).
+APT_PACKAGES=(libibverbs1 librdmacm1 iproute2 redis-server redis-sentinel)
 
 step() { printf '[install %4ds] %s\n' "$((SECONDS - T0))" "$*"; }
 die() { echo "install.sh: ERROR: $*" >&2; exit 1; }
@@ -143,6 +146,7 @@ opentelemetry-exporter-otlp-proto-common==1.40.0
 opentelemetry-exporter-otlp-proto-grpc==1.40.0
 opentelemetry-exporter-otlp-proto-http==1.40.0
 opentelemetry-exporter-prometheus==0.61b0
+redis==8.1.0
 grpcio==1.78.0
 grpcio-tools==1.78.0
 grpcio-status==1.78.0
@@ -252,7 +256,7 @@ for m in ["torchvision", "triton",
           "sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs",
           "sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server",
           "lmcache", "peercache", "mooncake.engine", "mooncake.store",
-          "grpc", "grpc_tools.protoc", "google.protobuf", "prometheus_client", "pytest"]:
+          "grpc", "grpc_tools.protoc", "google.protobuf", "prometheus_client", "pytest", "redis"]:
     importlib.import_module(m)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs import HiCacheHF3FS
@@ -302,7 +306,7 @@ fi
 SUMMARY="$("$PY" - <<'EOF'
 import importlib.metadata as m
 names = ["torch", "torchvision", "triton", "sglang", "transformers", "lmcache",
-         "mooncake-transfer-engine-non-cuda", "peercache", "numpy", "grpcio", "protobuf", "kvconnect"]
+         "mooncake-transfer-engine-non-cuda", "peercache", "numpy", "grpcio", "protobuf", "redis", "kvconnect"]
 print("  " + "  ".join(f"{n}={m.version(n)}" for n in names))
 EOF
 )"
