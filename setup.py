@@ -17,4 +17,6 @@ for folder, package in FOLDERS.items():
     package_dir[package] = folder
     packages += [package] + [f"{package}.{sub}" for sub in find_packages(folder)]
 
-setup(package_dir=package_dir, packages=packages)
+# the W3 trace of ``kvconnect bench serve`` (its licence note beside it)
+setup(package_dir=package_dir, packages=packages,
+      package_data={"kvconnect.benchmarks.serving": ["data/*.jsonl.gz", "data/README.md"]})

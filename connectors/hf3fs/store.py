@@ -48,6 +48,8 @@ from kvconnect.connectors.buffers import page_checksum
 from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, on_3fs_mount, on_local_fs,
                                    usable_cpus)
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
+from kvconnect.connectors.hf3fs.pageid import PageIds
+from kvconnect.connectors.hf3fs.pageid import idents as page_idents
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -104,9 +106,9 @@ _LOCAL = _LocalIndexes()
 class _Lane:
     """One page size: a data file, its namespace, its geometry and leases."""
 
-    __slots__ = ("page_bytes", "ns", "path", "file", "kind", "num_pages", "read_lease_s", "write_lease_s")
+    __slots__ = ("page_bytes", "ns", "path", "file", "kind", "num_pages", "read_lease_s", "write_lease_s", "ids")
 
-    def __init__(self, page_bytes, ns, path, file, kind, info):
+    def __init__(self, page_bytes, ns, path, file, kind, info, ids=None):
         self.page_bytes = page_bytes
         self.ns = ns
         self.path = path
@@ -115,6 +117,7 @@ class _Lane:
         self.num_pages = info.num_pages
         self.read_lease_s = info.read_lease_s
         self.write_lease_s = info.write_lease_s
+        self.ids = ids  # PageIds (verify_pages) or None
 
 
 class HF3FSStore(PageStore):
@@ -174,37 +177,25 @@ class HF3FSStore(PageStore):
         self._owns_meta = metadata is None
         self.validations = 0
         self.rejected_reads = 0
+        self.stale_reads = 0  # pages whose identity record did not match the index (verify_pages)
 
         # Metadata first: a wrong token or a dead service fails the start, before any file.
         if metadata is not None:
             self.meta = metadata
         elif config.metadata_server_url:
-            from kvconnect.connectors.hf3fs.client import AuthError, RemoteMetadata
-
             try:
-                remote = RemoteMetadata(parse_meta_url(config.metadata_server_url), config.token(),
-                                        timeout=config.client_timeout, retries=config.meta_retries)
-            except ImportError as e:  # grpc: the metadata service's client
+                from kvconnect.connectors.hf3fs.metadata import connect_metadata
+            except ImportError as e:  # grpc / redis: the index clients
                 raise MissingDependency("hf3fs", "hf3fs", e) from e
-            try:
-                remote.connect()
-                remote.initialize(self.ns, 0, 0)  # authenticated round trip
-            except AuthError as e:
-                remote.close()
-                raise ConfigError("auth_token", str(e)) from e
-            except MetadataError as e:
-                remote.close()
-                raise BackendUnavailable("hf3fs", f"{e} (config key 'metadata_server_url')") from e
-            except BaseException:
-                remote.close()
-                raise
-            self.meta = remote
+            self.meta = connect_metadata(config, self.ns)
         else:
             # No service: the in-process index makes the file's old contents meaningless, so
             # any file no other process holds will do: the rank's own if free (SGLang's
             # naming), else the first free one (another process of the same TP rank, e.g. a
             # second pipeline stage, holds it). Without a rank: the first free one.
             self._take_free_local_file(config, suffix, prefer=rank)
+        # Page identities: where the index may answer stale mappings (a Redis failover), or on request.
+        self.verify = config.verify_pages == "on" or (config.verify_pages == "auto" and self.meta.may_serve_stale)
         try:
             # Open (create) the primary data file now: an unwritable path fails the start.
             PosixFile(self.path, 0).close()
@@ -270,7 +261,14 @@ class HF3FSStore(PageStore):
                 f = StripedFile(path, size, page_bytes, self.stripes, **posix)
             else:
                 f = PosixFile(path, size, **posix)
-        lane = _Lane(page_bytes, ns, path, f, self._client_kind, info)
+        ids = None
+        if self.verify:
+            try:
+                ids = PageIds(path + ".ids", info.num_pages, mapped=getattr(f, "mapped", False))
+            except BaseException:
+                f.close()
+                raise
+        lane = _Lane(page_bytes, ns, path, f, self._client_kind, info, ids)
         log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
                  info.num_pages, page_bytes, ns)
         return lane
@@ -353,18 +351,47 @@ class HF3FSStore(PageStore):
         return out
 
     @staticmethod
-    def _read_chunk(chunk: list, lane: _Lane, checks: bool) -> list[bool]:
+    def _read_chunk(chunk: list, lane: _Lane, checks: bool) -> list:
+        """Items ``(slot, page, crc, identity)``; per item True (a hit), False, or None: the
+        page's identity record did not match (a stale index entry, or a slot rewritten
+        during the read)."""
         pb = lane.page_bytes
-        ok = lane.file.read_batch([(slot * pb, page) for slot, page, _ in chunk])
+        ids = lane.ids
+        items = [(it[0] * pb, it[1]) for it in chunk]
+        if ids is None:
+            ok: list = lane.file.read_batch(items)
+        else:
+            try:
+                ok = ids.checked_read([it[0] for it in chunk], [it[3] for it in chunk],
+                                      lambda: lane.file.read_batch(items))
+            except OSError as e:
+                log.error("hf3fs: reading %s failed: %s", ids.path, e)
+                return [False] * len(chunk)
         if checks:
-            ok = [o and page_checksum(page) == crc for o, (_, page, crc) in zip(ok, chunk)]
+            ok = [o and page_checksum(it[1]) == it[2] for o, it in zip(ok, chunk)]
         return ok
 
     @staticmethod
     def _write_chunk(chunk: list, lane: _Lane, deadline: float, checks: bool) -> list:
+        """Items ``(slot, page, identity)``; per item (written, crc)."""
         pb = lane.page_bytes
-        crcs = [page_checksum(page) for _, page in chunk] if checks else [0] * len(chunk)
-        ok = lane.file.write_batch([(slot * pb, page) for slot, page in chunk], deadline)
+        crcs = [page_checksum(it[1]) for it in chunk] if checks else [0] * len(chunk)
+        ids = lane.ids
+        if ids is not None:
+            slots = [it[0] for it in chunk]
+            try:
+                ids.clear(slots)
+            except OSError as e:
+                log.error("hf3fs: writing %s failed: %s", ids.path, e)
+                return [(False, c) for c in crcs]
+        ok = lane.file.write_batch([(it[0] * pb, it[1]) for it in chunk], deadline)
+        if ids is not None:
+            done = [i for i, o in enumerate(ok) if o]
+            try:
+                ids.publish([slots[i] for i in done], [chunk[i][2] for i in done])
+            except OSError as e:
+                log.error("hf3fs: writing %s failed: %s", ids.path, e)
+                ok = [False] * len(chunk)
         return list(zip(ok, crcs))
 
     # ------------------------------------------------------------------ primitives
@@ -426,15 +453,30 @@ class HF3FSStore(PageStore):
         hits = [j for j, s in enumerate(slots) if s >= 0]
         if not hits:
             return out
-        ok = self._fan_out(self._read_chunk, [(slots[j], pages[j], crcs[j]) for j in hits], lane,
-                           self.config.checksums)
+        ids = ([None] * len(hits) if lane.ids is None else
+               page_idents([kb[j] for j in hits], [gens[j] for j in hits]))
+        ok = self._fan_out(self._read_chunk, [(slots[j], pages[j], crcs[j], ids[h]) for h, j in enumerate(hits)],
+                           lane, self.config.checksums)
+        stale = [h for h, o in enumerate(ok) if o is None]
+        if stale:
+            # The index named a slot that holds another page: a stale entry (a failover to a
+            # replica that was behind). Drop it, so the key can be written again.
+            self.stale_reads += len(stale)
+            log.warning("hf3fs: %d page(s) of %s failed their identity check: stale index entries, dropped",
+                        len(stale), lane.ns)
+            try:
+                self.meta.forget(lane.ns, [kb[hits[h]] for h in stale], [slots[hits[h]] for h in stale],
+                                 [gens[hits[h]] for h in stale])
+            except MetadataError as e:
+                self._note_error("forget", e)
         if time.monotonic() - t0 > lane.read_lease_s * LEASE_TRUST:
             # The read outlived its lease: the slot may have been reused meanwhile. Ask.
             idx = [h for h, o in enumerate(ok) if o]
             if idx:
                 self.validations += 1
                 try:
-                    still = self.meta.validate(lane.ns, [slots[hits[h]] for h in idx], [gens[hits[h]] for h in idx])
+                    still = self.meta.validate_keys(lane.ns, [kb[hits[h]] for h in idx], [slots[hits[h]] for h in idx],
+                                                    [gens[hits[h]] for h in idx])
                 except MetadataError as e:
                     self._note_error("validate", e)
                     still = bytes(len(idx))
@@ -481,11 +523,15 @@ class HF3FSStore(PageStore):
         deadline = t0 + lane.write_lease_s * LEASE_TRUST
         if self.stripes > 1:
             new.sort(key=lambda j: slots[j] % self.stripes)  # a worker's chunk mostly in one file
-        res = self._fan_out(self._write_chunk, [(slots[j], pages[j]) for j in new], lane, deadline,
-                            self.config.checksums)
+        ids = ([None] * len(new) if lane.ids is None else
+               page_idents([kb[j] for j in new], [gens[j] for j in new]))
+        res = self._fan_out(self._write_chunk, [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], lane,
+                            deadline, self.config.checksums)
         if self.config.fsync_data and any(o for o, _ in res):
             try:
                 lane.file.sync()
+                if lane.ids is not None:
+                    lane.ids.sync()
             except OSError as e:
                 self._note_error("fsync", e)
                 res = [(False, c) for _, c in res]
@@ -542,7 +588,8 @@ class HF3FSStore(PageStore):
         return StoreUsage(keys=keys, bytes_used=bytes_used, capacity_bytes=capacity, evictions=evictions,
                           extra={"files": [lane.path for lane in self._lanes.values()], "client": self._client_kind,
                                  "namespace": self.ns, "validations": self.validations,
-                                 "rejected_reads": self.rejected_reads, "reserved": reserved})
+                                 "rejected_reads": self.rejected_reads, "reserved": reserved,
+                                 "verify_pages": self.verify, "stale_reads": self.stale_reads})
 
     def _note_error(self, op: str, e: Exception) -> None:
         self.record_error()
@@ -555,6 +602,8 @@ class HF3FSStore(PageStore):
             self._executor = None
         for lane in self._lanes.values():
             lane.file.close()
+            if lane.ids is not None:
+                lane.ids.close()
         self._lanes.clear()
         self._primary = None
         if self._local_path is not None:

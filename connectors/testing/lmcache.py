@@ -34,13 +34,15 @@ def plugin_json(params: dict) -> str:
 class Server:
     """``lmcache server`` on 127.0.0.1 (random free ports) with one kvconnect L2 adapter."""
 
-    def __init__(self, params: dict, log_path: Path, *extra: str):
+    def __init__(self, params: dict | None, log_path: Path, *extra: str, l1_size_gb: float = 0.25):
+        """``params``: the adapter's (None: LMCache's own L1 only, no kvconnect adapter)."""
         self.port, self.http_port = free_port(), free_port()
         self.log_path = log_path
         self._interrupted = False
-        cmd = [LMCACHE_BIN, "server", "--host", "127.0.0.1", "--port", str(self.port), "--l1-size-gb", "0.25",
+        l2 = ["--l2-adapter", plugin_json(params)] if params is not None else []
+        cmd = [LMCACHE_BIN, "server", "--host", "127.0.0.1", "--port", str(self.port), "--l1-size-gb", str(l1_size_gb),
                "--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", str(self.http_port),
-               "--disable-metrics", "--l2-adapter", plugin_json(params), *extra]
+               "--disable-metrics", *l2, *extra]
         self.proc = subprocess.Popen(cmd, env=child_env(LMCACHE_DISABLE_BANNER="1"), stdout=open(log_path, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,6 +33,9 @@ class FaultyStoreConfig(StoreConfig):
                                                           "release())"))
     hang_s: float = field(default=30.0, metadata=field_doc("how long a hanging operation blocks"))
     message: str = field(default="connection refused (injected fault)", metadata=field_doc("what raising says"))
+    fault_flag: str = field(default="", metadata=field_doc("faults start once this file exists (another process "
+                                                           "can then turn a healthy store bad mid-run); empty: "
+                                                           "from the start"))
 
     def __post_init__(self) -> None:
         for key in ("raise_on", "hang_on"):
@@ -72,6 +76,8 @@ class FaultyStore(PageStore):
 
     def _fault(self, op: str) -> None:
         self.calls[op] += 1
+        if self.config.fault_flag and not os.path.exists(self.config.fault_flag):
+            return
         if op in self.config.hang_on:
             self.released.wait(self.config.hang_s)
         if op in self.config.raise_on:

@@ -1,6 +1,6 @@
 """Conformance: the Mooncake store against a real mooncake_master (loopback-only netns).
 
-The outer run re-runs this module inside a namespace made for it (tests/mooncake_env.py).
+The outer run re-runs this module inside a namespace made for it (kvconnect.connectors.testing.mooncake).
 The suite's pages are plain ``HostBuffer``s, never registered: they go through the
 store's registered staging buffer. ``tests/integration/test_mooncake.py`` covers the
 direct (registered, zero-copy) path, failures and two processes.

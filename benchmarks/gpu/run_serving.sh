@@ -1,0 +1,77 @@
+#!/bin/bash
+# The serving benchmark (`kvconnect bench serve`) on a GPU machine without network, from the repository root.
+# Phases (any order, each once per machine):
+#   install1   SGLang 0.5.17 wheels (.gpuwheels1/) + PeerCache 0.8.4 (.gpuserve1/*.whl) into /tmp/site1
+#   install2   the rest of SGLang's wheel set + sglang-router 0.3.2, unpacked (.gpuserve2/site2.tar.xz) into
+#              /tmp/site2; Mooncake 0.3.13 (.gpumc/mc312.tar.xz, with libibverbs/librdmacm) into /tmp/site3
+#   start      start `kvconnect bench serve $SERVE_ARGS` detached (it outlives this call; results in /tmp/serve/out)
+#   wait       wait for it up to DEADLINE_S seconds after this script started, then copy what it wrote to $OUT
+#   stop       stop it and every server it started
+# benchmarks/gpu/README.md lists the device calls and how the carried folders are made.
+set -u
+T0=$(date +%s)
+DEADLINE_S=${DEADLINE_S:-570}
+REPO=$(pwd)
+OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
+SERVE=/tmp/serve; mkdir -p "$SERVE"
+export PYTHONPATH=/tmp/site3:/tmp/site2:/tmp/site1:$REPO
+export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
+export LMCACHE_TRACK_USAGE=false
+export TVM_FFI_CACHE_DIR=/tmp/jitcache/tvm-ffi TRITON_CACHE_DIR=/tmp/jitcache/triton FLASHINFER_WORKSPACE_BASE=/tmp/jitcache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo
+command -v nvcc >/dev/null 2>&1 || export PATH=$PATH:/usr/local/cuda/bin
+[ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 && export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+
+say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+
+phase_install1() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site1 \
+    .gpuwheels1/*.whl .gpuserve1/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -3
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V; nproc; free -g | head -2;
+    df -h /tmp /dev/shm | tail -2; } 2>&1 | tee "$OUTD/diag.txt"
+  say "install1 done"
+}
+phase_install2() {
+  mkdir -p /tmp/site2 /tmp/site3
+  xz -dc .gpuserve2/site2.tar.xz | tar xf - -C /tmp/site2 || return 1
+  xz -dc .gpumc/mc312.tar.xz | tar xf - -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
+  find /tmp/site1 /tmp/site2 -exec touch -h -d 2000-01-01 {} + 2>/dev/null   # JIT caches stay newer than headers
+  python3 -c 'import mooncake.store, mooncake.engine, sglang_router, peercache.store, sglang' || return 1
+  say "install2 done"
+}
+phase_start() {
+  [ -f "$SERVE/pid" ] && kill -0 "$(cat "$SERVE/pid")" 2>/dev/null && { say "already running"; return 0; }
+  # shellcheck disable=SC2086
+  python3 -c 'import os, sys
+os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m kvconnect.connectors.cli bench serve --workdir "$SERVE/work" \
+    --out "$SERVE/out" --results-dir "$SERVE/out" ${SERVE_ARGS:-} > "$SERVE/bench.log" 2>&1 < /dev/null &
+  echo $! > "$SERVE/pid"
+  say "serving benchmark started (pid $(cat "$SERVE/pid")): ${SERVE_ARGS:-}"
+}
+collect() {
+  cp "$SERVE"/out/* "$OUTD"/ 2>/dev/null
+  tr '\r' '\n' < "$SERVE/bench.log" | grep -v -E "it/s\]|req/s\]|s/req\]" | tail -n 400 > "$OUTD/bench.log"
+  ( cd "$SERVE/work/logs" 2>/dev/null && tar czf "$OUTD/server_logs.tgz" ./*.log )
+  [ -d /tmp/jitcache ] && [ ! -f "$OUTD/jitcache.tgz" ] && tar czf "$OUTD/jitcache.tgz" -C /tmp jitcache 2>/dev/null
+  return 0
+}
+phase_wait() {
+  local pid; pid=$(cat "$SERVE/pid" 2>/dev/null) || { say "not started"; return 1; }
+  local last="" line
+  while kill -0 "$pid" 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "$DEADLINE_S" ]; do
+    sleep 5; line=$(grep -a "^\[serve\]" "$SERVE/bench.log" | tail -n 1)
+    [ "$line" != "$last" ] && say "$line" && last=$line
+  done
+  kill -0 "$pid" 2>/dev/null && say "still running (results so far copied)" || say "benchmark finished"
+  collect
+}
+phase_stop() {
+  local pid; pid=$(cat "$SERVE/pid" 2>/dev/null) && kill -TERM -- "-$pid" 2>/dev/null
+  sleep 5; pkill -9 -f sglang 2>/dev/null; pkill -9 -f mooncake_master 2>/dev/null; collect
+}
+
+for ph in "$@"; do
+  say "=== $ph"
+  "phase_$ph" || { say "=== $ph FAILED"; case $ph in install*) exit 1 ;; esac; }
+done

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# vLLM on a GPU host: the same side-by-side as `kvconnect bench vllm` on CPU, plus the references
+# that need CUDA (vLLM's OffloadingConnector CPU tier, LMCache's LMCacheConnectorV1 local CPU backend).
+# NOT RUN YET (docs/vllm.md, GPU): the lent H200 image has Python 3.12 + torch 2.11 (CUDA 13) and no
+# vLLM; vLLM 0.33 pins torch 2.14. Give a vLLM release built for the host's torch:
+#   VLLM_SPEC='vllm==X.Y.Z' bash benchmarks/gpu/run_vllm.sh
+# What it does:
+#   1. a venv (.gpu/vllm-venv, system site packages: the image's torch) with VLLM_SPEC, lmcache 0.5.6
+#      (--no-deps + its light deps, as docs/lmcache.md's GPU notes) and kvconnect (editable, --no-deps);
+#   2. benchmarks/vllm.py with that interpreter (KVCONNECT_VLLM_PYTHON), every system;
+#   3. both serving paths once per store with a real model dir (MODEL) for copy-paste checks:
+#      examples/vllm/native.sh and examples/vllm/lmcache_server.sh + lmcache_vllm.sh.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+: "${VLLM_SPEC:?set VLLM_SPEC to a vLLM release built for this host's torch}"
+VENV="$ROOT/.gpu/vllm-venv"
+[[ -x "$VENV/bin/python" ]] || python3 -m venv --system-site-packages "$VENV"
+"$VENV/bin/pip" install "$VLLM_SPEC" msgpack xxhash prometheus-client tqdm grpcio sortedcontainers \
+  "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+"$VENV/bin/pip" install --no-deps lmcache==0.5.6
+"$VENV/bin/pip" install --no-deps -e "$ROOT"
+export KVCONNECT_VLLM_PYTHON="$VENV/bin/python" LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1
+"$ROOT/.venv/bin/kvconnect" bench vllm --prompts "${PROMPTS:-32}" --words "${WORDS:-4000}" \
+  --systems recompute,kvc_memory,kvc_hf3fs,lmcache_mp,lmcache_mp_kvc_hf3fs,vllm_offloading,lmcache_v1 \
+  --out "$ROOT/benchmarks/results/vllm_gpu.json"

@@ -1,0 +1,168 @@
+"""Serving under load: N SGLang servers behind sglang_router, W1/W2/W3 loads, every L3 option side by side.
+
+Runs on a GPU node with SGLang, sglang-router and the stores installed (see docs/serving.md):
+
+    kvconnect bench serve                                   # every workload x every configuration
+    kvconnect bench serve --workloads w1 --configs l2_only,sglang_hf3fs,kvc_hf3fs
+    kvconnect bench serve --pairs w1:l2_only,w1:kvc_hf3fs,w3:l2_only,w3:kvc_hf3fs --deadline-s 1200
+    kvconnect bench serve --report RUN_DIR [RUN_DIR...]       # rebuild serving.json + serving.png from raw runs
+
+Each (workload, configuration) pair is measured on the same servers: L3 backends are switched at run
+time through SGLang's admin API. Writes ``<out>/runs.jsonl`` and ``<out>/requests.jsonl.gz`` while it
+runs, then ``benchmarks/results/serving.json`` (figures, ``ratios``, targets) and ``serving.png`` (TTFT
+CDF, throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .serving import report, workloads
+from .serving.configs import BASELINE, CONFIGS, default_ports, parse_names
+from .serving.run import Plan, ServerSpec, execute
+
+from kvconnect.connectors.config import parse_size
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def build_workloads(a: argparse.Namespace) -> dict:
+    if a.quick:
+        return {"w1": workloads.shared_prefix(4, 4, 256, 32, 8, rate=20.0),
+                "w2": workloads.multi_turn(3, 2, 64, 8, max_parallel=2),
+                "w3": workloads.trace(sample_every=400, block_tokens=16, time_scale=600.0, max_output=8, limit=24)}
+    return {"w1": workloads.shared_prefix(a.w1_groups, a.w1_per_group, a.w1_system_len, a.w1_question_len,
+                                          a.w1_output_len, a.w1_rate),
+            "w2": workloads.multi_turn(a.w2_clients, a.w2_rounds, a.w2_request_len, a.w2_output_len,
+                                       a.w2_max_parallel),
+            "w3": workloads.trace(a.w3_sample_every, a.w3_block_tokens, a.w3_time_scale, a.w3_max_output,
+                                  a.w3_limit)}
+
+
+def plan_pairs(a: argparse.Namespace, loads: dict) -> list:
+    if a.pairs:
+        pairs = []
+        for item in a.pairs.split(","):
+            w, _, c = item.strip().partition(":")
+            if w not in loads or c not in CONFIGS:
+                raise SystemExit(f"--pairs: {item!r} is not WORKLOAD:CONFIG (workloads {', '.join(loads)}; "
+                                 f"configs {', '.join(CONFIGS)})")
+            pairs.append((loads[w], c))
+        return pairs
+    names = parse_names(a.configs) if a.configs else list(CONFIGS)
+    names = [BASELINE] + [n for n in names if n != BASELINE]   # the baseline first: the output reference
+    chosen = [w.strip() for w in a.workloads.split(",") if w.strip()]
+    bad = [w for w in chosen if w not in loads]
+    if bad:
+        raise SystemExit(f"--workloads: unknown {', '.join(bad)}; accepted values: {', '.join(loads)}")
+    return [(loads[w], c) for w in chosen for c in names]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvconnect bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what to run")
+    g.add_argument("--workloads", default="w1,w2,w3", help="comma-separated: w1 (shared prefix), w2 (multi-turn), "
+                   "w3 (production trace) (default: all)")
+    g.add_argument("--configs", default="", help=f"comma-separated, default all: {', '.join(CONFIGS)}")
+    g.add_argument("--pairs", default="", help="explicit WORKLOAD:CONFIG list in run order (overrides the two above)")
+    g.add_argument("--list-configs", action="store_true", help="describe the configurations and exit")
+    g.add_argument("--quick", action="store_true", help="tiny workloads (a smoke run)")
+    g.add_argument("--deadline-s", type=float, default=0, help="start no pair after this many seconds (0: none)")
+    g.add_argument("--report", metavar="DIR", nargs="+",
+                   help="only rebuild serving.json/png from DIR/runs.jsonl (several DIRs: the latest run of each "
+                        "pair wins) into --out")
+    s = p.add_argument_group("servers")
+    s.add_argument("--servers", type=int, default=2, help="SGLang servers (default 2)")
+    s.add_argument("--gpus", default="0", help="GPU ids, server i uses gpus[i %% len] (default 0: all share GPU 0)")
+    s.add_argument("--shape", default="llama3-8b", help="dummy model shape: llama3-8b | llama-1b")
+    s.add_argument("--model-path", default=None, help="a real model directory instead of dummy weights")
+    s.add_argument("--mem-fraction", type=float, default=0.35, help="--mem-fraction-static per server")
+    s.add_argument("--max-total-tokens", type=int, default=32768, help="GPU KV tokens per server")
+    s.add_argument("--hicache-ratio", type=float, default=1.2, help="host pool / GPU pool (the guides: 1.2)")
+    s.add_argument("--router-policy", default="round_robin", help="sglang_router policy (round_robin, cache_aware)")
+    s.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
+    s.add_argument("--server-arg", action="append", default=[], help="extra sglang.launch_server argument (repeat)")
+    s.add_argument("--l3-per-server", default="16gb", help="memory each server lends (peer pools, memory store)")
+    s.add_argument("--l3-file-size", default="32gb", help="size of the hf3fs files (kvconnect's and SGLang's)")
+    s.add_argument("--port-base", type=int, default=0, help="offset added to every port")
+    s.add_argument("--workdir", default="/tmp/kvconnect-serve", help="logs, model, store data")
+    s.add_argument("--out", default=None, help="raw results of this run: runs.jsonl, requests.jsonl.gz "
+                   "(default: WORKDIR/out)")
+    s.add_argument("--results-dir", default=str(RESULTS), help="where serving.json and serving.png go "
+                   "(default: benchmarks/results)")
+    s.add_argument("--probe", type=int, default=8, help="prompts in the output check of each pair")
+    w = p.add_argument_group("workloads (defaults: the guides' shapes, scaled to one GPU)")
+    w.add_argument("--w1-groups", type=int, default=64)
+    w.add_argument("--w1-per-group", type=int, default=16)
+    w.add_argument("--w1-system-len", type=int, default=2048)
+    w.add_argument("--w1-question-len", type=int, default=128)
+    w.add_argument("--w1-output-len", type=int, default=256)
+    w.add_argument("--w1-rate", type=float, default=8.0, help="requests/s (Poisson)")
+    w.add_argument("--w2-clients", type=int, default=32)
+    w.add_argument("--w2-rounds", type=int, default=5)
+    w.add_argument("--w2-request-len", type=int, default=2048)
+    w.add_argument("--w2-output-len", type=int, default=64)
+    w.add_argument("--w2-max-parallel", type=int, default=8)
+    w.add_argument("--w3-sample-every", type=int, default=80, help="keep conversations with crc32(id) %% N == 0")
+    w.add_argument("--w3-block-tokens", type=int, default=128, help="tokens per 512-token trace block")
+    w.add_argument("--w3-time-scale", type=float, default=60.0, help="trace time / replay time")
+    w.add_argument("--w3-max-output", type=int, default=64)
+    w.add_argument("--w3-limit", type=int, default=0, help="at most this many requests (0: all sampled)")
+    return p
+
+
+def render(run_dirs: list, out: Path, command: str) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    doc = report.build([Path(d) for d in run_dirs], out / "serving.json", command)
+    png = report.plot([Path(d) for d in run_dirs], doc, out / "serving.png")
+    print(f"results written to {out / 'serving.json'}" + (f" and {png}" if png else ""))
+    for t in doc["targets"]:
+        print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']} (bound {t['bound']})")
+    for w, b in doc["bounds"].items():
+        print(f"  {w}: what any L3 could do here: " + ", ".join(f"{k} {v}" for k, v in b.items()))
+    return doc
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends the run like Ctrl-C: servers and services are stopped, measured pairs are kept."""
+    import signal
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    if a.list_configs:
+        for name, c in CONFIGS.items():
+            print(f"{name:<18} {c.kind:<9} {c.description}")
+        return 0
+    if a.report:
+        render(a.report, Path(a.results_dir), "kvconnect bench serve --report " + " ".join(a.report))
+        return 0
+    loads = build_workloads(a)
+    pairs = plan_pairs(a, loads)
+    spec = ServerSpec(servers=a.servers, gpus=tuple(x for x in a.gpus.split(",") if x), shape=a.shape,
+                      model_path=a.model_path, mem_fraction=a.mem_fraction, max_total_tokens=a.max_total_tokens,
+                      hicache_ratio=a.hicache_ratio, router_policy=a.router_policy,
+                      extra_args=tuple(a.server_arg), server_module=a.server_module)
+    out = Path(a.out or Path(a.workdir) / "out")
+    l3_per_server, l3_file = ("256mb", "1gb") if a.quick else (a.l3_per_server, a.l3_file_size)
+    plan = Plan(pairs, spec, Path(a.workdir), out, default_ports(a.port_base), a.probe,
+                deadline=time.time() + a.deadline_s if a.deadline_s else 0.0, l3_bytes_per_server=l3_per_server,
+                l3_file_bytes=parse_size(l3_file))
+    print(f"[serve] {len(pairs)} pairs on {a.servers} servers: " + ", ".join(f"{w.name}:{c}" for w, c in pairs),
+          flush=True)
+    _stop_on_sigterm()
+    records = execute(plan)
+    render([out], Path(a.results_dir), "kvconnect bench serve " + " ".join(sys.argv[1:] if argv is None else argv))
+    return 0 if records and all("summary" in r for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

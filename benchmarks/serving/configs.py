@@ -1,0 +1,149 @@
+"""The L3 configurations compared side by side, on the same servers and the same GPU budget.
+
+A configuration names the server profile it needs (how SGLang is launched), the HiCache storage
+backend attached at run time (``PUT /hicache/storage-backend``) with its extra config per server,
+the side services it needs (metadata service, ``mooncake_master`` + store process, a peer seed node),
+and where its store counters are scraped. Each one is deployed the way its deployment guide does:
+SGLang's ``hf3fs`` with the mock client and ``mini_3fs_metadata_server``, SGLang's ``mooncake`` with
+a standalone store process, PeerCache 0.8.4 as the peer-pool guide configures it (TCP here), and
+every kvconnect store through ``--hicache-storage-backend dynamic``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+# SGLang's dynamic loader imports kvconnect's HiCache adapter from this module.
+KVC_HICACHE = {"backend_name": "kvconnect", "module_path": "kvconnect.connectors.engines.sglang_hicache",
+               "class_name": "KVConnectStorage", "interface_v1": 1}
+
+
+@dataclass
+class Setup:
+    """What configurations are built from: ports, the work directory, sizes."""
+    workdir: Path
+    ports: dict
+    servers: int
+    l3_bytes_per_server: str = "16gb"   # memory each server lends (peer pools) or keeps (memory store)
+    l3_file_bytes: int = 32 << 30        # hf3fs file size (shared by every server)
+
+    def data(self, name: str) -> Path:
+        p = Path(self.workdir) / "data" / name
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+
+    @property
+    def hf3fs_ref_config(self) -> Path:
+        """The JSON that SGLang's own hf3fs backend reads (SGLANG_HICACHE_HF3FS_CONFIG_PATH, set at launch).
+
+        kvconnect's hf3fs store reads the same variable (so existing deployments work unchanged) and
+        overrides the file's keys with its inline options; the file must exist for both.
+        """
+        return Path(self.workdir) / "sglang_hf3fs.json"
+
+    def write_hf3fs_ref_config(self) -> None:
+        import json
+
+        prefix = self.data("sglang_hf3fs") / "hicache"
+        self.hf3fs_ref_config.write_text(json.dumps({
+            "file_path_prefix": str(prefix), "file_size": self.l3_file_bytes, "numjobs": 16, "entries": 8,
+            "metadata_server_url": f"http://127.0.0.1:{self.ports['mini_3fs_meta']}"}))
+
+
+@dataclass
+class Config:
+    name: str
+    kind: str                                  # baseline | kvconnect | anchor
+    description: str
+    backend: Optional[str] = None              # None: no L3 attached
+    extra: Callable[[Setup, int], dict] = lambda s, i: {}
+    services: tuple = ()
+    profile: str = "hicache"
+    metrics_url: Callable[[Setup, int], Optional[str]] = lambda s, i: None
+    prepare: Callable[[Setup], None] = lambda s: None
+
+
+def _kvc(store: str, **options) -> Callable[[Setup, int], dict]:
+    def build(s: Setup, i: int) -> dict:
+        opts = {k: (v(s, i) if callable(v) else v) for k, v in options.items()}
+        return {**KVC_HICACHE, "store": store, **opts, "metrics_port": s.ports["kvc_metrics"] + i}
+    return build
+
+
+def _kvc_metrics(s: Setup, i: int) -> str:
+    return f"http://127.0.0.1:{s.ports['kvc_metrics'] + i}/metrics"
+
+
+def _peercache(s: Setup, i: int) -> dict:
+    # The peer-pool guide's extra config, TCP instead of RDMA and every listener on loopback.
+    return {"backend_name": "peercache", "module_path": "peercache.store", "class_name": "PeerCacheStore",
+            "interface_v1": 1, "discovery_addr": f"127.0.0.1:{s.ports['peercache_discovery']}", "protocol": "tcp",
+            "local_hostname": "127.0.0.1", "rdma_bind_host": "127.0.0.1", "control_bind_host": "127.0.0.1",
+            "meta_bind_host": "127.0.0.1", "metrics_bind_host": "127.0.0.1",
+            "metrics_port": s.ports["peercache_metrics"] + i, "global_segment_size": s.l3_bytes_per_server,
+            "disk_path": str(s.data(f"peercache{i}")) + "/", "disk_size": "16gb"}
+
+
+CONFIGS: dict[str, Config] = {c.name: c for c in [
+    Config("l2_only", "baseline", "HiCache with GPU + host memory, no L3 (the baseline)"),
+    Config("no_hicache", "reference", "no hierarchical cache: the GPU radix cache only (servers relaunched)",
+           profile="plain"),
+    Config("sglang_file", "anchor", "SGLang's built-in file backend", backend="file",
+           extra=lambda s, i: {"file_storage_path": str(s.data("sglang_file"))},
+           prepare=lambda s: s.data("sglang_file")),
+    Config("sglang_hf3fs", "anchor", "SGLang's built-in hf3fs backend (mock client) + mini_3fs_metadata_server",
+           backend="hf3fs", extra=lambda s, i: {"use_mock_hf3fs_client": True}, services=("mini_3fs_meta",),
+           prepare=Setup.write_hf3fs_ref_config),
+    Config("sglang_mooncake", "anchor", "SGLang's built-in mooncake backend + a standalone store process",
+           backend="mooncake", services=("mooncake_store",),
+           extra=lambda s, i: {"master_server_address": f"127.0.0.1:{s.ports['mooncake_master']}",
+                               "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1",
+                               "protocol": "tcp", "global_segment_size": 0}),
+    Config("peercache", "anchor", "PeerCache 0.8.4, each server lends memory (TCP transport)",
+           backend="dynamic", extra=_peercache,
+           metrics_url=lambda s, i: f"http://127.0.0.1:{s.ports['peercache_metrics'] + i}/metrics"),
+    Config("kvc_hf3fs", "kvconnect", "kvconnect hf3fs store (POSIX files) + kvconnect metadata service",
+           backend="dynamic", services=("kvc_meta",), metrics_url=_kvc_metrics,
+           extra=_kvc("hf3fs", file_path_prefix=lambda s, i: str(s.data("kvc_hf3fs") / "hicache"),
+                      file_size=lambda s, i: s.l3_file_bytes, numjobs=16, entries=16,
+                      metadata_server_url=lambda s, i: f"http://127.0.0.1:{s.ports['kvc_meta']}")),
+    Config("kvc_peer_rdma", "kvconnect", "kvconnect peer pool, each server lends memory (Transfer Engine, TCP)",
+           backend="dynamic", services=("peer_seed",), metrics_url=_kvc_metrics,
+           extra=_kvc("peer_rdma", discovery_addr=lambda s, i: f"127.0.0.1:{s.ports['peer_seed']}", protocol="tcp",
+                      local_hostname="127.0.0.1", control_port=0,
+                      global_segment_size=lambda s, i: s.l3_bytes_per_server)),
+    Config("kvc_mooncake", "kvconnect", "kvconnect mooncake store + a standalone store process (Transfer Engine, TCP)",
+           backend="dynamic", services=("mooncake_store",), metrics_url=_kvc_metrics,
+           extra=_kvc("mooncake", master_server_address=lambda s, i: f"127.0.0.1:{s.ports['mooncake_master']}",
+                      protocol="tcp", local_hostname="127.0.0.1", global_segment_size=0)),
+    Config("kvc_mooncake_shm", "kvconnect",
+           "kvconnect mooncake store, the store process lends its segment from shared memory (same host)",
+           backend="dynamic", services=("mooncake_store_shm",), metrics_url=_kvc_metrics,
+           extra=_kvc("mooncake", master_server_address=lambda s, i: f"127.0.0.1:{s.ports['mooncake_master']}",
+                      protocol="tcp", local_hostname="127.0.0.1", global_segment_size=0)),
+    Config("kvc_memory", "kvconnect", "kvconnect in-process memory store (not shared between servers)",
+           backend="dynamic", metrics_url=_kvc_metrics,
+           extra=_kvc("memory", capacity=lambda s, i: s.l3_bytes_per_server)),
+]}
+
+ANCHORS = [n for n, c in CONFIGS.items() if c.kind == "anchor"]
+BASELINE = "l2_only"
+
+
+def parse_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"--configs: unknown {', '.join(unknown)}; accepted values: {', '.join(CONFIGS)}")
+    return names
+
+
+def default_ports(base: int = 0) -> dict:
+    """Fixed loopback ports (offset by ``base`` to run two benchmarks on one host)."""
+    p = {"server": 30000, "router": 31000, "kvc_meta": 18000, "mini_3fs_meta": 18010, "mooncake_master": 50051,
+         "mooncake_metrics": 9003, "mooncake_store_metrics": 9310, "peer_seed": 31998, "kvc_metrics": 9400,
+         "peercache_discovery": 32998, "peercache_metrics": 31900}
+    return {k: v + base for k, v in p.items()} | {"mooncake_segment": "32gb"}
+

@@ -1,0 +1,278 @@
+"""From a run's ``runs.jsonl`` (+ ``requests.jsonl.gz``) to ``serving.json`` and ``serving.png``.
+
+Ratios are named ``<workload>_<config>_<metric>_over_baseline`` (ours / HiCache-L2-only; for TTFT
+lower is better, for ``input_tps`` higher is better) and ``<workload>_<config>_<metric>_vs_<anchor>``
+(oriented so that higher means kvconnect is better: anchor TTFT / ours, our throughput / anchor's).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+from . import workloads
+from .configs import BASELINE, CONFIGS
+
+SHARED_KVC = ("kvc_hf3fs", "kvc_peer_rdma", "kvc_mooncake", "kvc_mooncake_shm")
+
+
+def load_runs(path: Path) -> tuple[dict, list[dict]]:
+    """The last start header of ``path`` (a runs.jsonl) and the pair records written after it."""
+    header, records = {}, []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if row.get("event") == "start":
+            header, records = row, []
+        else:
+            records.append(row)
+    return header, records
+
+
+def merge_runs(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
+    """Headers of every run, and per (workload, config) the measured record of the latest run that has one.
+
+    Ratios are computed within a workload; a workload whose pairs come from several runs says so
+    in each record's ``run`` index.
+    """
+    headers, chosen = [], {}
+    for n, d in enumerate(run_dirs):
+        header, records = load_runs(Path(d) / "runs.jsonl")
+        headers.append(header)
+        for r in records:
+            key = (r["workload"], r["config"])
+            if "summary" in r or key not in chosen:
+                chosen[key] = {**r, "run": n}
+    return headers, list(chosen.values())
+
+
+def _row(metric, ours, reference, ratio, reference_system, lower_is_better=False) -> dict:
+    return {"metric": metric, "ours": round(ours, 4), "reference": round(reference, 4), "ratio": round(ratio, 4),
+            "reference_system": reference_system, "lower_is_better": lower_is_better}
+
+
+def ratios(figures: dict) -> list[dict]:
+    out = []
+    for w, by_cfg in figures.items():
+        base = by_cfg.get(BASELINE)
+        anchors = [a for a, f in by_cfg.items() if CONFIGS.get(a) and CONFIGS[a].kind == "anchor"]
+        for c, f in by_cfg.items():
+            if c == BASELINE:
+                continue
+            if base:
+                for m in ("ttft_p50", "ttft_p99"):
+                    out.append(_row(f"{w}_{c}_{m}_over_baseline", f[f"{m}_s"], base[f"{m}_s"],
+                                    f[f"{m}_s"] / base[f"{m}_s"], BASELINE, lower_is_better=True))
+                out.append(_row(f"{w}_{c}_input_tps_over_baseline", f["input_tps"], base["input_tps"],
+                                f["input_tps"] / base["input_tps"], BASELINE))
+            if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect":
+                for a in anchors:
+                    fa = by_cfg[a]
+                    out.append(_row(f"{w}_{c}_ttft_p50_vs_{a}", f["ttft_p50_s"], fa["ttft_p50_s"],
+                                    fa["ttft_p50_s"] / f["ttft_p50_s"], a))
+                    out.append(_row(f"{w}_{c}_input_tps_vs_{a}", f["input_tps"], fa["input_tps"],
+                                    f["input_tps"] / fa["input_tps"], a))
+    return out
+
+
+def _get(rows: list[dict], metric: str) -> Optional[float]:
+    for r in rows:
+        if r["metric"] == metric:
+            return r["ratio"]
+    return None
+
+
+def targets(figures: dict, rows: list[dict]) -> list[dict]:
+    """The serving targets, each with the measured value and whether it is met."""
+    out = []
+
+    def add(name, value, bound, cmp):
+        if value is not None:
+            out.append({"target": name, "value": round(value, 4), "bound": bound,
+                        "met": value <= bound if cmp == "<=" else value >= bound})
+
+    for w, (p50_bound, tps_bound, anchor_bound, every_bound) in {"w1": (0.35, 1.5, 1.5, 1.2),
+                                                                "w3": (0.5, 1.25, 1.25, None)}.items():
+        by_cfg = figures.get(w, {})
+        kvc = [c for c in by_cfg if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect"]
+        anchors = [a for a in by_cfg if CONFIGS.get(a) and CONFIGS[a].kind == "anchor"]
+        if not kvc or BASELINE not in by_cfg:
+            continue
+        best = min(kvc, key=lambda c: by_cfg[c]["ttft_p50_s"])
+        add(f"{w}: best kvconnect ({best}) TTFT p50 / baseline", _get(rows, f"{w}_{best}_ttft_p50_over_baseline"),
+            p50_bound, "<=")
+        tps_name = f"{w}_{best}_input_tps_over_baseline" if w == "w1" else None
+        if tps_name:
+            add(f"{w}: best kvconnect ({best}) input tok/s / baseline", _get(rows, tps_name), tps_bound, ">=")
+        for a in anchors:
+            add(f"{w}: best kvconnect ({best}) TTFT p50 vs {a}", _get(rows, f"{w}_{best}_ttft_p50_vs_{a}"),
+                anchor_bound, ">=")
+            if w == "w3":
+                add(f"{w}: best kvconnect ({best}) input tok/s vs {a}", _get(rows, f"{w}_{best}_input_tps_vs_{a}"),
+                    anchor_bound, ">=")
+            if every_bound:
+                for c in kvc:
+                    if c in SHARED_KVC:
+                        add(f"{w}: {c} TTFT p50 vs {a}", _get(rows, f"{w}_{c}_ttft_p50_vs_{a}"), every_bound, ">=")
+        for c in kvc:
+            add(f"{w}: {c} TTFT p99 / baseline", _get(rows, f"{w}_{c}_ttft_p99_over_baseline"), 1.0, "<=")
+    for w, by_cfg in figures.items():
+        for c, f in by_cfg.items():
+            if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect":
+                add(f"{w}: {c} failed requests", f["failed"], 0, "<=")
+                if f.get("probe_mismatches") is not None:
+                    add(f"{w}: {c} output mismatches on the sample", f["probe_mismatches"], 0, "<=")
+    return out
+
+
+def figures_of(records: Iterable[dict]) -> dict:
+    figs: dict = {}
+    for r in records:
+        if "summary" not in r:
+            continue
+        s = dict(r["summary"])
+        p = r.get("probe", {})
+        s.update({"probe_prompts": p.get("prompts"), "probe_ok": p.get("ok"),
+                  "probe_storage_tokens": p.get("storage_tokens"), "probe_mismatches": p.get("mismatches")})
+        s["store_counters"] = _counters(r.get("store_metrics", {}))
+        s["run"] = r.get("run", 0)
+        figs.setdefault(r["workload"], {})[r["config"]] = s
+    return figs
+
+
+def _counters(metrics: dict) -> dict:
+    """Per server, the hit/miss/read/write counters of its store (what the guides' checks grep for)."""
+    keep = ("hit", "miss", "read", "write", "remote", "members", "keys")
+    out = {}
+    for server, series in metrics.items():
+        out[server] = {k: v for k, v in series.items()
+                       if any(w in k for w in keep) and not k.endswith(("_created", "_bucket")) and "quantile" not in k}
+    return out
+
+
+def _requests_by_pair(run_dirs: list[Path]) -> dict:
+    out: dict = {}
+    for n, d in enumerate(run_dirs):
+        reqs = Path(d) / "requests.jsonl.gz"
+        if reqs.exists():
+            with gzip.open(reqs, "rt") as f:
+                for line in f:
+                    r = json.loads(line)
+                    out.setdefault((n, r["workload"], r["config"]), []).append(r)
+    return out
+
+
+def bounds(figs: dict, headers: list[dict]) -> dict:
+    """What any L3 could do on each workload, measured on the baseline of the same run.
+
+    ``reuse_ceiling``: share of prompt pages an unbounded prefix cache could serve (from the load
+    itself); ``baseline_cached_share``: share the baseline's GPU + host caches served; their
+    difference is the most L3 can add. ``input_tps_ratio_bound``: the offered prompt tokens/s over
+    the baseline's, which bounds any throughput ratio of an open-loop run.
+    """
+    params = {}
+    for h in headers:
+        params.update(h.get("workloads") or {})
+    out = {}
+    for w, by_cfg in figs.items():
+        base = by_cfg.get(BASELINE)
+        b: dict = {}
+        if w in params:
+            b["reuse_ceiling"] = round(workloads.prefix_reuse(workloads.from_params(w, params[w])), 4)
+        if base:
+            share = base["cached_tokens"] / base["input_tokens"] if base["input_tokens"] else 0.0
+            b["baseline_cached_share"] = round(share, 4)
+            if "reuse_ceiling" in b:
+                b["l3_room_share"] = round(max(0.0, b["reuse_ceiling"] - share), 4)
+            if base.get("offered_input_tps"):
+                b["input_tps_ratio_bound"] = round(base["offered_input_tps"] / base["input_tps"], 4)
+        out[w] = b
+    return out
+
+
+def build(run_dirs: list[Path], out_json: Path, command: str = "") -> dict:
+    from .client import offered
+
+    headers, records = merge_runs(run_dirs)
+    reqs = _requests_by_pair(run_dirs)
+    for r in records:   # runs recorded before the summary carried the offered load
+        if "summary" in r and "offered_input_tps" not in r["summary"]:
+            r["summary"].update(offered(reqs.get((r["run"], r["workload"], r["config"]), [])))
+    figs = figures_of(records)
+    rows = ratios(figs)
+    first = headers[0] if headers else {}
+    doc = {"name": "serving", "when": first.get("when"), "machine": first.get("machine"), "command": command,
+           "runs": [{"dir": str(d), "when": h.get("when"), "spec": h.get("spec"), "workloads": h.get("workloads")}
+                    for d, h in zip(run_dirs, headers)],
+           "figures": figs, "ratios": rows, "targets": targets(figs, rows), "bounds": bounds(figs, headers),
+           "failed_pairs": [{k: r.get(k) for k in ("workload", "config", "error", "skipped")}
+                            for r in records if "summary" not in r],
+           "notes": ["TTFT: send -> first streamed output token, through sglang_router; input_tps: prompt tokens "
+                     "of successful requests / (last completion - first send).",
+                     "probe: after each pair, GPU and host caches emptied, a sample of the workload's prompts sent "
+                     "one at a time; outputs compared token for token with the baseline's (L3 pages vs recompute)."]}
+    out_json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    return doc
+
+
+def plot(run_dirs: list[Path], doc: dict, out_png: Path) -> Optional[Path]:
+    """TTFT CDF per configuration and input throughput, one row per workload (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[serve] matplotlib is not installed: no picture (pip install matplotlib)")
+        return None
+    ttfts: dict = {}
+    for n, d in enumerate(run_dirs):
+        reqs = Path(d) / "requests.jsonl.gz"
+        if not reqs.exists():
+            continue
+        with gzip.open(reqs, "rt") as f:
+            for line in f:
+                r = json.loads(line)
+                fig = doc["figures"].get(r["workload"], {}).get(r["config"])
+                if r.get("ok") and fig is not None and fig["run"] == n:
+                    ttfts.setdefault(r["workload"], {}).setdefault(r["config"], []).append(r["ttft"])
+    workloads = [w for w in doc["figures"] if w in ttfts]
+    if not workloads:
+        return None
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.2 * len(workloads)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2]})
+    for row, w in enumerate(workloads):
+        ax, bx = axes[row]
+        names = list(doc["figures"][w])
+        for c in names:
+            v = sorted(ttfts[w].get(c, []))
+            if not v:
+                continue
+            style = "-" if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect" else "--"
+            ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], style, label=c, linewidth=1.6)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s, log)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(f"{w}: TTFT CDF (left is better)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        tps = [doc["figures"][w][c]["input_tps"] for c in names]
+        colors = ["#2a7" if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect" else
+                  "#888" if c == BASELINE or (CONFIGS.get(c) and CONFIGS[c].kind == "reference") else "#c74"
+                  for c in names]
+        bx.barh(names, tps, color=colors)
+        bx.invert_yaxis()
+        bx.set_xlabel("input tokens/s (higher is better)")
+        bx.set_title(f"{w}: input throughput")
+        bx.grid(True, axis="x", alpha=0.3)
+    when = doc.get("when") or ""
+    gpus = ", ".join((doc.get("machine") or {}).get("gpus", [])[:1])
+    fig.suptitle(f"kvconnect serving benchmark {when} {gpus}  (green: kvconnect, orange: alternatives, grey: "
+                 f"HiCache L2 only)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

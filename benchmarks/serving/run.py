@@ -1,0 +1,278 @@
+"""Run a serving plan: launch servers and router once, then each (workload, configuration) pair in turn.
+
+A pair: start the configuration's services, empty every server's GPU and host caches, attach its L3
+backend, drive the workload through the router, scrape the store counters, then the output check
+(caches emptied again, a sample of the workload's prompts sent one at a time, so pages come back
+from L3 where the configuration has one; their generated tokens must equal the baseline's), detach,
+stop the services, delete their data. Every pair is appended to ``runs.jsonl`` as soon as it ends,
+so a run cut short keeps what it measured; a pair that fails is recorded with its error and the
+servers are relaunched if one died.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import platform
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from . import client
+from .cluster import Router, SGLangServer, Services, http
+from .configs import BASELINE, CONFIGS, Config, Setup
+from .model import PROMPT_VOCAB, write_model_dir
+from .workloads import Workload
+
+
+@dataclass
+class ServerSpec:
+    """How the SGLang servers are launched (the same for every configuration of a profile)."""
+    servers: int = 2
+    gpus: tuple = ("0",)
+    shape: str = "llama3-8b"
+    model_path: Optional[str] = None          # a real model directory instead of the dummy one
+    mem_fraction: float = 0.35
+    max_total_tokens: int = 32768
+    hicache_ratio: float = 1.2
+    page_size: int = 64
+    router_policy: str = "round_robin"
+    extra_args: tuple = ()
+    launch_timeout_s: float = 600.0
+    server_module: str = "sglang.launch_server"
+
+    def args(self, profile: str) -> list[str]:
+        a = ["--page-size", str(self.page_size), "--mem-fraction-static", str(self.mem_fraction),
+             "--max-total-tokens", str(self.max_total_tokens), "--disable-cuda-graph",
+             "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+             "--log-level", "info"]
+        if self.model_path is None:
+            a += ["--load-format", "dummy"]
+        if profile == "hicache":
+            a += ["--enable-hierarchical-cache", "--hicache-ratio", str(self.hicache_ratio),
+                  "--hicache-write-policy", "write_through"]
+        elif profile != "plain":
+            raise ValueError(f"server profile {profile!r}: accepted values are hicache, plain")
+        return a + list(self.extra_args)
+
+
+@dataclass
+class Plan:
+    pairs: list                                # [(Workload, config name)], in the order they run
+    spec: ServerSpec = field(default_factory=ServerSpec)
+    workdir: Path = Path("/tmp/kvconnect-serve")
+    out: Path = Path("benchmarks/results/serving")
+    ports: dict = field(default_factory=dict)
+    probe_prompts: int = 8
+    probe_tokens: int = 16
+    deadline: float = 0.0                      # time.time() after which no pair starts (0: none)
+    l3_bytes_per_server: str = "16gb"
+    l3_file_bytes: int = 32 << 30
+    request_timeout_s: float = 600.0
+
+
+class Cluster:
+    """The launched servers and router of one profile."""
+
+    def __init__(self, plan: Plan, setup: Setup, model_dir: Path):
+        self.plan, self.setup, self.model_dir = plan, setup, model_dir
+        self.profile: Optional[str] = None
+        self.servers: list[SGLangServer] = []
+        self.router: Optional[Router] = None
+        self.launched_once = False
+
+    def env(self, i: int) -> dict:
+        spec = self.plan.spec
+        return {"CUDA_VISIBLE_DEVICES": str(spec.gpus[i % len(spec.gpus)]),
+                "SGLANG_HICACHE_HF3FS_CONFIG_PATH": str(self.setup.hf3fs_ref_config),
+                "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(Path(self.setup.workdir) / "data" / "sglang_file"),
+                "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+
+    def ensure(self, profile: str) -> None:
+        if self.profile == profile and all(s.proc.alive() for s in self.servers):
+            return
+        self.stop()
+        spec, log_dir = self.plan.spec, Path(self.setup.workdir) / "logs"
+        self.servers = [SGLangServer(i, self.plan.ports["server"] + i, self.model_dir, spec.args(profile), log_dir,
+                                     self.env(i), module=spec.server_module) for i in range(spec.servers)]
+        t0 = time.time()
+        print(f"[serve] launching {spec.servers} SGLang servers ({profile}) ...", flush=True)
+        rest = self.servers
+        if not self.launched_once:
+            # The first launch compiles kernels into the shared JIT caches; the others then reuse them
+            # instead of compiling the same kernels concurrently.
+            self.servers[0].start().wait_ready(spec.launch_timeout_s)
+            rest = self.servers[1:]
+            self.launched_once = True
+        for s in rest:
+            s.start()
+        with ThreadPoolExecutor(max(1, len(rest))) as ex:
+            list(ex.map(lambda s: s.wait_ready(spec.launch_timeout_s), rest))
+        print(f"[serve] servers ready after {time.time() - t0:.0f} s", flush=True)
+        self.router = Router(self.plan.ports["router"], [s.url for s in self.servers], spec.router_policy,
+                             log_dir).start()
+        self.profile = profile
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One long prompt per server first: the first prefill of a fresh process is far slower."""
+        import random
+
+        rng = random.Random(7)
+        prompts = [[rng.randrange(1, PROMPT_VOCAB) for _ in range(4096)] for _ in self.servers]
+        for s, p in zip(self.servers, prompts):
+            client.probe([s.url], [p], max_new_tokens=8)
+        for s in self.servers:
+            s.flush()
+
+    def stop(self) -> None:
+        if self.router:
+            self.router.stop()
+            self.router = None
+        for s in self.servers:
+            s.stop()
+        self.servers, self.profile = [], None
+
+
+def scrape(url: Optional[str]) -> dict:
+    """Counter and gauge samples of a Prometheus endpoint (series -> value)."""
+    if not url:
+        return {}
+    status, text = http("GET", url, timeout=10)
+    if status != 200:
+        return {"_error": f"HTTP {status}"}
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Config, plan: Plan,
+             reference: dict) -> tuple[dict, list]:
+    setup = cluster.setup
+    cluster.ensure(cfg.profile)
+    record = {"workload": workload.name, "config": cfg.name, "kind": cfg.kind, "description": cfg.description,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    attached = []
+    try:
+        cfg.prepare(setup)
+        for name in cfg.services:
+            services.start(name)
+        for s in cluster.servers:
+            s.flush()
+            if cfg.backend:
+                s.attach(cfg.backend, cfg.extra(setup, s.index))
+                attached.append(s)
+        results, wall = client.run(cluster.router.url, workload, desc=f"{workload.name}/{cfg.name}",
+                                   timeout_s=plan.request_timeout_s)
+        record["summary"] = client.summarize(results, wall)
+        record["store_metrics"] = {s.index: scrape(cfg.metrics_url(setup, s.index)) for s in cluster.servers}
+        # the output check: idle servers, empty GPU and host caches, a sample of the prompts
+        time.sleep(2.0)   # let write-through reach L3
+        for s in cluster.servers:
+            s.flush()
+        probes = client.probe([s.url for s in cluster.servers], workload.sample(plan.probe_prompts),
+                              plan.probe_tokens)
+        record["probe"] = {
+            "prompts": len(probes), "ok": sum(p.ok for p in probes),
+            "storage_tokens": sum(p.cached_from.get("storage", 0) for p in probes),
+            "outputs": [p.output for p in probes],
+        }
+        ref = reference.get(workload.name)
+        if ref is not None:
+            same = sum(a == b and a != "" for a, b in zip(ref, record["probe"]["outputs"]))
+            record["probe"]["identical_to_baseline"] = same
+            record["probe"]["mismatches"] = len(ref) - same
+        return record, results
+    except Exception as e:  # noqa: BLE001 - one failed pair must not end the run
+        record["error"] = f"{type(e).__name__}: {e}"
+        record["traceback"] = traceback.format_exc()[-3000:]
+        dead = {s.index: s.proc.popen.returncode for s in cluster.servers
+                if s.proc.popen is not None and s.proc.popen.poll() is not None}
+        if dead:
+            record["servers_exited"] = dead   # relaunched before the next pair
+        return record, []
+    finally:
+        for s in attached:
+            try:
+                s.detach()
+            except Exception as e:  # noqa: BLE001
+                record.setdefault("cleanup_errors", []).append(str(e)[:300])
+        services.stop_all()
+        record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "cpus": os.cpu_count()}
+    status_text = os.popen("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader "
+                           "2>/dev/null").read().strip()
+    if status_text:
+        info["gpus"] = status_text.splitlines()
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_total_kib"] = int(f.readline().split()[1])
+    except OSError:
+        pass
+    return info
+
+
+def execute(plan: Plan) -> list[dict]:
+    """Run every pair of ``plan``; returns the pair records (also in ``plan.out/runs.jsonl``)."""
+    plan.out.mkdir(parents=True, exist_ok=True)
+    setup = Setup(plan.workdir, plan.ports, plan.spec.servers, plan.l3_bytes_per_server, plan.l3_file_bytes)
+    setup.write_hf3fs_ref_config()
+    model_dir = Path(plan.spec.model_path) if plan.spec.model_path else \
+        write_model_dir(Path(plan.workdir) / f"model-{plan.spec.shape}", plan.spec.shape)
+    services = Services(plan.workdir, plan.ports)
+    cluster = Cluster(plan, setup, model_dir)
+    runs_path, reqs_path = plan.out / "runs.jsonl", plan.out / "requests.jsonl.gz"
+    header = {"event": "start", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+              "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(plan.spec).items()},
+              "workloads": {w.name: w.params for w, _ in plan.pairs},
+              "pairs": [[w.name, c] for w, c in plan.pairs]}
+    with open(runs_path, "a") as f:
+        f.write(json.dumps(header) + "\n")
+    reference: dict = {}
+    records = []
+    try:
+        for workload, name in plan.pairs:
+            cfg = CONFIGS[name]
+            need = (workload.requests[-1].at if workload.requests else 60.0) + 45.0
+            if plan.deadline and time.time() + need > plan.deadline:
+                rec = {"workload": workload.name, "config": name, "skipped": f"deadline ({need:.0f} s needed)"}
+                print(f"[serve] skip {workload.name}/{name}: deadline", flush=True)
+            else:
+                rec, results = run_pair(cluster, services, workload, cfg, plan, reference)
+                if name == BASELINE and "probe" in rec:
+                    reference[workload.name] = rec["probe"]["outputs"]
+                with gzip.open(reqs_path, "at") as f:
+                    for r in results:
+                        f.write(json.dumps({"workload": workload.name, "config": name, **r.row()}) + "\n")
+                _print_pair(rec)
+            records.append(rec)
+            with open(runs_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+    finally:
+        cluster.stop()
+        services.stop_all()
+    return records
+
+
+def _print_pair(rec: dict) -> None:
+    if "error" in rec:
+        print(f"[serve] {rec['workload']}/{rec['config']}: FAILED {rec['error']}", flush=True)
+        return
+    s, p = rec["summary"], rec["probe"]
+    print(f"[serve] {rec['workload']}/{rec['config']}: {s['ok']}/{s['requests']} ok, TTFT p50 {s['ttft_p50_s']:.3f} s "
+          f"p99 {s['ttft_p99_s']:.3f} s, input {s['input_tps']:.0f} tok/s, storage-hit share "
+          f"{s['storage_hit_share']:.2f}; probe {p['ok']}/{p['prompts']} ok, "
+          f"{p.get('mismatches', '-')} mismatches, {p['storage_tokens']} tokens from L3", flush=True)

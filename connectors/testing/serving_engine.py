@@ -1,0 +1,225 @@
+"""A CPU stand-in for ``python -m sglang.launch_server``, for the serving benchmark's CI test.
+
+Mocked because no GPU exists in CI: the model. Real: SGLang 0.5.23's storage factory and host pool
+(``StorageBackendFactory.create_backend`` + ``register_mem_pool_host``, what SGLang's runtime attach
+does), kvconnect's HiCache adapter and the store behind it, and the HTTP surface the benchmark and
+``sglang_router`` use (``/generate`` streaming, ``/health``, ``/flush_cache``, the admin-key-guarded
+``PUT/DELETE /hicache/storage-backend``).
+
+A request's pages are keyed like SGLang's (chained hashes of page tokens). Leading pages found in
+the local "GPU" cache are device hits; the next ones found in the attached store are read into host
+pool pages through the adapter (storage hits); the rest are "computed" (page bytes derived from the
+page key) and written through to the store. The generated tokens are a digest of every page's bytes,
+so a wrong or torn page read from the store changes the output, as wrong KV does on a GPU. Prefill
+time is simulated per computed token, so hits shorten TTFT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import threading
+import time
+from collections import OrderedDict
+
+from aiohttp import web
+
+VOCAB = 128000
+
+
+def page_keys(ids: list[int], page: int) -> list[str]:
+    keys, prior = [], b""
+    for i in range(len(ids) // page):
+        prior = hashlib.sha256(prior + json.dumps(ids[i * page:(i + 1) * page]).encode()).digest()
+        keys.append(prior.hex())
+    return keys
+
+
+class Engine:
+    def __init__(self, a):
+        from kvconnect.connectors.testing.sglang import make_cpu_host_pool
+
+        self.page = a.page_size
+        self.host = make_cpu_host_pool("page_first", page_size=self.page, layer_num=2, head_num=2, head_dim=8,
+                                       host_tokens=self.page * 512)
+        self.page_nbytes = self.host.get_dummy_flat_data_page().numel() * 2
+        self.device: OrderedDict[str, bytes] = OrderedDict()
+        self.device_pages = max(1, a.max_total_tokens // self.page)
+        self.backend = None
+        self.zero_copy = False
+        self.lock = threading.Lock()
+        self.us_per_token = a.us_per_token
+        self.served = 0
+
+    # -- storage ---------------------------------------------------------------------
+    def attach(self, backend: str, extra: dict) -> None:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+        cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                   is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                   model_name="serving-test", extra_config=dict(extra))
+        with self.lock:
+            if self.backend is not None:
+                raise RuntimeError("HiCache storage backend already attached")
+            b = StorageBackendFactory.create_backend(backend, cfg, self.host)
+            b.register_mem_pool_host(self.host)
+            self.backend = b
+            # SGLang's controller rule: zero-copy v1 calls for dynamic backends that ask for them
+            self.zero_copy = backend == "dynamic" and bool(extra.get("interface_v1"))
+
+    def _get(self, keys: list[str], idx) -> list[bool]:
+        if self.zero_copy:
+            return self.backend.batch_get_v1(keys, idx)
+        data = self.backend.batch_get(keys, [self.host.get_dummy_flat_data_page() for _ in keys]) or []
+        ok = []
+        for i, page in enumerate(data):
+            if page is None:
+                break
+            self.host.set_from_flat_data_page(int(idx[i * self.page]), page)
+            ok.append(True)
+        return ok + [False] * (len(keys) - len(ok))
+
+    def _set(self, keys: list[str], idx) -> None:
+        if self.zero_copy:
+            self.backend.batch_set_v1(keys, idx)
+        else:
+            self.backend.batch_set(keys, [self.host.get_data_page(int(idx[i * self.page])) for i in range(len(keys))])
+
+    def detach(self) -> None:
+        with self.lock:
+            if self.backend is not None and hasattr(self.backend, "close"):
+                self.backend.close()
+            self.backend = None
+
+    def expected(self, key: str) -> bytes:
+        return (hashlib.sha256(key.encode()).digest() * (self.page_nbytes // 32 + 1))[: self.page_nbytes]
+
+    def prefill(self, ids: list[int]) -> tuple[dict, bytes]:
+        """Device hits, storage hits and computed pages; returns the counts and a digest of all page bytes."""
+        import torch
+
+        keys = page_keys(ids, self.page)
+        with self.lock:
+            dev = 0
+            while dev < len(keys) and keys[dev] in self.device:
+                self.device.move_to_end(keys[dev])
+                dev += 1
+            pages = [self.device[k] for k in keys[:dev]]
+            rest = keys[dev:]
+            stored = 0
+            if self.backend is not None and rest:
+                stored = int(self.backend.batch_exists(rest))
+            if stored:
+                idx = self.host.alloc(stored * self.page)
+                ok = self._get(rest[:stored], idx)
+                stored = next((i for i, good in enumerate(ok) if not good), stored)
+                for i in range(stored):
+                    flat = self.host.get_data_page(int(idx[i * self.page]), flat=True)
+                    pages.append(flat.contiguous().view(torch.uint8).numpy().tobytes())
+                self.host.free(idx)
+            computed = rest[stored:]
+            pages += [self.expected(k) for k in computed]
+            if self.backend is not None and computed:
+                idx = self.host.alloc(len(computed) * self.page)
+                for i, k in enumerate(computed):
+                    raw = torch.frombuffer(bytearray(self.expected(k)), dtype=torch.uint8)
+                    self.host.set_from_flat_data_page(int(idx[i * self.page]),
+                                                      raw.view(self.host.get_dummy_flat_data_page().dtype))
+                self._set(computed, idx)
+                self.host.free(idx)
+            for k, b in zip(keys, pages):
+                self.device[k] = b
+                self.device.move_to_end(k)
+            while len(self.device) > self.device_pages:
+                self.device.popitem(last=False)
+        digest = hashlib.sha256(b"".join(pages) + json.dumps(ids[len(keys) * self.page:]).encode()).digest()
+        counts = {"device": dev * self.page, "host": 0, "storage": stored * self.page}
+        time.sleep(self.us_per_token * 1e-6 * (len(ids) - (dev + stored) * self.page))
+        return counts, digest
+
+
+def make_app(engine: Engine, admin_key: str) -> web.Application:
+    def authorized(request) -> bool:
+        return request.headers.get("Authorization") == f"Bearer {admin_key}"
+
+    async def health(request):
+        return web.Response(text="ok")
+
+    async def info(request):
+        return web.json_response({"model_path": "serving-test", "is_generation": True, "page_size": engine.page,
+                                  "requests_served": engine.served})
+
+    async def flush(request):
+        if not authorized(request):
+            return web.Response(status=401)
+        with engine.lock:
+            engine.device.clear()
+        return web.Response(text="Cache flushed.\n")
+
+    async def storage(request):
+        if not authorized(request):
+            return web.Response(status=401)
+        try:
+            if request.method == "PUT":
+                body = await request.json()
+                extra = json.loads(body.get("hicache_storage_backend_extra_config_json") or "{}")
+                await asyncio.to_thread(engine.attach, body["hicache_storage_backend"], extra)
+                return web.Response(text="HiCache storage backend attached.\n")
+            await asyncio.to_thread(engine.detach)
+            return web.Response(text="HiCache storage backend detached.\n")
+        except Exception as e:  # noqa: BLE001 - SGLang answers a failed attach with 400 and the reason
+            return web.Response(status=400, text=f"Failed: {e}\n")
+
+    async def generate(request):
+        body = await request.json()
+        ids = [int(w[1:]) for w in body["text"].split()]
+        n = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
+        counts, digest = await asyncio.to_thread(engine.prefill, ids)
+        engine.served += 1
+        out = [int.from_bytes(hashlib.sha256(digest + j.to_bytes(4, "little")).digest()[:4], "little") % VOCAB + 1
+               for j in range(n)]
+        meta = {"prompt_tokens": len(ids), "cached_tokens": counts["device"] + counts["storage"],
+                "cached_tokens_details": counts}
+        if not body.get("stream"):
+            return web.json_response({"text": " ".join(f"w{t}" for t in out),
+                                      "meta_info": {**meta, "completion_tokens": n}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for j in range(n):
+            chunk = {"text": " ".join(f"w{t}" for t in out[: j + 1]), "meta_info": {**meta, "completion_tokens": j + 1}}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await asyncio.sleep(0.001)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health)
+    app.router.add_get("/get_server_info", info)
+    app.router.add_get("/get_model_info", info)
+    app.router.add_get("/server_info", info)
+    app.router.add_get("/model_info", info)
+    app.router.add_post("/flush_cache", flush)
+    app.router.add_route("PUT", "/hicache/storage-backend", storage)
+    app.router.add_route("DELETE", "/hicache/storage-backend", storage)
+    app.router.add_post("/generate", generate)
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--admin-api-key", required=True)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-total-tokens", type=int, default=4096)
+    p.add_argument("--us-per-token", type=float, default=50.0, help="simulated prefill time per computed token")
+    a, _sglang_args = p.parse_known_args()
+    web.run_app(make_app(Engine(a), a.admin_api_key), host=a.host, port=a.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""`kvconnect bench serve` end to end on CPU: the real ``sglang_router`` in front of two servers.
+
+Mocked because CI has no GPU: the SGLang server itself (``kvconnect.connectors.testing.serving_engine``: SGLang's real storage
+factory, host pool and HTTP admin surface, kvconnect's real adapter and stores, a model made of
+hashes whose output depends on every KV byte it reads). Real: the router (round-robin), the
+kvconnect metadata service, peer pool seed node and stores, SGLang's built-in ``file`` backend, the
+load driver, the output check and the report.
+"""
+
+import gzip
+import json
+import re
+
+import pytest
+
+pytest.importorskip("sglang_router")
+pytest.importorskip("aiohttp")
+pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
+
+from kvconnect.benchmarks import serve  # noqa: E402
+from kvconnect.benchmarks.serving import configs  # noqa: E402
+from kvconnect.benchmarks.serving.configs import KVC_HICACHE, Config  # noqa: E402
+
+PAIRS = ("w1:l2_only,w1:sglang_file,w1:kvc_hf3fs,w1:broken,w1:kvc_peer_rdma,"
+         "w3:l2_only,w3:kvc_hf3fs,w2:l2_only,w2:kvc_memory,w1:no_hicache")
+
+
+@pytest.fixture
+def broken_config(monkeypatch):
+    """A configuration SGLang refuses to attach (a bad store option): recorded, and the run goes on."""
+    cfg = Config("broken", "kvconnect", "kvconnect hf3fs with a bad option", backend="dynamic",
+                 extra=lambda s, i: {**KVC_HICACHE, "store": "hf3fs", "file_path_prefix": str(s.data("x") / "h"),
+                                     "file_size": "lots"})
+    monkeypatch.setitem(configs.CONFIGS, "broken", cfg)
+    return cfg
+
+
+def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
+    out, results = tmp_path / "out", tmp_path / "results"
+    rc = serve.main(["--quick", "--server-module", "kvconnect.connectors.testing.serving_engine", "--pairs", PAIRS,
+                     "--workdir", str(tmp_path / "work"), "--out", str(out), "--results-dir", str(results),
+                     "--port-base", "1500"])
+    assert rc == 1  # one pair failed on purpose
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert rows[0]["event"] == "start"
+    pairs = {(r["workload"], r["config"]): r for r in rows[1:]}
+    assert len(pairs) == 10
+
+    broken = pairs[("w1", "broken")]
+    assert "attach dynamic on server 0: HTTP 400" in broken["error"] and "file_size" in broken["error"]
+
+    for key, r in pairs.items():
+        if key[1] == "broken":
+            continue
+        s = r["summary"]
+        assert s["failed"] == 0 and s["ok"] == s["requests"] > 0, (key, s["errors"])
+        assert s["ttft_p50_s"] > 0 and s["input_tps"] > 0
+        # the output check: every sampled prompt answered, tokens equal to the baseline's
+        p = r["probe"]
+        assert p["ok"] == p["prompts"] > 0
+        if key[1] != "l2_only":
+            assert p["mismatches"] == 0, key
+    # pages came back from L3 (read through the adapter into host pages, bytes checked by the output)
+    for key in [("w1", "sglang_file"), ("w1", "kvc_hf3fs"), ("w1", "kvc_peer_rdma"), ("w3", "kvc_hf3fs")]:
+        assert pairs[key]["probe"]["storage_tokens"] > 0, key
+    assert pairs[("w1", "l2_only")]["probe"]["storage_tokens"] == 0
+    assert pairs[("w1", "no_hicache")]["probe"]["storage_tokens"] == 0   # the servers were relaunched without L3
+    assert pairs[("w1", "kvc_hf3fs")]["summary"]["cached_from"]["storage"] > 0
+    # round-robin put pages on both servers and each read the other's: the peer-pool guide's check
+    peer = pairs[("w1", "kvc_peer_rdma")]["store_metrics"]
+    for server in ("0", "1"):
+        remote = [v for k, v in peer[server].items() if k.startswith("kvconnect_peer_read_remote_hits_total")]
+        written = [v for k, v in peer[server].items() if k.startswith("kvconnect_peer_write_requests_total")]
+        assert remote and remote[0] > 0 and written and written[0] > 0, server
+
+    with gzip.open(out / "requests.jsonl.gz", "rt") as f:
+        reqs = [json.loads(line) for line in f]
+    assert len(reqs) == sum(r["summary"]["requests"] for r in pairs.values() if "summary" in r)
+
+    doc = json.loads((results / "serving.json").read_text())
+    names = {r["metric"] for r in doc["ratios"]}
+    assert "w1_kvc_hf3fs_ttft_p50_over_baseline" in names
+    assert "w1_kvc_hf3fs_input_tps_over_baseline" in names
+    assert "w1_kvc_peer_rdma_ttft_p50_vs_sglang_file" in names
+    assert "w3_kvc_hf3fs_ttft_p99_over_baseline" in names
+    assert all(re.fullmatch(r"w[123]_[a-z0-9_]+_(ttft_p50|ttft_p99|input_tps)_(over_baseline|vs_[a-z0-9_]+)",
+                            n) for n in names)
+    assert {f["workload"] for f in doc["failed_pairs"]} == {"w1"}
+    assert any(t["target"].startswith("w1: best kvconnect") for t in doc["targets"])
+    if (results / "serving.png").exists():
+        assert (results / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[serve] w1/kvc_hf3fs" in capsys.readouterr().out

@@ -1,0 +1,139 @@
+"""The serving benchmark's loads, driver summary and report, without processes."""
+
+import math
+
+import pytest
+
+from kvconnect.benchmarks.serving import client, report, workloads
+from kvconnect.benchmarks.serving.model import ids_to_text, text_to_ids, write_model_dir
+
+
+def test_shared_prefix_groups_share_exact_system_prompts():
+    w = workloads.shared_prefix(groups=5, per_group=4, system_len=100, question_len=10, output_len=7, rate=50.0)
+    assert len(w.requests) == 20 and w.size == 20
+    by_group = {}
+    for r in w.requests:
+        assert len(r.prompt) == 110 and r.max_new_tokens == 7
+        by_group.setdefault(r.group, []).append(r.prompt)
+    assert len(by_group) == 5
+    systems = {g: {tuple(p[:100]) for p in ps} for g, ps in by_group.items()}
+    assert all(len(s) == 1 for s in systems.values())                      # one system prompt per group
+    assert len({next(iter(s)) for s in systems.values()}) == 5              # distinct across groups
+    assert len({tuple(r.prompt[100:]) for r in w.requests}) == 20           # every question differs
+    times = [r.at for r in w.requests]
+    assert times == sorted(times) and times[0] == 0.0
+    assert [r.group for r in w.requests] != sorted(r.group for r in w.requests)  # shuffled, as bench_serving
+    # same seed, same load
+    assert [r.prompt for r in workloads.shared_prefix(5, 4, 100, 10, 7, 50.0).requests] == [r.prompt for r in w.requests]
+
+
+def test_poisson_rate_is_kept():
+    w = workloads.shared_prefix(groups=50, per_group=40, system_len=1, question_len=1, rate=8.0)
+    span = w.requests[-1].at
+    assert 2000 / span == pytest.approx(8.0, rel=0.1)
+
+
+def test_trace_blocks_become_shared_token_prefixes():
+    w = workloads.trace(sample_every=40, block_tokens=16, time_scale=10.0, max_output=5, limit=200)
+    rows = [r for r in workloads.read_trace() if workloads.conversation_of(r) is not None]
+    assert 0 < len(w.requests) <= 200
+    for r in w.requests:
+        assert 1 <= r.max_new_tokens <= 5
+    # two requests of one conversation share a token prefix of whole blocks
+    by_conv = {}
+    for r in w.requests:
+        by_conv.setdefault(r.group, []).append(r)
+    multi = [rs for rs in by_conv.values() if len(rs) > 1]
+    assert multi, "the sample keeps whole conversations"
+    a, b = multi[0][0], multi[0][1]
+    assert a.prompt[:16] == b.prompt[:16]
+    # the shared first block (id 0 in most rows) is the same tokens in every conversation
+    firsts = {tuple(r.prompt[:16]) for r in w.requests if len(r.prompt) >= 16}
+    assert len(firsts) < len(w.requests)
+    # arrival times follow the trace divided by the time scale
+    assert w.requests[0].at == 0.0 and all(x.at <= y.at for x, y in zip(w.requests, w.requests[1:]))
+    assert len(rows) == 12031
+
+
+def test_trace_length_scales_with_block_tokens():
+    full = workloads.trace(sample_every=200, block_tokens=512, limit=20)
+    quarter = workloads.trace(sample_every=200, block_tokens=128, limit=20)
+    for f, q in zip(full.requests, quarter.requests):
+        assert len(q.prompt) == math.ceil(len(f.prompt) / 4)
+    assert 0 < workloads.prefix_reuse(full) < 1
+
+
+def test_multi_turn_sessions():
+    w = workloads.multi_turn(clients=3, rounds=4, request_len=20, output_len=2, max_parallel=2)
+    assert w.size == 12 and w.max_parallel == 2
+    assert all(len(s.turns) == 4 and all(len(t) == 20 for t in s.turns) for s in w.sessions)
+
+
+def test_word_tokenizer_round_trips(tmp_path):
+    pytest.importorskip("tokenizers")
+    ids = [1, 5, 127999, 42, 9]
+    assert text_to_ids(ids_to_text(ids)) == ids
+    d = write_model_dir(tmp_path / "m", "llama-1b")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert tok.encode(ids_to_text(ids)).ids == ids
+    assert tok.decode(ids) == ids_to_text(ids)
+    with pytest.raises(ValueError, match="accepted values"):
+        write_model_dir(tmp_path / "x", "gpt-9")
+
+
+def test_summary_percentiles_and_failures():
+    rs = [client.Result(f"r{i}", sent=i * 0.1, ok=True, ttft=t, latency=t + 1, prompt_tokens=100,
+                        completion_tokens=4, cached_from={"storage": 50}) for i, t in enumerate([0.1, 0.2, 0.3, 0.4])]
+    rs.append(client.Result("bad", error="HTTP 500: boom"))
+    s = client.summarize(rs, wall_s=3.0)
+    assert s["ok"] == 4 and s["failed"] == 1 and s["errors"] == ["HTTP 500: boom"]
+    assert s["ttft_p50_s"] == pytest.approx(0.25) and s["ttft_p99_s"] == pytest.approx(0.397)
+    assert s["input_tokens"] == 400 and s["storage_hit_share"] == pytest.approx(0.5)
+    assert s["input_tps"] == pytest.approx(400 / (0.3 + 1.4))
+
+
+def _fig(p50, p99, tps, mism=0):
+    return {"ttft_p50_s": p50, "ttft_p99_s": p99, "input_tps": tps, "failed": 0, "probe_mismatches": mism}
+
+
+def test_ratio_names_and_orientation():
+    figs = {"w1": {"l2_only": _fig(1.0, 4.0, 100.0), "sglang_hf3fs": _fig(0.5, 3.0, 120.0),
+                   "kvc_hf3fs": _fig(0.25, 2.0, 150.0), "kvc_peer_rdma": _fig(0.5, 5.0, 100.0, mism=1)}}
+    rows = {r["metric"]: r for r in report.ratios(figs)}
+    assert rows["w1_kvc_hf3fs_ttft_p50_over_baseline"]["ratio"] == 0.25
+    assert rows["w1_kvc_hf3fs_ttft_p50_over_baseline"]["lower_is_better"]
+    assert rows["w1_kvc_hf3fs_ttft_p99_over_baseline"]["ratio"] == 0.5
+    assert rows["w1_kvc_hf3fs_input_tps_over_baseline"]["ratio"] == 1.5
+    assert rows["w1_kvc_hf3fs_ttft_p50_vs_sglang_hf3fs"]["ratio"] == 2.0       # anchor / ours
+    assert rows["w1_kvc_hf3fs_input_tps_vs_sglang_hf3fs"]["ratio"] == 1.25      # ours / anchor
+    assert "w1_sglang_hf3fs_ttft_p50_vs_sglang_hf3fs" not in rows              # anchors are not compared to anchors
+    targets = {t["target"]: t for t in report.targets(figs, list(rows.values()))}
+    assert targets["w1: best kvconnect (kvc_hf3fs) TTFT p50 / baseline"]["met"]
+    assert targets["w1: best kvconnect (kvc_hf3fs) TTFT p50 vs sglang_hf3fs"]["met"]
+    assert not targets["w1: kvc_peer_rdma TTFT p50 vs sglang_hf3fs"]["met"]    # 1.0 < 1.2
+    assert not targets["w1: kvc_peer_rdma TTFT p99 / baseline"]["met"]        # 1.25 > 1.0
+    assert not targets["w1: kvc_peer_rdma output mismatches on the sample"]["met"]
+
+
+def test_offered_load_bounds_open_loop_throughput():
+    rs = [client.Result(f"r{i}", sent=float(i), ok=True, ttft=0.1, latency=3.0, prompt_tokens=1000,
+                        completion_tokens=1) for i in range(5)]
+    s = client.summarize(rs, wall_s=8.0)
+    assert s["arrival_span_s"] == 4.0 and s["offered_input_tps"] == pytest.approx(5000 / 4.0)
+    assert s["input_tps"] == pytest.approx(5000 / 7.0)   # last completion at 4 + 3 s
+    figs = {"w1": {"l2_only": {**s, "cached_tokens": 2500}}}
+    b = report.bounds(figs, [{"workloads": {"w1": {"groups": 3, "per_group": 4, "system_len": 128,
+                                                   "question_len": 64, "output_len": 1, "rate": 10.0}}}])["w1"]
+    assert b["input_tps_ratio_bound"] == pytest.approx(7.0 / 4.0)
+    assert b["baseline_cached_share"] == 0.5
+    # 3 groups x 4 prompts of 2 + 1 pages: every group's first 2 pages repeat in its 3 later prompts
+    assert b["reuse_ceiling"] == pytest.approx(3 * 3 * 2 / (12 * 3), abs=1e-4)
+    assert b["l3_room_share"] == 0.0
+
+
+def test_workload_rebuilt_from_recorded_params():
+    w = workloads.trace(sample_every=200, block_tokens=32, limit=10)
+    again = workloads.from_params("w3", w.params)
+    assert [r.prompt for r in again.requests] == [r.prompt for r in w.requests]
