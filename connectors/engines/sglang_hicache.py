@@ -33,6 +33,7 @@ registration, naming the key and the accepted values.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -111,6 +112,21 @@ def required_capabilities(context: EngineContext) -> dict[Capability, str]:
 
 def _misses(self, keys, *a, **k) -> List[bool]:
     return [False] * len(keys)
+
+
+def _needs_store(method: Callable[..., List[bool]]) -> Callable[..., List[bool]]:
+    """A v1 data call answered without the store where it needs none: no keys, none done;
+    on a logical anchor (no host pool of its own), every key done."""
+
+    @functools.wraps(method)
+    def call(self, keys: List[str], *args: Any, **kwargs: Any) -> List[bool]:
+        if not keys:
+            return []
+        if self.logical_anchor:
+            return [True] * len(keys)
+        return method(self, keys, *args, **kwargs)
+
+    return call
 
 
 def _none_per_key(self, keys, *a, **k) -> List[None]:
@@ -213,11 +229,8 @@ class KVConnectStorage(HiCacheStorage):
 
     # -- zero-copy v1 ---------------------------------------------------------------
     @guarded(_misses)
+    @_needs_store
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
-        if not keys:
-            return []
-        if self.logical_anchor:
-            return [True] * len(keys)
         kv = self._kv_io()
         t0 = time.perf_counter()
         pages, finish = kv.plan_read(keys, host_indices)
@@ -227,11 +240,8 @@ class KVConnectStorage(HiCacheStorage):
         return ok
 
     @guarded(_misses)
+    @_needs_store
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
-        if not keys:
-            return []
-        if self.logical_anchor:
-            return [True] * len(keys)
         kv = self._kv_io()
         if not kv.is_writer:
             return [True] * len(keys)  # rank-replicated KV: the writer rank stores it
