@@ -431,9 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(Transfer Engine TCP over loopback), as with SGLang + a standalone Mooncake store"
                      + ("; the holder lends shared memory, which kvconnect's gets copy from (puts still go "
                         "through Mooncake)" if shm_dir else ""))
-    res.print_ratios()
     default_out = ROOT / "benchmarks" / "results" / "mooncake_shared.json" if shm_dir else None
-    res.write(Path(args.output) if args.output else default_out)
+    res.finish(args.output or default_out)
     return 0
 
 
