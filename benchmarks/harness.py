@@ -116,6 +116,12 @@ class BenchResult:
         print(f"results written to {path}")
         return path
 
+    def finish(self, out: str | Path | None = None) -> Path:
+        """The end of a run: the ratios printed, the results written to ``out`` (default:
+        benchmarks/results/NAME.json); returns the path written."""
+        self.print_ratios()
+        return self.write(Path(out) if out else None)
+
 
 def load_limits() -> dict[str, Any]:
     """Machine limits from the last ``limits`` run (empty if never run)."""

@@ -446,8 +446,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_meta(result, meta_batches, tmp, args.meta_threads, args.meta_transport, args.meta_lease_ahead)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    result.print_ratios()
-    result.write(Path(args.out) if args.out else None)
+    result.finish(args.out)
     return 0
 
 

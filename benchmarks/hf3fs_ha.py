@@ -361,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_failover(result, scenarios, list(DURABILITY), control=True, tmp=tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    result.print_ratios()
-    result.write(Path(args.out) if args.out else None)
+    result.finish(args.out)
     print(json.dumps(result.figures.get("failover", {}), indent=1))
     return 0
 

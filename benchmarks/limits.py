@@ -312,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'limit':<28} {'GiB/s':>8}")
     for k, v in lim.items():
         print(f"{k:<28} {v:>8.3f}")
-    res.print_ratios()
-    res.write(Path(args.out) if args.out else None)
+    res.finish(args.out)
     return 0
 
 

@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             for _, metric in METRICS:
                 res.ratio(f"{ours}_vs_{ref}.{metric}", best[ours][metric], best[ref][metric],
                           f"LMCache 0.5.6 '{ref}' L2 adapter")
-    res.print_ratios()
-    res.write(Path(args.out) if args.out else None)
+    res.finish(args.out)
     missing = [s for s in ["hf3fs", "fs"] if s in refs + stores and s not in best]
     return 1 if missing else 0
 

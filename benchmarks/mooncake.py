@@ -121,6 +121,11 @@ def _check(name: str, what: str, results, ok) -> None:
         raise RuntimeError(f"{name}: {what} failed for {len(bad)} of {len(results)} pages: {bad[:4]}")
 
 
+def _checked(name: str, what: str, call: Any, arg: Any) -> Any:
+    """``call(keys, arg)`` for a batch of keys, every page's answer checked to be true."""
+    return lambda keys: _check(name, what, call(keys, arg), bool)
+
+
 def _worker(args: argparse.Namespace) -> int:
     import hashlib
 
@@ -160,6 +165,12 @@ def _worker(args: argparse.Namespace) -> int:
     shared = {"shared_segment_dir": p["shared_segment_dir"]} if p.get("shared_segment_dir") else {}
     kvc_stores: dict[str, Any] = {}
 
+    def kvc_options(name: str) -> dict:
+        """kvconnect's Mooncake options, alike for its store and its HiCache backend."""
+        return {"master_server_address": master, "protocol": "tcp", "local_hostname": "127.0.0.1",
+                "global_segment_size": 0, **shared, "staging_size": "8mb",
+                "call_mode": "inline" if name.endswith("_inline") else "worker"}
+
     for name in p["systems"]:
         if name in ("raw", "raw_per_segment"):
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -193,27 +204,16 @@ def _worker(args: argparse.Namespace) -> int:
         elif name in ("kvc", "kvc_inline"):
             from kvconnect.connectors.registry import create_store
 
-            st = create_store("mooncake", {"master_server_address": master, "protocol": "tcp",
-                                           "local_hostname": "127.0.0.1", "global_segment_size": 0, **shared,
-                                           "staging_size": "8mb",
-                                           "call_mode": "inline" if name == "kvc_inline" else "worker"})
+            st = create_store("mooncake", kvc_options(name))
             st.register_memory(*region)
             closers.append(st.close)
-
-            def put(keys, st=st, name=name):
-                _check(name, "put", st.put_from(keys, pages), bool)
-
-            def get(keys, st=st, name=name):
-                _check(name, "get", st.get_into(keys, pages), bool)
-            systems[name] = (put, get)
+            systems[name] = (_checked(name, "put", st.put_from, pages), _checked(name, "get", st.get_into, pages))
             kvc_stores[name] = st
         elif name in ("kvc_hicache", "kvc_hicache_inline", "sglang"):
             from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
             extra = {"backend_name": "kvconnect", "interface_v1": 1, "store": "mooncake",
-                     "master_server_address": master, "protocol": "tcp", "local_hostname": "127.0.0.1",
-                     "global_segment_size": 0, "staging_size": "8mb", **shared,
-                     "call_mode": "inline" if name.endswith("_inline") else "worker"} if name != "sglang" else None
+                     **kvc_options(name)} if name != "sglang" else None
             cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0,
                                        attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
                                        is_page_first_layout=False, model_name="bench/model", extra_config=extra)
@@ -230,13 +230,8 @@ def _worker(args: argparse.Namespace) -> int:
                 b = MooncakeStore(cfg, host)
             b.register_mem_pool_host(host)
             closers.append(b.close)
-
-            def put(keys, b=b, name=name):
-                _check(name, "batch_set_v1", b.batch_set_v1(keys, idx), bool)
-
-            def get(keys, b=b, name=name):
-                _check(name, "batch_get_v1", b.batch_get_v1(keys, idx), bool)
-            systems[name] = (put, get)
+            systems[name] = (_checked(name, "batch_set_v1", b.batch_set_v1, idx),
+                             _checked(name, "batch_get_v1", b.batch_get_v1, idx))
 
     # Objects of a finished run are removed, so every put lands in segment memory that was
     # written before (steady state: a store's memory is touched once, then reused); without
@@ -431,9 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                      "(Transfer Engine TCP over loopback), as with SGLang + a standalone Mooncake store"
                      + ("; the holder lends shared memory, which kvconnect's gets copy from (puts still go "
                         "through Mooncake)" if shm_dir else ""))
-    res.print_ratios()
     default_out = ROOT / "benchmarks" / "results" / "mooncake_shared.json" if shm_dir else None
-    res.write(Path(args.output) if args.output else default_out)
+    res.finish(args.output or default_out)
     return 0
 
 

@@ -27,7 +27,6 @@ import sys
 import time
 from typing import Any
 
-from pathlib import Path
 
 from kvconnect.benchmarks.harness import load_limits, machine_info
 
@@ -179,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                             theirs["wall_seconds"], reference_system="SGLang 0.5.23 mooncake backend over TCP",
                             higher_is_better=False)
     bench.limits = load_limits()
-    bench.print_ratios()
-    path = bench.write(Path(args.out) if args.out else None)
+    path = bench.finish(args.out)
     print(f"[pd] wrote {path} in {time.time() - t0:.0f}s; machine {machine_info().get('loadavg')}")
     return 0
 

@@ -466,8 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
-    res.print_ratios()
-    res.write(Path(args.out) if args.out else None)
+    res.finish(args.out)
     return 0
 
 

@@ -28,18 +28,26 @@ from kvconnect.connectors.config import parse_size
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# Each workload's generator and its knobs, (keyword, type, default, help): --wN-KEYWORD on the command line
+WORKLOAD_KNOBS = {
+    "w1": (workloads.shared_prefix, [("groups", int, 64, None), ("per_group", int, 16, None),
+                                     ("system_len", int, 2048, None), ("question_len", int, 128, None),
+                                     ("output_len", int, 256, None), ("rate", float, 8.0, "requests/s (Poisson)")]),
+    "w2": (workloads.multi_turn, [("clients", int, 32, None), ("rounds", int, 5, None), ("request_len", int, 2048, None),
+                                  ("output_len", int, 64, None), ("max_parallel", int, 8, None)]),
+    "w3": (workloads.trace, [("sample_every", int, 80, "keep conversations with crc32(id) %% N == 0"),
+                             ("block_tokens", int, 128, "tokens per 512-token trace block"),
+                             ("time_scale", float, 60.0, "trace time / replay time"), ("max_output", int, 64, None),
+                             ("limit", int, 0, "at most this many requests (0: all sampled)")]),
+}
+
 
 def build_workloads(a: argparse.Namespace) -> dict:
     if a.quick:
         return {"w1": workloads.shared_prefix(4, 4, 256, 32, 8, rate=20.0),
                 "w2": workloads.multi_turn(3, 2, 64, 8, max_parallel=2),
                 "w3": workloads.trace(sample_every=400, block_tokens=16, time_scale=600.0, max_output=8, limit=24)}
-    return {"w1": workloads.shared_prefix(a.w1_groups, a.w1_per_group, a.w1_system_len, a.w1_question_len,
-                                          a.w1_output_len, a.w1_rate),
-            "w2": workloads.multi_turn(a.w2_clients, a.w2_rounds, a.w2_request_len, a.w2_output_len,
-                                       a.w2_max_parallel),
-            "w3": workloads.trace(a.w3_sample_every, a.w3_block_tokens, a.w3_time_scale, a.w3_max_output,
-                                  a.w3_limit)}
+    return {w: make(**{k: getattr(a, f"{w}_{k}") for k, *_ in knobs}) for w, (make, knobs) in WORKLOAD_KNOBS.items()}
 
 
 def plan_pairs(a: argparse.Namespace, loads: dict) -> list:
@@ -96,22 +104,9 @@ def parser() -> argparse.ArgumentParser:
                    "(default: benchmarks/results)")
     s.add_argument("--probe", type=int, default=8, help="prompts in the output check of each pair")
     w = p.add_argument_group("workloads (defaults: the guides' shapes, scaled to one GPU)")
-    w.add_argument("--w1-groups", type=int, default=64)
-    w.add_argument("--w1-per-group", type=int, default=16)
-    w.add_argument("--w1-system-len", type=int, default=2048)
-    w.add_argument("--w1-question-len", type=int, default=128)
-    w.add_argument("--w1-output-len", type=int, default=256)
-    w.add_argument("--w1-rate", type=float, default=8.0, help="requests/s (Poisson)")
-    w.add_argument("--w2-clients", type=int, default=32)
-    w.add_argument("--w2-rounds", type=int, default=5)
-    w.add_argument("--w2-request-len", type=int, default=2048)
-    w.add_argument("--w2-output-len", type=int, default=64)
-    w.add_argument("--w2-max-parallel", type=int, default=8)
-    w.add_argument("--w3-sample-every", type=int, default=80, help="keep conversations with crc32(id) %% N == 0")
-    w.add_argument("--w3-block-tokens", type=int, default=128, help="tokens per 512-token trace block")
-    w.add_argument("--w3-time-scale", type=float, default=60.0, help="trace time / replay time")
-    w.add_argument("--w3-max-output", type=int, default=64)
-    w.add_argument("--w3-limit", type=int, default=0, help="at most this many requests (0: all sampled)")
+    for wl, (_, knobs) in WORKLOAD_KNOBS.items():
+        for k, kind, default, doc in knobs:
+            w.add_argument(f"--{wl}-{k.replace('_', '-')}", type=kind, default=default, help=doc)
     return p
 
 

@@ -228,8 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             a, b = reload(ours), reload(ref)
             if a and b and ours != ref:
                 res.ratio(f"{ours}_reload_seconds_lower_is_better", a, b, ref, higher_is_better=False)
-    res.print_ratios()
-    res.write(Path(args.out) if args.out else None)
+    res.finish(args.out)
     return 0
 
 

@@ -38,13 +38,8 @@ def bytes_address(data: bytes) -> int:
 def gather(page: Page) -> bytearray:
     """Copy a page's segments into one new bytearray (one memcpy per segment)."""
     out = bytearray(page_nbytes(page))
-    if not out:
-        return out
-    dst = buffer_address(out)
-    off = 0
-    for addr, n in page:
-        memmove(dst + off, addr, n)
-        off += n
+    if out:
+        gather_into(page, buffer_address(out))
     return out
 
 

@@ -249,6 +249,22 @@ class _Timer:
         self.calls = 0
 
 
+def _batched(hashes: list[str], t: _Timer, call: Callable[[list[str], int], int]) -> int:
+    """``call(batch, start)`` per controller-sized batch, timed; stops at the first short batch
+    (as SGLang's controller does). Returns the pages done."""
+    done = 0
+    for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
+        batch = hashes[s:s + STORAGE_BATCH_SIZE]
+        t0 = time.perf_counter()
+        n = call(batch, s)
+        t.seconds += time.perf_counter() - t0
+        t.calls += 1
+        done += n
+        if n < len(batch):
+            break
+    return done
+
+
 class SGLangPath:
     """``KVConnectStorage`` built by SGLang's ``StorageBackendFactory`` over a real host pool."""
 
@@ -311,50 +327,22 @@ class SGLangPath:
 
     # the controller's calls
     def exists(self, hashes: list[str], t: _Timer) -> int:
-        hits = 0
-        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
-            batch = hashes[s:s + STORAGE_BATCH_SIZE]
-            t0 = time.perf_counter()
-            n = self.backend.batch_exists(batch, self._extra_info(prefix_keys=None))
-            t.seconds += time.perf_counter() - t0
-            t.calls += 1
-            hits += n
-            if n < len(batch):
-                break
-        return hits
+        return _batched(hashes, t, lambda b, s: self.backend.batch_exists(b, self._extra_info(prefix_keys=None)))
+
+    def _slots(self, handle, first_page: int, count: int):
+        ps = self.page_size
+        return handle[first_page * ps:(first_page + count) * ps]
 
     def get(self, hashes: list[str], handle, first_page: int, t: _Timer) -> int:
-        ps, done = self.page_size, 0
-        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
-            batch = hashes[s:s + STORAGE_BATCH_SIZE]
-            lo = (first_page + s) * ps
-            t0 = time.perf_counter()
-            res = self.backend.batch_get_v1(batch, handle[lo:lo + len(batch) * ps], self._extra_info(prefix_keys=None))
-            t.seconds += time.perf_counter() - t0
-            t.calls += 1
-            n = 0
-            for ok in res:
-                if not ok:
-                    break
-                n += 1
-            done += n
-            if n < len(batch):
-                break
-        return done
+        from kvconnect.namespace import leading_hits
+
+        return _batched(hashes, t, lambda b, s: leading_hits(self.backend.batch_get_v1(
+            b, self._slots(handle, first_page + s, len(b)), self._extra_info(prefix_keys=None))))
 
     def set(self, hashes: list[str], handle, first_page: int, t: _Timer) -> int:
-        ps, done = self.page_size, 0
-        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
-            batch = hashes[s:s + STORAGE_BATCH_SIZE]
-            lo = (first_page + s) * ps
-            t0 = time.perf_counter()
-            res = self.backend.batch_set_v1(batch, handle[lo:lo + len(batch) * ps], self._extra_info(prefix_keys=None))
-            t.seconds += time.perf_counter() - t0
-            t.calls += 1
-            if not all(res):  # the controller stops a backup at the first failed batch
-                return done
-            done += len(batch)
-        return done
+        # the controller stops a backup at the first failed batch: a batch counts only if all of it was stored
+        return _batched(hashes, t, lambda b, s: len(b) if all(self.backend.batch_set_v1(
+            b, self._slots(handle, first_page + s, len(b)), self._extra_info(prefix_keys=None))) else 0)
 
     def clear(self) -> None:
         self.backend.clear()
@@ -421,39 +409,23 @@ class HostBufferPath:
     def pages(self, handle: list[int]) -> list[list[Segment]]:
         return [self.buf.page(i) for i in handle]
 
-    @staticmethod
-    def _batched(hashes: list[str], t: _Timer, call: Callable[[list[str], int], int]) -> int:
-        """``call(batch, start)`` per controller-sized batch, timed; stops at the first short batch
-        (as SGLang's controller does). Returns the pages done."""
-        done = 0
-        for s in range(0, len(hashes), STORAGE_BATCH_SIZE):
-            batch = hashes[s:s + STORAGE_BATCH_SIZE]
-            t0 = time.perf_counter()
-            n = call(batch, s)
-            t.seconds += time.perf_counter() - t0
-            t.calls += 1
-            done += n
-            if n < len(batch):
-                break
-        return done
-
     def _pages(self, handle: list[int], first: int, count: int) -> list:
         return [self.buf.page(i) for i in handle[first:first + count]]
 
     def exists(self, hashes: list[str], t: _Timer) -> int:
         from kvconnect.namespace import count_hits
 
-        return self._batched(hashes, t, lambda b, s: count_hits(self.store.exists(self.keyspace.keys(b))))
+        return _batched(hashes, t, lambda b, s: count_hits(self.store.exists(self.keyspace.keys(b))))
 
     def get(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
         from kvconnect.namespace import leading_hits
 
-        return self._batched(hashes, t, lambda b, s: leading_hits(
+        return _batched(hashes, t, lambda b, s: leading_hits(
             self.store.get_into(self.keyspace.keys(b), self._pages(handle, first_page + s, len(b)))))
 
     def set(self, hashes: list[str], handle: list[int], first_page: int, t: _Timer) -> int:
         # a batch counts only if every page of it was stored (SGLang's all(batch_set_v1))
-        return self._batched(hashes, t, lambda b, s: len(b) if all(
+        return _batched(hashes, t, lambda b, s: len(b) if all(
             self.store.put_from(self.keyspace.keys(b), self._pages(handle, first_page + s, len(b)))) else 0)
 
     def clear(self) -> None:

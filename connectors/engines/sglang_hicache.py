@@ -33,10 +33,11 @@ registration, naming the key and the accepted values.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 from kvconnect.connectors.base import Capability, MissingDependency, Unsupported
 from kvconnect.connectors.context import EngineContext
@@ -111,6 +112,21 @@ def required_capabilities(context: EngineContext) -> dict[Capability, str]:
 
 def _misses(self, keys, *a, **k) -> List[bool]:
     return [False] * len(keys)
+
+
+def _needs_store(method: Callable[..., List[bool]]) -> Callable[..., List[bool]]:
+    """A v1 data call answered without the store where it needs none: no keys, none done;
+    on a logical anchor (no host pool of its own), every key done."""
+
+    @functools.wraps(method)
+    def call(self, keys: List[str], *args: Any, **kwargs: Any) -> List[bool]:
+        if not keys:
+            return []
+        if self.logical_anchor:
+            return [True] * len(keys)
+        return method(self, keys, *args, **kwargs)
+
+    return call
 
 
 def _none_per_key(self, keys, *a, **k) -> List[None]:
@@ -213,11 +229,8 @@ class KVConnectStorage(HiCacheStorage):
 
     # -- zero-copy v1 ---------------------------------------------------------------
     @guarded(_misses)
+    @_needs_store
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
-        if not keys:
-            return []
-        if self.logical_anchor:
-            return [True] * len(keys)
         kv = self._kv_io()
         t0 = time.perf_counter()
         pages, finish = kv.plan_read(keys, host_indices)
@@ -227,11 +240,8 @@ class KVConnectStorage(HiCacheStorage):
         return ok
 
     @guarded(_misses)
+    @_needs_store
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
-        if not keys:
-            return []
-        if self.logical_anchor:
-            return [True] * len(keys)
         kv = self._kv_io()
         if not kv.is_writer:
             return [True] * len(keys)  # rank-replicated KV: the writer rank stores it
@@ -365,18 +375,9 @@ class KVConnectStorage(HiCacheStorage):
     def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         results: dict = {}
         calls, plans = [], []
-        for t in transfers:
-            keys = list(t.keys or [])
-            io = self._pools.get(pool_name(t.name))
-            plan = None
-            if io is not None and keys:
-                plan = self._safe_plan(io.plan_read, keys, t.host_indices, t.name)
-            if plan is None:
-                results[t.name] = [False] * len(keys)
-                continue
-            pages, finish = plan
+        for name, io, keys, (pages, finish) in self._planned(transfers, results, write=False):
             calls.append((io.store, keys, pages))
-            plans.append((t.name, finish))
+            plans.append((name, finish))
         for (name, finish), ok in zip(plans, get_many(calls) if calls else []):
             finish(ok)
             results[name] = ok
@@ -386,25 +387,31 @@ class KVConnectStorage(HiCacheStorage):
     def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         results: dict = {}
         calls, names, keep = [], [], []
-        for t in transfers:
-            keys = list(t.keys or [])
-            io = self._pools.get(pool_name(t.name))
-            if io is not None and keys and not io.is_writer:
-                results[t.name] = [True] * len(keys)  # replicated pool: the writer rank stores it
-                continue
-            plan = None
-            if io is not None and keys:
-                plan = self._safe_plan(io.plan_write, keys, t.host_indices, t.name)
-            if plan is None:
-                results[t.name] = [False] * len(keys)
-                continue
-            pages, staged = plan
+        for name, io, keys, (pages, staged) in self._planned(transfers, results, write=True):
             keep.append(staged)  # staged tensors live until the store call returned
             calls.append((io.store, keys, pages))
-            names.append(t.name)
+            names.append(name)
         for name, ok in zip(names, put_many(calls) if calls else []):
             results[name] = ok
         return results
+
+    def _planned(self, transfers: List[Any], results: dict, write: bool) -> Iterator[tuple]:
+        """(name, pool I/O, keys, plan) of each transfer its pool planned; the answers of the
+        others go to ``results``: misses, or (a write to a replicated pool on a rank that is not
+        its writer) all done, the writer rank stores it."""
+        for t in transfers:
+            keys = list(t.keys or [])
+            io = self._pools.get(pool_name(t.name))
+            if write and io is not None and keys and not io.is_writer:
+                results[t.name] = [True] * len(keys)
+                continue
+            plan = None
+            if io is not None and keys:
+                plan = self._safe_plan(io.plan_write if write else io.plan_read, keys, t.host_indices, t.name)
+            if plan is None:
+                results[t.name] = [False] * len(keys)
+                continue
+            yield t.name, io, keys, plan
 
     def _safe_plan(self, plan: Callable, keys: List[str], host_indices: Any, name: Any) -> Any:
         """A pool's plan, or None (that pool misses; the other pools still run)."""

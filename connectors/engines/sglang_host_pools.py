@@ -99,15 +99,9 @@ def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num
         dev = MLATokenToKVPool(device_tokens, page_size, td, head_dim, rope, layer_num, "cpu", False,
                                start_layer=0, end_layer=layer_num)
         per_token = (head_dim + rope) * layer_num * td.itemsize
-        tokens = capacity or 2 * device_tokens + page_size
-        with budget_scope(per_token * tokens):
-            if _takes_device_pool(MLATokenToKVPoolHost):  # sglang <= 0.5.17
-                host = MLATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
-            else:
-                host = MLATokenToKVPoolHost(
-                    dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
-                    pin_memory=False, device="cpu", device_capacity_tokens=dev.size, start_layer=0,
-                    end_layer=layer_num, target_layer_num=layer_num, host_token_capacity=capacity)
+        host_cls = MLATokenToKVPoolHost
+        new_kwargs = dict(device_capacity_tokens=dev.size, start_layer=0, end_layer=layer_num,
+                          target_layer_num=layer_num, host_token_capacity=capacity)
     else:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -115,18 +109,18 @@ def make_cpu_host_pool(layout: str = "page_first", page_size: int = 4, layer_num
         dev = MHATokenToKVPool(device_tokens, page_size, td, head_num, head_dim, layer_num, "cpu", False,
                                start_layer=0, end_layer=layer_num, enable_alt_stream=False)
         per_token = 2 * head_num * head_dim * layer_num * td.itemsize
-        tokens = capacity or 2 * device_tokens + page_size
         cap = dev.size if getattr(dev, "host_capacity_tokens", None) is None else dev.host_capacity_tokens
-        with budget_scope(per_token * tokens):
-            if _takes_device_pool(MHATokenToKVPoolHost):  # sglang <= 0.5.17
-                host = MHATokenToKVPoolHost(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
-            else:
-                host = MHATokenToKVPoolHost(
-                    dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
-                    pin_memory=False, device="cpu", device_capacity_tokens=cap,
-                    start_layer=dev.start_layer, end_layer=dev.end_layer,
-                    write_back_staging=getattr(dev, "hicache_write_back_staging", None),
-                    host_token_capacity=capacity)
+        host_cls = MHATokenToKVPoolHost
+        new_kwargs = dict(device_capacity_tokens=cap, start_layer=dev.start_layer, end_layer=dev.end_layer,
+                          write_back_staging=getattr(dev, "hicache_write_back_staging", None),
+                          host_token_capacity=capacity)
+    tokens = capacity or 2 * device_tokens + page_size
+    with budget_scope(per_token * tokens):
+        if _takes_device_pool(host_cls):  # sglang <= 0.5.17
+            host = host_cls(dev, 2.0, 0, page_size, layout, pin_memory=False, device="cpu")
+        else:
+            host = host_cls(dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, page_size, layout,
+                            pin_memory=False, device="cpu", **new_kwargs)
     # The device pool is only a geometry source; the host pool keeps no reference to
     # its buffers' data once built on CPU, but keep it alive with the host pool anyway.
     host._kvconnect_device_pool = dev

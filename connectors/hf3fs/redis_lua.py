@@ -90,6 +90,12 @@ end
 local function leased(sc, now, rl)  -- a score with the read mark, within its lease
   return sc - math.floor(sc) >= 0.25 and sc > now - rl
 end
+local function release(H, fields, fargs)  -- drop these fields of hash H; fargs: their slots into F
+  if #fields > 0 then
+    many('HDEL', H, fields)
+    many('ZADD', F, fargs)
+  end
+end
 local function expire(H, now, entry)  -- entries of hash H past their deadline: slots free
   if redis.call('HLEN', H) == 0 then return 0 end
   local all = redis.call('HGETALL', H)
@@ -102,10 +108,7 @@ local function expire(H, now, entry)  -- entries of hash H past their deadline: 
       fargs[#fargs + 1] = slot
     end
   end
-  if #dead > 0 then
-    many('HDEL', H, dead)
-    many('ZADD', F, fargs)
-  end
+  release(H, dead, fargs)
   return #dead
 end
 local function take_free(want, now, np, fresh)  -- never-used slots, then freed ones past their lease
@@ -152,10 +155,7 @@ local function give_back(GB, now)  -- <i8 slot><i8 gen> items: write leases hand
       fargs[#fargs + 1] = struct.unpack('<i8', fields[i])
     end
   end
-  if #del > 0 then
-    many('HDEL', W, del)
-    many('ZADD', F, fargs)
-  end
+  release(W, del, fargs)
   return ok
 end
 """

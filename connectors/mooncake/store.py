@@ -527,21 +527,20 @@ class MooncakeStore(PageStore):
         return out, elsewhere
 
     def _get_through_mooncake(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        out = [False] * len(keys)
-        direct, staged = self._split(pages)
-        if direct is None or direct:
-            self._get_direct(keys, pages, direct, out)
-        if staged:
-            self._get_staged(keys, pages, staged, out)
-        return out
+        return self._by_path(keys, pages, self._get_direct, self._get_staged)
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
+        return self._by_path(keys, pages, self._put_direct, self._put_staged)
+
+    def _by_path(self, keys: list[str], pages: list[Page], direct_op: Callable, staged_op: Callable) -> list[bool]:
+        """One result per key: the pages ``_split`` finds registered go through ``direct_op``
+        (all of them when it says None), the others through ``staged_op``."""
         out = [False] * len(keys)
         direct, staged = self._split(pages)
         if direct is None or direct:
-            self._put_direct(keys, pages, direct, out)
+            direct_op(keys, pages, direct, out)
         if staged:
-            self._put_staged(keys, pages, staged, out)
+            staged_op(keys, pages, staged, out)
         return out
 
     def _direct_args(self, keys: list[str], pages: list[Page],

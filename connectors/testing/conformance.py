@@ -27,11 +27,13 @@ can be checked to belong to its key and to be untorn, whatever threads did meanw
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import struct
 import threading
 import time
+from typing import Callable, Sequence
 
 import pytest
 
@@ -62,6 +64,29 @@ def check_page(key: str, data: bytes) -> int:
     assert khash == hashlib.sha256(key.encode()).digest(), f"read returned another key's bytes for {key}"
     assert data == page_bytes(key, gen, len(data)), f"wrong bytes for {key} gen {gen}"
     return gen
+
+
+def race(workers: Sequence[Callable[[threading.Event], None]], seconds: float,
+         join_s: float = 60) -> list[BaseException]:
+    """Run each worker on a thread of its own for ``seconds``, then set the event it was
+    given (a worker returns once it is set) and join them; returns what the workers raised."""
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run(worker: Callable[[threading.Event], None]) -> None:
+        try:
+            worker(stop)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(join_s)
+    return errors
 
 
 class PageStoreConformance:
@@ -249,43 +274,30 @@ class PageStoreConformance:
         a read is a miss or an untorn page of its own key, never anything else."""
         keys = self.keys(16)
         self.write(store, keys)
-        stop = threading.Event()
-        errors: list[BaseException] = []
         reads = [0, 0]
 
-        def churn(seed: int) -> None:
+        def churn(seed: int, stop: threading.Event) -> None:
             rng = random.Random(seed)
             gen = 1
-            try:
-                while not stop.is_set():
-                    batch = rng.sample(keys, 4)
-                    store.delete(batch)
-                    self.write(store, batch, gen=gen)
-                    gen += 1
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            while not stop.is_set():
+                batch = rng.sample(keys, 4)
+                store.delete(batch)
+                self.write(store, batch, gen=gen)
+                gen += 1
 
-        def reader(seed: int) -> None:
+        def reader(seed: int, stop: threading.Event) -> None:
             rng = random.Random(seed)
-            try:
-                while not stop.is_set():
-                    batch = rng.sample(keys, 8)
-                    ok, b = self.read(store, batch)
-                    for i, (k, hit) in enumerate(zip(batch, ok)):
-                        reads[1 if hit else 0] += 1
-                        if hit:
-                            check_page(k, b.read(i))
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            while not stop.is_set():
+                batch = rng.sample(keys, 8)
+                ok, b = self.read(store, batch)
+                for i, (k, hit) in enumerate(zip(batch, ok)):
+                    reads[1 if hit else 0] += 1
+                    if hit:
+                        check_page(k, b.read(i))
 
-        ts = [threading.Thread(target=churn, args=(i,)) for i in range(2)]
-        ts += [threading.Thread(target=reader, args=(100 + i,)) for i in range(4)]
-        for t in ts:
-            t.start()
-        time.sleep(3)
-        stop.set()
-        for t in ts:
-            t.join(60)
+        workers = [functools.partial(churn, i) for i in range(2)]
+        workers += [functools.partial(reader, 100 + i) for i in range(4)]
+        errors = race(workers, seconds=3, join_s=60)
         assert not errors, errors[0]
         assert reads[1] > 0, "no read hit while churning"
 

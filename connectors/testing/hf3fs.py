@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvconnect.connectors.testing.processes import child_env, free_port
+from kvconnect.connectors.testing.processes import child_env, free_port, stop as stop_process
 
 
 class MetaProcess:
@@ -80,12 +80,7 @@ class MetaProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc:
+            stop_process(self.proc, 15)
         if self.proc and self.proc.stderr:
             self.proc.stderr.close()

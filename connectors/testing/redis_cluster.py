@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvconnect.connectors.testing.processes import stop as stop_process
+
 MASTER = "kvc"
 
 # Sentinel settings for a failover within a few seconds (documented in docs/hf3fs_ha.md):
@@ -171,12 +173,7 @@ class _Proc:
     def terminate(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+            stop_process(self.proc, 10)
 
 
 class RedisProcess(_Proc):

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvconnect.connectors.testing.processes import child_env
+from kvconnect.connectors.testing.processes import child_env, stop
 
 WORDS = (
     "the of and to in a is that for it as was with be by on not he this are or his from at which "
@@ -308,13 +308,7 @@ class VLLMProcess:
                 self.proc.wait(30)
             except Exception:  # noqa: BLE001
                 pass
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop(self.proc, 10)
         self.log.close()
 
     def __enter__(self) -> "VLLMProcess":

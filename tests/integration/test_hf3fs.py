@@ -12,6 +12,7 @@ any filesystem.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -34,7 +35,7 @@ from kvconnect.connectors.hf3fs.store import HF3FSStore
 from kvconnect.connectors.registry import create_store
 from kvconnect.connectors.testing.hf3fs import MetaProcess
 from kvconnect.connectors.testing.processes import free_port
-from kvconnect.connectors.testing.conformance import PAGE, check_page, page_bytes
+from kvconnect.connectors.testing.conformance import PAGE, check_page, page_bytes, race
 
 ROOT = Path(__file__).resolve().parents[2]
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
@@ -241,47 +242,34 @@ def test_readers_racing_evictions_and_deletes_never_see_wrong_bytes(tmp_path, re
     cfg = HF3FSConfig(**store_opts(tmp_path, file_size=24 * PAGE))
     stores = [HF3FSStore(cfg, metadata=meta) for _ in range(2)]
     keys = keyset(48)
-    stop = threading.Event()
-    errors: list[BaseException] = []
     counts = {"hits": 0, "misses": 0, "rewrites": 0}
 
-    def churn(seed):
+    def churn(seed, stop):
         rng = random.Random(seed)
         gen = 1
-        try:
-            while not stop.is_set():
-                batch = rng.sample(keys, 6)
-                if rng.random() < 0.3:
-                    stores[seed % 2].delete(batch[:2])
-                write_pages(stores[seed % 2], batch, gen=gen)
-                gen += 1
-                counts["rewrites"] += 1
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        while not stop.is_set():
+            batch = rng.sample(keys, 6)
+            if rng.random() < 0.3:
+                stores[seed % 2].delete(batch[:2])
+            write_pages(stores[seed % 2], batch, gen=gen)
+            gen += 1
+            counts["rewrites"] += 1
 
-    def reader(seed):
+    def reader(seed, stop):
         rng = random.Random(seed)
-        try:
-            while not stop.is_set():
-                batch = rng.sample(keys, 8)
-                ok, data = read_pages(stores[seed % 2], batch)
-                for k, hit, d in zip(batch, ok, data):
-                    if hit:
-                        check_page(k, d)
-                        counts["hits"] += 1
-                    else:
-                        counts["misses"] += 1
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        while not stop.is_set():
+            batch = rng.sample(keys, 8)
+            ok, data = read_pages(stores[seed % 2], batch)
+            for k, hit, d in zip(batch, ok, data):
+                if hit:
+                    check_page(k, d)
+                    counts["hits"] += 1
+                else:
+                    counts["misses"] += 1
 
-    ts = [threading.Thread(target=churn, args=(i,)) for i in range(3)]
-    ts += [threading.Thread(target=reader, args=(10 + i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    time.sleep(4)
-    stop.set()
-    for t in ts:
-        t.join(30)
+    workers = [functools.partial(churn, i) for i in range(3)]
+    workers += [functools.partial(reader, 10 + i) for i in range(4)]
+    errors = race(workers, seconds=4, join_s=30)
     for s in stores:
         s.close()
     assert not errors, errors[0]

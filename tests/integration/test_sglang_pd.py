@@ -97,11 +97,15 @@ PLUGIN_CHECK = """
 
 
 def example_argv(script: str) -> list[str]:
-    """The ``sglang.launch_server`` arguments of an examples/pd script ($MODEL -> a dummy path)."""
-    text = open(os.path.join(ROOT, "examples", "pd", script)).read()
-    tail = text.split("sglang.launch_server", 1)[1]
-    words = tail.replace("\\\n", " ").split()
-    return [w.strip('"').replace("$MODEL", "dummy") for w in words if w != "\\"]
+    """The ``sglang.launch_server`` arguments of an examples/pd script: server.sh's shared ones
+    (its ``launch_server`` function), then the script's own ($MODEL -> a dummy path)."""
+
+    def words_after(name: str, marker: str) -> list[str]:
+        text = open(os.path.join(ROOT, "examples", "pd", name)).read()
+        command = text.split(marker, 1)[1].replace("\\\n", " ").split("\n", 1)[0]
+        return [w.strip('"').replace("$MODEL", "dummy") for w in command.split() if w != '"$@"']
+
+    return words_after("server.sh", "python -m sglang.launch_server") + words_after(script, "\nlaunch_server")
 
 
 def test_plugin_loader_registers_kvconnect(plugin_path):
