@@ -27,6 +27,7 @@ Contract for every store:
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -125,6 +126,14 @@ class StoreStats:
     errors: int = 0
     get_seconds: float = 0.0
     put_seconds: float = 0.0
+    misses: dict[str, dict[str, int]] = field(default_factory=dict)
+    """op (``exists``, ``get``) -> cause (``MISS_CAUSES``) -> keys that missed."""
+    latency: dict[str, list[int]] = field(default_factory=dict)
+    """op (``exists``, ``get``, ``put``) -> calls per ``LATENCY_BUCKETS`` bucket (+ one over the last)."""
+    latency_sum: dict[str, float] = field(default_factory=dict)
+    """op -> seconds spent in its calls."""
+    up: bool = True
+    """False while the backend is unreachable (the last call met an ``unavailable`` miss) or closed."""
     keys: int | None = None
     bytes_used: int | None = None
     capacity_bytes: int | None = None
@@ -133,6 +142,16 @@ class StoreStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+MISS_CAUSES = ("not_found", "evicted", "deadline", "corrupt", "unavailable", "mismatch")
+"""Why a key missed: never stored (or deleted); evicted; the call ran out of time; the bytes
+failed validation (checksum, identity, lease); the backend (peer, service, master) was down;
+the key exists with another layout or page size."""
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the per-call latency histograms: 100 us (a local hit) to 10 s."""
 
 
 @dataclass
@@ -170,12 +189,17 @@ class PageStore(ABC):
     """What every instance can do; ``capabilities_of(config)`` says what a configured one can."""
     needs_registered_memory: ClassVar[bool] = False
     """True when ``register_memory`` must cover caller pages before zero-copy I/O."""
+    metric_prefix: ClassVar[str] = ""
+    """Prometheus name prefix of the store's own figures (``stats().extra``); default ``kvconnect_<name>``."""
+    metric_counters: ClassVar[frozenset[str]] = frozenset()
+    """Which of those figures only grow (exported as counters; the others as gauges)."""
 
     def __init__(self, context: "EngineContext | None" = None) -> None:
         self.context = context
         self._stats_lock = threading.Lock()
         self._stats = StoreStats(store=self.name)
         self._closed = False
+        self._calls = threading.local()  # the causes of the current call's misses (``_miss``)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -212,7 +236,7 @@ class PageStore(ABC):
         keys = list(keys)
         if not keys:
             return []
-        result = self._checked("exists", keys, self._exists(keys))
+        result, _dt = self._call("exists", keys, self._exists, keys)
         hits = sum(result)
         with self._stats_lock:
             s = self._stats
@@ -232,9 +256,7 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        t0 = time.perf_counter()
-        result = self._checked("get_into", keys, self._get_into(keys, pages))
-        dt = time.perf_counter() - t0
+        result, dt = self._call("get", keys, self._get_into, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
         with self._stats_lock:
             s = self._stats
@@ -251,9 +273,7 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        t0 = time.perf_counter()
-        result = self._checked("put_from", keys, self._put_from(keys, pages))
-        dt = time.perf_counter() - t0
+        result, dt = self._call("put", keys, self._put_from, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
         with self._stats_lock:
             s = self._stats
@@ -298,6 +318,10 @@ class PageStore(ABC):
     def stats(self) -> StoreStats:
         with self._stats_lock:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items()})
+            snap.misses = {op: dict(c) for op, c in snap.misses.items()}
+            snap.latency = {op: list(b) for op, b in snap.latency.items()}
+            snap.latency_sum = dict(snap.latency_sum)
+        snap.up = snap.up and not self._closed
         usage = self._usage()
         snap.keys = usage.keys
         snap.bytes_used = usage.bytes_used
@@ -321,6 +345,23 @@ class PageStore(ABC):
         """Count backend errors that a store turned into misses."""
         with self._stats_lock:
             self._stats.errors += n
+
+    def _miss(self, cause: str, n: int | None = None) -> None:
+        """Say why keys of the current call missed: ``n`` of them, or (None) every miss of
+        the call not otherwise explained. Misses nobody explains count as ``not_found``.
+        ``unavailable`` marks the store down (``stats().up``) until a call meets none."""
+        if cause not in MISS_CAUSES:
+            raise ValueError(f"miss cause {cause!r}: expected one of {', '.join(MISS_CAUSES)}")
+        call = getattr(self._calls, "causes", None)
+        if cause == "unavailable":
+            with self._stats_lock:
+                self._stats.up = False
+        if call is None or (n is not None and n <= 0):
+            return  # outside a data-path call (a background thread): nothing to explain
+        if n is None:
+            call[None] = cause
+        else:
+            call[cause] = call.get(cause, 0) + n
 
     def __enter__(self) -> "PageStore":
         return self
@@ -374,6 +415,36 @@ class PageStore(ABC):
             if not p:
                 raise ValueError("a page needs at least one (address, nbytes) segment")
         return keys, pages
+
+    def _call(self, op: str, keys: list[str], fn: Any, *args: Any) -> tuple[list[bool], float]:
+        """Run one primitive: its results checked, its latency and its misses by cause counted."""
+        outer = getattr(self._calls, "causes", None)  # a store calling its own public API
+        self._calls.causes = causes = {}
+        t0 = time.perf_counter()
+        try:
+            result = self._checked({"get": "get_into", "put": "put_from"}.get(op, op), keys, fn(*args))
+        finally:
+            self._calls.causes = outer
+        dt = time.perf_counter() - t0
+        misses = len(result) - sum(result)
+        bucket = bisect.bisect_left(LATENCY_BUCKETS, dt)
+        with self._stats_lock:
+            s = self._stats
+            hist = s.latency.setdefault(op, [0] * (len(LATENCY_BUCKETS) + 1))
+            hist[bucket] += 1
+            s.latency_sum[op] = s.latency_sum.get(op, 0.0) + dt
+            if "unavailable" not in causes and causes.get(None) != "unavailable":
+                s.up = True
+            if op != "put" and misses:
+                by = s.misses.setdefault(op, {})
+                default = causes.pop(None, "not_found")
+                for cause, n in causes.items():
+                    n = min(n, misses)
+                    by[cause] = by.get(cause, 0) + n
+                    misses -= n
+                if misses:
+                    by[default] = by.get(default, 0) + misses
+        return result, dt
 
     def _checked(self, op: str, keys: list[str], result: Sequence[bool]) -> list[bool]:
         result = [bool(r) for r in result]

@@ -396,7 +396,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
             if eo.metrics_port is not None:
                 from kvconnect.connectors.engines.common import serve_store_metrics
 
-                serve_store_metrics(self.store, eo.metrics_port, eo.metrics_bind_host, engine="lmcache")
+                serve_store_metrics(self.store, eo.metrics_port, eo.metrics_host, engine="lmcache")
         except BaseException:
             self.store.close()
             raise

@@ -126,6 +126,7 @@ class HF3FSStore(PageStore):
     name = "hf3fs"
     config_class = HF3FSConfig
     capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.ZERO_COPY})
+    metric_counters = frozenset({"validations", "rejected_reads", "stale_reads"})
 
     @classmethod
     def config_from_options(cls, options: Mapping[str, Any] | None = None) -> HF3FSConfig:
@@ -422,6 +423,7 @@ class HF3FSStore(PageStore):
                 present = self.meta.exists(lane.ns, kb)
             except MetadataError as e:
                 self._note_error("exists", e)
+                self._miss("unavailable")  # the index did not answer: not an index miss
                 continue
             out = [a or bool(b) for a, b in zip(out, present)]
         return out
@@ -433,6 +435,7 @@ class HF3FSStore(PageStore):
                 lane = self._lane(size, create=False)
             except (MetadataError, ConfigError, OSError) as e:
                 self._note_error("layout", e)
+                self._miss("unavailable" if isinstance(e, MetadataError) else "mismatch", len(idx))
                 continue
             if lane is None:
                 continue
@@ -449,6 +452,7 @@ class HF3FSStore(PageStore):
             slots, gens, crcs = self.meta.get(lane.ns, kb)
         except MetadataError as e:
             self._note_error("get", e)
+            self._miss("unavailable", len(keys))
             return out
         hits = [j for j, s in enumerate(slots) if s >= 0]
         if not hits:
@@ -486,6 +490,8 @@ class HF3FSStore(PageStore):
                         self.rejected_reads += 1
         for h, j in enumerate(hits):
             out[j] = bool(ok[h])
+        # the index named these pages but their bytes failed the checksum, identity or lease check
+        self._miss("corrupt", sum(1 for o in ok if not o))
         return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
