@@ -423,7 +423,6 @@ class HF3FSStore(PageStore):
                 present = self.meta.exists(lane.ns, kb)
             except MetadataError as e:
                 self._note_error("exists", e)
-                self._miss("unavailable")  # the index did not answer: not an index miss
                 continue
             out = [a or bool(b) for a, b in zip(out, present)]
         return out
@@ -599,6 +598,8 @@ class HF3FSStore(PageStore):
 
     def _note_error(self, op: str, e: Exception) -> None:
         self.record_error()
+        if isinstance(e, MetadataError):  # the index did not answer: the call's misses are not index misses
+            self._miss("unavailable")
         log.warning("hf3fs: %s failed, treated as a miss: %s", op, e)
 
     # ------------------------------------------------------------------ lifecycle

@@ -382,6 +382,9 @@ def test_checksums_catch_bytes_changed_behind_the_index(tmp_path):
         os.close(fd)
         ok, _ = read_pages(s, k)
         assert ok == [False]
+        assert read_pages(s, keyset(2))[0] == [False, False]
+        # misses by cause (kvconnect_store_misses_total): the bad bytes, then two index misses
+        assert s.stats().misses["get"] == {"corrupt": 1, "not_found": 2}
     finally:
         s.close()
 
@@ -460,6 +463,9 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
         assert write_pages(s, keyset(4)) == [False] * 4
         assert time.monotonic() - t0 < 4, "a dead service must cost bounded time"
         assert s.stats().errors >= 1
+        st = s.stats()  # misses by cause and the health gauge (kvconnect_store_up)
+        assert st.misses["get"] == {"unavailable": 8} and st.misses["exists"] == {"unavailable": 8}
+        assert st.up is False
         meta.start()  # back (same data dir): the same store reconnects by itself
         deadline = time.monotonic() + 15
         ok = [False]
@@ -467,6 +473,7 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
             time.sleep(0.3)
             ok, data = read_pages(s, keys)
         assert all(ok) and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 8
+        assert s.stats().up is True
     finally:
         s.close()
 
