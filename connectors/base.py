@@ -199,7 +199,7 @@ class PageStore(ABC):
         self._stats_lock = threading.Lock()
         self._stats = StoreStats(store=self.name)
         self._closed = False
-        self._calls = threading.local()  # the causes of the current call's misses (``_miss``)
+        self._call_causes = threading.local()  # the causes of the current call's misses (``_miss``)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -236,7 +236,7 @@ class PageStore(ABC):
         keys = list(keys)
         if not keys:
             return []
-        result, _dt = self._call("exists", keys, self._exists, keys)
+        result, _dt = self._run_op("exists", keys, self._exists, keys)
         hits = sum(result)
         with self._stats_lock:
             s = self._stats
@@ -256,7 +256,7 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        result, dt = self._call("get", keys, self._get_into, keys, pages)
+        result, dt = self._run_op("get", keys, self._get_into, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
         with self._stats_lock:
             s = self._stats
@@ -273,7 +273,7 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        result, dt = self._call("put", keys, self._put_from, keys, pages)
+        result, dt = self._run_op("put", keys, self._put_from, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
         with self._stats_lock:
             s = self._stats
@@ -341,6 +341,11 @@ class PageStore(ABC):
     def closed(self) -> bool:
         return self._closed
 
+    def describe(self) -> str:
+        """The start-up log line's details (after ``kvconnect <name>:``): where pages go, the
+        endpoints (files, service, master, peers), auth on/off, transport, key space."""
+        return ""
+
     def record_error(self, n: int = 1) -> None:
         """Count backend errors that a store turned into misses."""
         with self._stats_lock:
@@ -352,7 +357,7 @@ class PageStore(ABC):
         ``unavailable`` marks the store down (``stats().up``) until a call meets none."""
         if cause not in MISS_CAUSES:
             raise ValueError(f"miss cause {cause!r}: expected one of {', '.join(MISS_CAUSES)}")
-        call = getattr(self._calls, "causes", None)
+        call = getattr(self._call_causes, "causes", None)
         if cause == "unavailable":
             with self._stats_lock:
                 self._stats.up = False
@@ -416,15 +421,15 @@ class PageStore(ABC):
                 raise ValueError("a page needs at least one (address, nbytes) segment")
         return keys, pages
 
-    def _call(self, op: str, keys: list[str], fn: Any, *args: Any) -> tuple[list[bool], float]:
+    def _run_op(self, op: str, keys: list[str], fn: Any, *args: Any) -> tuple[list[bool], float]:
         """Run one primitive: its results checked, its latency and its misses by cause counted."""
-        outer = getattr(self._calls, "causes", None)  # a store calling its own public API
-        self._calls.causes = causes = {}
+        outer = getattr(self._call_causes, "causes", None)  # a store calling its own public API
+        self._call_causes.causes = causes = {}
         t0 = time.perf_counter()
         try:
             result = self._checked({"get": "get_into", "put": "put_from"}.get(op, op), keys, fn(*args))
         finally:
-            self._calls.causes = outer
+            self._call_causes.causes = outer
         dt = time.perf_counter() - t0
         misses = len(result) - sum(result)
         bucket = bisect.bisect_left(LATENCY_BUCKETS, dt)

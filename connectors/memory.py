@@ -120,6 +120,9 @@ class MemoryStore(PageStore):
             for k in [k for k in self._evicted if k.startswith(prefix)]:
                 del self._evicted[k]
 
+    def describe(self) -> str:
+        return f"this process's memory, {self.config.capacity} bytes (LRU), shared with no other process"
+
     def _usage(self) -> StoreUsage:
         with self._lock:
             return StoreUsage(keys=len(self._pages), bytes_used=self._used,

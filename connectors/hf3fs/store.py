@@ -35,6 +35,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,13 +46,14 @@ from kvconnect.connectors.base import (BackendUnavailable, Capability, ConfigErr
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from kvconnect.connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
 from kvconnect.connectors.buffers import page_checksum
-from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, on_3fs_mount, on_local_fs,
-                                   usable_cpus)
+from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
+                                              on_3fs_mount, on_local_fs, usable_cpus)
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
 from kvconnect.connectors.hf3fs.pageid import PageIds
 from kvconnect.connectors.hf3fs.pageid import idents as page_idents
 
 log = logging.getLogger("kvconnect.hf3fs")
+_LOOKS_3FS = re.compile(r"(^|/)(hf)?3fs(/|$)", re.IGNORECASE)  # /mnt/3fs/..., /3fs/...: where 3FS is mounted
 
 # Fraction of a lease a client trusts: the service's clock started it a little after ours.
 LEASE_TRUST = 0.8
@@ -200,6 +202,10 @@ class HF3FSStore(PageStore):
         try:
             # Open (create) the primary data file now: an unwritable path fails the start.
             PosixFile(self.path, 0).close()
+            if _LOOKS_3FS.search(config.file_path_prefix) and not on_3fs_mount(self.path):
+                log.warning("kvconnect hf3fs: file_path_prefix %s looks like a 3FS mount but %s is on %r, not "
+                            "3FS: pages go to that file system, not to 3FS (is the mount missing?)",
+                            config.file_path_prefix, self.path, mount_fstype(self.path))
             self._executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-io")
             hint = config.page_bytes or page_bytes
             if hint:
@@ -595,6 +601,18 @@ class HF3FSStore(PageStore):
                                  "namespace": self.ns, "validations": self.validations,
                                  "rejected_reads": self.rejected_reads, "reserved": reserved,
                                  "verify_pages": self.verify, "stale_reads": self.stale_reads})
+
+    def describe(self) -> str:
+        mount = "on a 3FS mount" if on_3fs_mount(self.path) else "NOT a 3FS mount"
+        url = self.config.metadata_server_url
+        if not url:
+            index = "in-process index (this process only)"
+        else:
+            auth = "on" if self.config.token() else "off"
+            port = getattr(self.meta, "_tcp_port", None)  # RemoteMetadata: framed TCP port, once asked
+            via = "redis" if url.startswith(("redis", "rediss")) else "framed tcp" if port else "grpc"
+            index = f"index {url} (auth {auth}, {via})"
+        return f"files {self.path} ({self._client_kind}, {mount}), {index}, key space {self.ns}"
 
     def _note_error(self, op: str, e: Exception) -> None:
         self.record_error()

@@ -729,6 +729,15 @@ class MooncakeStore(PageStore):
                          master=self.config.master_server_address)
         return StoreUsage(extra=extra)
 
+    def describe(self) -> str:
+        from kvconnect.connectors.transfer_engine import rdma_devices
+
+        c = self.config
+        proto = c.protocol + (" (no RDMA NIC here: TCP)" if c.protocol == "rdma" and not rdma_devices() else "")
+        return (f"master {c.master_server_address} (no auth: Mooncake has none), metadata {c.metadata_server}, "
+                f"transport {proto}{' ' + c.device_name if c.device_name else ''}, lends {c.global_segment_size} "
+                f"bytes, tenant {c.tenant_id}")
+
     def health(self) -> bool:
         """Whether the store currently serves calls (probes the master if a probe is due)."""
         return not self._closed and self._available()

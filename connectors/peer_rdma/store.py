@@ -76,6 +76,13 @@ class PeerRdmaStore(PageStore):
             self._miss("unavailable")
             return [False] * len(keys)
 
+    def describe(self) -> str:
+        n, c = self.node, self.config
+        asked = "" if n.transport.protocol == c.protocol else f" (asked for {c.protocol})"
+        return (f"node {n.node_id}, peers via {', '.join(c.seeds)} ({len(n.view.members)} members), auth "
+                f"{'on' if c.token else 'off'}, transport {n.transport.protocol}{asked}, lends {c.global_segment_size} "
+                f"bytes")
+
     def _usage(self) -> StoreUsage:
         m = self.node.metrics()
         extra = {k: v for k, v in m.items() if k != "latency"}

@@ -139,6 +139,31 @@ else:
                 while len(store.node.view.members) != 3 and time.monotonic() < deadline:
                     time.sleep(0.2)
 
+    def test_start_up_line_and_the_warning_when_rdma_runs_on_tcp(caplog):
+        """protocol rdma (the default) on a machine without an RDMA NIC: the engine moves pages
+        over TCP, and the log says so, loudly, once; the start-up line names the real transport."""
+        import logging
+
+        from kvconnect.connectors.registry import create_store
+        from kvconnect.connectors.transfer_engine import rdma_devices
+
+        if rdma_devices():
+            pytest.skip(f"this machine has RDMA NICs ({rdma_devices()}): rdma runs as rdma")
+        caplog.set_level(logging.INFO, logger="kvconnect")
+        store = create_store("peer_rdma", {"discovery_addr": "127.0.0.1:1", "control_port": 0,
+                                           "global_segment_size": 16 * PAGE, "auth_token": "t",
+                                           "join_timeout": 0.1})
+        try:
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                      and "protocol rdma" in r.getMessage()]
+            assert len(warned) == 1 and "over TCP" in warned[0], warned
+            (line,) = [r.getMessage() for r in caplog.records if r.name == "kvconnect"
+                       and r.getMessage().startswith("kvconnect peer_rdma:")]
+            assert f"node {store.node.node_id}, peers via 127.0.0.1:1 (1 members), auth on, " \
+                   f"transport tcp (asked for rdma), lends {16 * PAGE} bytes" in line, line
+        finally:
+            store.close()
+
     def test_the_node_answers_the_standard_grpc_health_check():
         """grpc.health.v1.Health/Check, encoded by hand, with no token (probes carry none)."""
         import grpc

@@ -205,3 +205,16 @@ def test_metadata_service_metrics_and_grpc_health(tmp_path):
             c.close()
     finally:
         srv.stop(0)
+
+
+def test_one_start_up_line_per_store_in_the_kvconnect_log(caplog):
+    from kvconnect.connectors.registry import create_store
+
+    caplog.set_level(logging.INFO, logger="kvconnect")
+    store = create_store("memory", {"capacity": 4096}, context=EngineContext(engine="lmcache", pool="kv"))
+    try:
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvconnect" and r.levelno == logging.INFO]
+        assert lines == ["kvconnect memory: this process's memory, 4096 bytes (LRU), shared with no other process; "
+                         "for lmcache  [kv] tp0/1 (per-rank) on cpu"], lines
+    finally:
+        store.close()
