@@ -321,7 +321,7 @@ class PageStore(ABC):
             snap.misses = {op: dict(c) for op, c in snap.misses.items()}
             snap.latency = {op: list(b) for op, b in snap.latency.items()}
             snap.latency_sum = dict(snap.latency_sum)
-        snap.up = snap.up and not self._closed
+        snap.up = snap.up and not self._closed and self._backend_ok()
         usage = self._usage()
         snap.keys = usage.keys
         snap.bytes_used = usage.bytes_used
@@ -401,6 +401,10 @@ class PageStore(ABC):
 
     def _usage(self) -> StoreUsage:
         return StoreUsage()
+
+    def _backend_ok(self) -> bool:
+        """A store that tracks its backend's health itself says so here (``stats().up``)."""
+        return True
 
     def _close(self) -> None:
         """Default: nothing to release."""

@@ -738,6 +738,9 @@ class MooncakeStore(PageStore):
                 f"transport {proto}{' ' + c.device_name if c.device_name else ''}, lends {c.global_segment_size} "
                 f"bytes, tenant {c.tenant_id}")
 
+    def _backend_ok(self) -> bool:
+        return self._healthy  # unhealthy from a timeout or an unreachable master until a probe succeeds
+
     def health(self) -> bool:
         """Whether the store currently serves calls (probes the master if a probe is due)."""
         return not self._closed and self._available()
