@@ -218,3 +218,40 @@ def test_one_start_up_line_per_store_in_the_kvconnect_log(caplog):
                          "for lmcache  [kv] tp0/1 (per-rank) on cpu"], lines
     finally:
         store.close()
+
+
+def test_the_documented_peercache_relabel_rules_give_peercache_names():
+    """docs/metrics.md's metric_relabel_configs, applied as Prometheus does (anchored regex,
+    ${1} replacement) to every peer pool series: each rule matches something, and every name
+    it produces is one PeerCache exports."""
+    import re
+    from pathlib import Path
+
+    from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS, GAUGES
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    block = doc[doc.index("metric_relabel_configs:"):]
+    rules = re.findall(r"regex: (\S+)\n\s+target_label: __name__\n\s+replacement: (\S+)", block)
+    assert len(rules) == 3, rules
+    ours = [f"kvconnect_peer_{n}_total" for n in COUNTERS + DISK_COUNTERS] + [f"kvconnect_peer_{n}" for n in GAUGES]
+    peercache_counters = ("read_requests", "read_hits", "read_misses", "read_local_hits", "read_remote_hits",
+                          "read_disk_hits", "write_requests", "bytes_read", "bytes_written", "evictions",
+                          "disk_writes", "disk_bytes_written", "disk_evictions", "promotes", "read_failures",
+                          "directory_republishes", "directory_lookups_saved", "exists_requests", "exists_pages_found")
+    try:  # the installed PeerCache's own list, where it is installed
+        from peercache.metrics import _COUNTERS as peercache_counters  # type: ignore[no-redef]
+    except ImportError:
+        pass
+    theirs = {f"peercache_{n}_total" for n in peercache_counters} | {
+        f"peercache_{n}" for n in ("pool_bytes_used", "pool_capacity_bytes", "pool_keys", "members",
+                                   "disk_bytes_used", "disk_keys")}
+    renamed = {}
+    for regex, replacement in rules:
+        hits = [n for n in ours if re.fullmatch(regex, n)]
+        assert hits, regex
+        for n in hits:
+            renamed[n] = re.fullmatch(regex, n).expand(replacement.replace("${1}", r"\1"))
+    assert set(renamed.values()) <= theirs, sorted(set(renamed.values()) - theirs)
+    assert renamed["kvconnect_peer_exists_hits_total"] == "peercache_exists_pages_found_total"
+    assert renamed["kvconnect_peer_read_hits_total"] == "peercache_read_hits_total"
+    assert len(renamed) == 23, sorted(renamed)
