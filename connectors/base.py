@@ -357,11 +357,13 @@ class PageStore(ABC):
         ``unavailable`` marks the store down (``stats().up``) until a call meets none."""
         if cause not in MISS_CAUSES:
             raise ValueError(f"miss cause {cause!r}: expected one of {', '.join(MISS_CAUSES)}")
-        call = getattr(self._call_causes, "causes", None)
+        if n is not None and n <= 0:
+            return
         if cause == "unavailable":
             with self._stats_lock:
                 self._stats.up = False
-        if call is None or (n is not None and n <= 0):
+        call = getattr(self._call_causes, "causes", None)
+        if call is None:
             return  # outside a data-path call (a background thread): nothing to explain
         if n is None:
             call[None] = cause
