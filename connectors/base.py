@@ -236,10 +236,11 @@ class PageStore(ABC):
         keys = list(keys)
         if not keys:
             return []
-        result, _dt = self._run_op("exists", keys, self._exists, keys)
+        result, dt, causes = self._run_op("exists", keys, self._exists, keys)
         hits = sum(result)
         with self._stats_lock:
             s = self._stats
+            self._account(s, "exists", len(keys) - hits, dt, causes)
             s.exists_calls += 1
             s.exists_keys += len(keys)
             s.exists_hits += hits
@@ -256,13 +257,15 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        result, dt = self._run_op("get", keys, self._get_into, keys, pages)
+        result, dt, causes = self._run_op("get_into", keys, self._get_into, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
+        hits = sum(result)
         with self._stats_lock:
             s = self._stats
+            self._account(s, "get", len(keys) - hits, dt, causes)
             s.get_calls += 1
             s.get_pages += len(keys)
-            s.get_hits += sum(result)
+            s.get_hits += hits
             s.get_bytes += nbytes
             s.get_seconds += dt
         return result
@@ -273,14 +276,16 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        result, dt = self._run_op("put", keys, self._put_from, keys, pages)
+        result, dt, causes = self._run_op("put_from", keys, self._put_from, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
+        written = sum(result)
         with self._stats_lock:
             s = self._stats
+            self._account(s, "put", len(keys) - written, dt, causes)
             s.put_calls += 1
             s.put_pages += len(keys)
-            s.put_written += sum(result)
-            s.put_failed += len(keys) - sum(result)
+            s.put_written += written
+            s.put_failed += len(keys) - written
             s.put_bytes += nbytes
             s.put_seconds += dt
         return result
@@ -427,35 +432,37 @@ class PageStore(ABC):
                 raise ValueError("a page needs at least one (address, nbytes) segment")
         return keys, pages
 
-    def _run_op(self, op: str, keys: list[str], fn: Any, *args: Any) -> tuple[list[bool], float]:
-        """Run one primitive: its results checked, its latency and its misses by cause counted."""
-        outer = getattr(self._call_causes, "causes", None)  # a store calling its own public API
-        self._call_causes.causes = causes = {}
+    def _run_op(self, op: str, keys: list[str], fn: Any, *args: Any) -> tuple[list[bool], float, dict]:
+        """Run one primitive: its results checked, timed, with the causes it gave for misses."""
+        local = self._call_causes
+        outer = getattr(local, "causes", None)  # a store calling its own public API
+        local.causes = causes = {}
         t0 = time.perf_counter()
         try:
-            result = self._checked({"get": "get_into", "put": "put_from"}.get(op, op), keys, fn(*args))
+            result = self._checked(op, keys, fn(*args))
         finally:
-            self._call_causes.causes = outer
-        dt = time.perf_counter() - t0
-        misses = len(result) - sum(result)
-        bucket = bisect.bisect_left(LATENCY_BUCKETS, dt)
-        with self._stats_lock:
-            s = self._stats
-            hist = s.latency.setdefault(op, [0] * (len(LATENCY_BUCKETS) + 1))
-            hist[bucket] += 1
-            s.latency_sum[op] = s.latency_sum.get(op, 0.0) + dt
-            if "unavailable" not in causes and causes.get(None) != "unavailable":
-                s.up = True
-            if op != "put" and misses:
-                by = s.misses.setdefault(op, {})
-                default = causes.pop(None, "not_found")
-                for cause, n in causes.items():
-                    n = min(n, misses)
-                    by[cause] = by.get(cause, 0) + n
-                    misses -= n
-                if misses:
-                    by[default] = by.get(default, 0) + misses
-        return result, dt
+            local.causes = outer
+        return result, time.perf_counter() - t0, causes
+
+    @staticmethod
+    def _account(s: StoreStats, op: str, misses: int, dt: float, causes: dict) -> None:
+        """Latency bucket, health and misses by cause of one call (under ``_stats_lock``)."""
+        hist = s.latency.get(op)
+        if hist is None:
+            hist = s.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+        hist[bisect.bisect_left(LATENCY_BUCKETS, dt)] += 1
+        s.latency_sum[op] = s.latency_sum.get(op, 0.0) + dt
+        if "unavailable" not in causes and causes.get(None) != "unavailable":
+            s.up = True
+        if op != "put" and misses:
+            by = s.misses.setdefault(op, {})
+            default = causes.pop(None, "not_found")
+            for cause, n in causes.items():
+                n = min(n, misses)
+                by[cause] = by.get(cause, 0) + n
+                misses -= n
+            if misses:
+                by[default] = by.get(default, 0) + misses
 
     def _checked(self, op: str, keys: list[str], result: Sequence[bool]) -> list[bool]:
         result = [bool(r) for r in result]
