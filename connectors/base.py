@@ -27,6 +27,7 @@ Contract for every store:
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -125,6 +126,14 @@ class StoreStats:
     errors: int = 0
     get_seconds: float = 0.0
     put_seconds: float = 0.0
+    misses: dict[str, dict[str, int]] = field(default_factory=dict)
+    """op (``exists``, ``get``) -> cause (``MISS_CAUSES``) -> keys that missed."""
+    latency: dict[str, list[int]] = field(default_factory=dict)
+    """op (``exists``, ``get``, ``put``) -> calls per ``LATENCY_BUCKETS`` bucket (+ one over the last)."""
+    latency_sum: dict[str, float] = field(default_factory=dict)
+    """op -> seconds spent in its calls."""
+    up: bool = True
+    """False while the backend is unreachable (the last call met an ``unavailable`` miss) or closed."""
     keys: int | None = None
     bytes_used: int | None = None
     capacity_bytes: int | None = None
@@ -133,6 +142,16 @@ class StoreStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+MISS_CAUSES = ("not_found", "evicted", "deadline", "corrupt", "unavailable", "mismatch")
+"""Why a key missed: never stored (or deleted); evicted; the call ran out of time; the bytes
+failed validation (checksum, identity, lease); the backend (peer, service, master) was down;
+the key exists with another layout or page size."""
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                   1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the per-call latency histograms: 100 us (a local hit) to 10 s."""
 
 
 @dataclass
@@ -170,12 +189,17 @@ class PageStore(ABC):
     """What every instance can do; ``capabilities_of(config)`` says what a configured one can."""
     needs_registered_memory: ClassVar[bool] = False
     """True when ``register_memory`` must cover caller pages before zero-copy I/O."""
+    metric_prefix: ClassVar[str] = ""
+    """Prometheus name prefix of the store's own figures (``stats().extra``); default ``kvconnect_<name>``."""
+    metric_counters: ClassVar[frozenset[str]] = frozenset()
+    """Which of those figures only grow (exported as counters; the others as gauges)."""
 
     def __init__(self, context: "EngineContext | None" = None) -> None:
         self.context = context
         self._stats_lock = threading.Lock()
         self._stats = StoreStats(store=self.name)
         self._closed = False
+        self._call_causes = threading.local()  # the causes of the current call's misses (``_miss``)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -212,10 +236,11 @@ class PageStore(ABC):
         keys = list(keys)
         if not keys:
             return []
-        result = self._checked("exists", keys, self._exists(keys))
+        result, dt, causes = self._run_op("exists", keys, self._exists, keys)
         hits = sum(result)
         with self._stats_lock:
             s = self._stats
+            self._account(s, "exists", len(keys) - hits, dt, causes)
             s.exists_calls += 1
             s.exists_keys += len(keys)
             s.exists_hits += hits
@@ -232,15 +257,15 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        t0 = time.perf_counter()
-        result = self._checked("get_into", keys, self._get_into(keys, pages))
-        dt = time.perf_counter() - t0
+        result, dt, causes = self._run_op("get_into", keys, self._get_into, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
+        hits = sum(result)
         with self._stats_lock:
             s = self._stats
+            self._account(s, "get", len(keys) - hits, dt, causes)
             s.get_calls += 1
             s.get_pages += len(keys)
-            s.get_hits += sum(result)
+            s.get_hits += hits
             s.get_bytes += nbytes
             s.get_seconds += dt
         return result
@@ -251,16 +276,16 @@ class PageStore(ABC):
         keys, pages = self._check_batch(keys, pages)
         if not keys:
             return []
-        t0 = time.perf_counter()
-        result = self._checked("put_from", keys, self._put_from(keys, pages))
-        dt = time.perf_counter() - t0
+        result, dt, causes = self._run_op("put_from", keys, self._put_from, keys, pages)
         nbytes = sum(page_nbytes(p) for p, ok in zip(pages, result) if ok)
+        written = sum(result)
         with self._stats_lock:
             s = self._stats
+            self._account(s, "put", len(keys) - written, dt, causes)
             s.put_calls += 1
             s.put_pages += len(keys)
-            s.put_written += sum(result)
-            s.put_failed += len(keys) - sum(result)
+            s.put_written += written
+            s.put_failed += len(keys) - written
             s.put_bytes += nbytes
             s.put_seconds += dt
         return result
@@ -298,6 +323,10 @@ class PageStore(ABC):
     def stats(self) -> StoreStats:
         with self._stats_lock:
             snap = StoreStats(**{k: v for k, v in self._stats.__dict__.items()})
+            snap.misses = {op: dict(c) for op, c in snap.misses.items()}
+            snap.latency = {op: list(b) for op, b in snap.latency.items()}
+            snap.latency_sum = dict(snap.latency_sum)
+        snap.up = snap.up and not self._closed and self._backend_ok()
         usage = self._usage()
         snap.keys = usage.keys
         snap.bytes_used = usage.bytes_used
@@ -317,10 +346,34 @@ class PageStore(ABC):
     def closed(self) -> bool:
         return self._closed
 
+    def describe(self) -> str:
+        """The start-up log line's details (after ``kvconnect <name>:``): where pages go, the
+        endpoints (files, service, master, peers), auth on/off, transport, key space."""
+        return ""
+
     def record_error(self, n: int = 1) -> None:
         """Count backend errors that a store turned into misses."""
         with self._stats_lock:
             self._stats.errors += n
+
+    def _miss(self, cause: str, n: int | None = None) -> None:
+        """Say why keys of the current call missed: ``n`` of them, or (None) every miss of
+        the call not otherwise explained. Misses nobody explains count as ``not_found``.
+        ``unavailable`` marks the store down (``stats().up``) until a call meets none."""
+        if cause not in MISS_CAUSES:
+            raise ValueError(f"miss cause {cause!r}: expected one of {', '.join(MISS_CAUSES)}")
+        if n is not None and n <= 0:
+            return
+        if cause == "unavailable":
+            with self._stats_lock:
+                self._stats.up = False
+        call = getattr(self._call_causes, "causes", None)
+        if call is None:
+            return  # outside a data-path call (a background thread): nothing to explain
+        if n is None:
+            call[None] = cause
+        else:
+            call[cause] = call.get(cause, 0) + n
 
     def __enter__(self) -> "PageStore":
         return self
@@ -356,6 +409,10 @@ class PageStore(ABC):
     def _usage(self) -> StoreUsage:
         return StoreUsage()
 
+    def _backend_ok(self) -> bool:
+        """A store that tracks its backend's health itself says so here (``stats().up``)."""
+        return True
+
     def _close(self) -> None:
         """Default: nothing to release."""
 
@@ -374,6 +431,38 @@ class PageStore(ABC):
             if not p:
                 raise ValueError("a page needs at least one (address, nbytes) segment")
         return keys, pages
+
+    def _run_op(self, op: str, keys: list[str], fn: Any, *args: Any) -> tuple[list[bool], float, dict]:
+        """Run one primitive: its results checked, timed, with the causes it gave for misses."""
+        local = self._call_causes
+        outer = getattr(local, "causes", None)  # a store calling its own public API
+        local.causes = causes = {}
+        t0 = time.perf_counter()
+        try:
+            result = self._checked(op, keys, fn(*args))
+        finally:
+            local.causes = outer
+        return result, time.perf_counter() - t0, causes
+
+    @staticmethod
+    def _account(s: StoreStats, op: str, misses: int, dt: float, causes: dict) -> None:
+        """Latency bucket, health and misses by cause of one call (under ``_stats_lock``)."""
+        hist = s.latency.get(op)
+        if hist is None:
+            hist = s.latency[op] = [0] * (len(LATENCY_BUCKETS) + 1)
+        hist[bisect.bisect_left(LATENCY_BUCKETS, dt)] += 1
+        s.latency_sum[op] = s.latency_sum.get(op, 0.0) + dt
+        if "unavailable" not in causes and causes.get(None) != "unavailable":
+            s.up = True
+        if op != "put" and misses:
+            by = s.misses.setdefault(op, {})
+            default = causes.pop(None, "not_found")
+            for cause, n in causes.items():
+                n = min(n, misses)
+                by[cause] = by.get(cause, 0) + n
+                misses -= n
+            if misses:
+                by[default] = by.get(default, 0) + misses
 
     def _checked(self, op: str, keys: list[str], result: Sequence[bool]) -> list[bool]:
         result = [bool(r) for r in result]

@@ -16,6 +16,8 @@ from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage, p
 from kvconnect.connectors.buffers import buffer_address, gather_many, scatter_many
 from kvconnect.connectors.config import Size, StoreConfig, field_doc
 
+_EVICTED_KEPT = 65536  # how many evicted keys a miss can still be explained by
+
 
 @dataclass(frozen=True)
 class MemoryStoreConfig(StoreConfig):
@@ -40,6 +42,7 @@ class MemoryStore(PageStore):
         self._pages: OrderedDict[str, bytearray] = OrderedDict()  # never mutated once stored
         self._used = 0
         self._evictions = 0
+        self._evicted: OrderedDict[str, None] = OrderedDict()  # recent victims: a miss says "evicted"
 
     def _exists(self, keys: list[str]) -> list[bool]:
         with self._lock:
@@ -53,7 +56,10 @@ class MemoryStore(PageStore):
                 if v is not None:
                     self._pages.move_to_end(k)
                 values.append(v)
+            evicted = sum(1 for k, v in zip(keys, values) if v is None and k in self._evicted)
+        self._miss("evicted", evicted)
         out = [v is not None and len(v) == page_nbytes(page) for v, page in zip(values, pages)]
+        self._miss("mismatch", sum(1 for v, o in zip(values, out) if v is not None and not o))
         scatter_many([buffer_address(v) for v, ok in zip(values, out) if ok],
                      [page for page, ok in zip(pages, out) if ok])
         return out
@@ -79,9 +85,13 @@ class MemoryStore(PageStore):
                 if k in self._pages:  # a racing writer published first
                     continue
                 while self._used + n > cap and self._pages:
-                    _, old = self._pages.popitem(last=False)
+                    victim, old = self._pages.popitem(last=False)
                     self._used -= len(old)
                     self._evictions += 1
+                    self._evicted[victim] = None
+                    if len(self._evicted) > _EVICTED_KEPT:
+                        self._evicted.popitem(last=False)
+                self._evicted.pop(k, None)
                 self._pages[k] = data
                 self._used += n
         return out
@@ -91,6 +101,7 @@ class MemoryStore(PageStore):
         with self._lock:
             for k in keys:
                 v = self._pages.pop(k, None)
+                self._evicted.pop(k, None)
                 if v is not None:
                     self._used -= len(v)
                 out.append(v is not None)
@@ -99,12 +110,18 @@ class MemoryStore(PageStore):
     def _clear(self) -> None:
         with self._lock:
             self._pages.clear()
+            self._evicted.clear()
             self._used = 0
 
     def _clear_prefix(self, prefix: str) -> None:
         with self._lock:
             for k in [k for k in self._pages if k.startswith(prefix)]:
                 self._used -= len(self._pages.pop(k))
+            for k in [k for k in self._evicted if k.startswith(prefix)]:
+                del self._evicted[k]
+
+    def describe(self) -> str:
+        return f"this process's memory, {self.config.capacity} bytes (LRU), shared with no other process"
 
     def _usage(self) -> StoreUsage:
         with self._lock:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Collection, Mapping
@@ -208,8 +209,20 @@ def create_store(name: str | None, options: Mapping[str, Any] | None = None, *,
     config = cls.config_from_options(opts)
     check_capabilities(cls, config, name, require, why, where)
     try:
-        return cls(config, context)  # type: ignore[call-arg]
+        store = cls(config, context)  # type: ignore[call-arg]
     except ImportError as e:  # a dependency the store imports only when it starts
         if _own_module(getattr(e, "name", None), spec.target.partition(":")[0]) or isinstance(e, MissingDependency):
             raise
         raise MissingDependency(name, spec.extra, e) from e
+    log_start(store)
+    return store
+
+
+def log_start(store: PageStore) -> None:
+    """One INFO line in the engine's log (logger ``kvconnect``): what the store is and reaches."""
+    try:
+        details = store.describe()
+    except Exception as e:  # noqa: BLE001 - a log line never stops a start
+        details = f"({type(e).__name__} describing it: {e})"
+    ctx = store.context.describe() if store.context is not None else "no engine context"
+    logging.getLogger("kvconnect").info("kvconnect %s: %s%sfor %s", store.name, details, "; " if details else "", ctx)

@@ -30,11 +30,14 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import logging
 import mmap
 import os
 import threading
 import time
 from typing import Any, Callable, Sequence
+
+log = logging.getLogger("kvconnect.transfer_engine")
 
 # ---------------------------------------------------------------------------------
 # Process settings
@@ -333,6 +336,14 @@ class Pending:
         return bool(self.ids) or not self.failed
 
 
+def rdma_devices() -> list[str]:
+    """The RDMA NICs the kernel knows (what the Transfer Engine's RDMA transport needs)."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
 class EngineClient:
     """One Transfer Engine of this process (P2PHANDSHAKE: no metadata service) and the
     memory registered with it. Its session name is ``"<hostname>:<rpc port>"``; RDMA is used
@@ -355,6 +366,13 @@ class EngineClient:
         if rc != 0:
             raise TransferFailed(f"Transfer Engine initialize({hostname!r}, {protocol!r}, {device!r}) returned {rc}")
         self.name = f"{hostname}:{self.engine.get_rpc_port()}"
+        self.protocol = protocol
+        if protocol == "rdma" and not rdma_devices():
+            # the engine falls back to TCP by itself, silently: a pool meant for RDMA would
+            # run at a fraction of its speed with nothing in the log to say why
+            self.protocol = "tcp"
+            log.warning("kvconnect %s: protocol rdma asked for, but this machine has no RDMA NIC "
+                        "(/sys/class/infiniband is empty): pages move over TCP", user)
         self.regions = RegisteredRegions()
         self._lock = threading.Lock()
         self.timeout = max(5.0, float(transfer_timeout_s or 30.0))

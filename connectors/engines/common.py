@@ -3,7 +3,7 @@
 * ``build_store``: a store from an engine's flat options dict, for the engine process its
   ``EngineContext`` describes and with the capabilities the integration needs. The engine's
   own keys are dropped (``ignore``), the adapter's keys (``store``, ``store_options``,
-  ``tenant``, ``model_fingerprint``, ``metrics_port``, ``metrics_bind_host`` + any
+  ``tenant``, ``model_fingerprint``, ``metrics_port``, ``metrics_host`` + any
   ``engine_keys``) are split out, and every other key is a store option, validated by the
   store's typed config at construction. ``metrics_port`` is always this process's one
   Prometheus endpoint (a store takes no port of its own).
@@ -31,7 +31,8 @@ log = logging.getLogger("kvconnect.engines")
 T = TypeVar("T")
 
 # Keys every adapter understands, next to the store's own options.
-ADAPTER_KEYS = ("store", "store_options", "tenant", "model_fingerprint", "metrics_port", "metrics_bind_host")
+ADAPTER_KEYS = ("store", "store_options", "tenant", "model_fingerprint", "metrics_port", "metrics_host",
+                "metrics_bind_host")  # metrics_bind_host: the older spelling of metrics_host
 
 
 # ---------------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class EngineOptions:
     tenant: str = ""
     model_fingerprint: str = ""
     metrics_port: int | None = None
-    metrics_bind_host: str = "127.0.0.1"
+    metrics_host: str = "127.0.0.1"
     extra: dict[str, Any] = field(default_factory=dict)
     """The adapter-specific keys it asked for (``engine_keys``), raw."""
 
@@ -208,7 +209,11 @@ def split_engine_options(options: Mapping[str, Any] | None, *, where: str,
 
     tenant = _str("tenant")
     fingerprint = _str("model_fingerprint")
-    bind_host = _str("metrics_bind_host") or "127.0.0.1"
+    host, old_host = _str("metrics_host"), _str("metrics_bind_host")
+    if host and old_host and host != old_host:
+        raise ConfigError("metrics_host", f"given as {host!r} and as metrics_bind_host {old_host!r}",
+                          "one of the two", where)
+    host = host or old_host or "127.0.0.1"
     port = opts.pop("metrics_port", None)
     if port is not None:
         if isinstance(port, str) and port.strip().isdigit():
@@ -228,7 +233,7 @@ def split_engine_options(options: Mapping[str, Any] | None, *, where: str,
         mod, _, cls = store.partition(":")
         store_options["module_path"], store_options["class_name"] = mod, cls
     return EngineOptions(store=store, store_options=store_options, tenant=tenant,
-                         model_fingerprint=fingerprint, metrics_port=port, metrics_bind_host=bind_host, extra=extra)
+                         model_fingerprint=fingerprint, metrics_port=port, metrics_host=host, extra=extra)
 
 
 def build_store(options: Mapping[str, Any] | None, *, where: str, ignore: Collection[str] = (),

@@ -47,7 +47,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
-from kvconnect.connectors.base import ConfigError, Page, PageStore
+from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import (
     EngineOptions,
@@ -363,7 +363,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
 
     def __init__(self, config: KVConnectL2AdapterConfig | Mapping[str, Any] | None = None,
                  l1_memory_desc: Any = None, *args: Any, store: PageStore | None = None, **kwargs: Any):
-        # The store evicts by itself (capacity, LRU, watermarks): no global LMCache eviction.
+        # Capacity 0 (no LMCache global eviction) until the store says what it holds, below.
         super().__init__(max_capacity_bytes=0)
         if not isinstance(config, KVConnectL2AdapterConfig):  # raw-dict factories
             if isinstance(config, str):
@@ -390,13 +390,20 @@ class KVConnectL2Adapter(L2AdapterInterface):
                                                                  context=self.context)[0]
         self.mapper = ObjectKeyMapper(eo.tenant, eo.model_fingerprint)
         self.views = _Views(self.store, self.mapper)
+        if not self.store.supports(Capability.SHARED):
+            # A private store's capacity is all LMCache's: its watermark eviction picks the
+            # victims (honouring lookup locks) before the store has to. A shared store's
+            # capacity is not this server's to fill, so there LMCache leaves eviction to it.
+            cap = safe_call(lambda: self.store.stats().capacity_bytes, default=None, what="lmcache.capacity",
+                            errors=self._errors, rlog=self._rlog)
+            self._max_capacity_bytes = int(cap or 0)
         try:
             self._register_l1(l1_memory_desc)
             self._families = {op: _Family(op, config.workers[op]) for op in OPS}
             if eo.metrics_port is not None:
                 from kvconnect.connectors.engines.common import serve_store_metrics
 
-                serve_store_metrics(self.store, eo.metrics_port, eo.metrics_bind_host, engine="lmcache")
+                serve_store_metrics(self.store, eo.metrics_port, eo.metrics_host, engine="lmcache")
         except BaseException:
             self.store.close()
             raise
@@ -693,6 +700,16 @@ class KVConnectL2Adapter(L2AdapterInterface):
             "lookup_timeouts": self.lookup_timeouts,
             "errors": self._errors.as_dict(),
         }
+        # what `lmcache describe` shows (stored objects, used / capacity): the store's own
+        # figures where it knows them, else this adapter's byte accounting
+        usage = self.get_usage()
+        with self._lock:
+            count = len(self._sizes)
+        status["stored_object_count"] = stats.keys if stats is not None and stats.keys is not None else count
+        status["current_size_bytes"] = (stats.bytes_used if stats is not None and stats.bytes_used is not None
+                                        else usage.total_bytes_used)
+        status["max_capacity_bytes"] = (stats.capacity_bytes if stats is not None and stats.capacity_bytes
+                                        else usage.total_capacity_bytes)
         if stats is not None:
             d = stats.as_dict()
             status["store_stats"] = {k: d[k] for k in (

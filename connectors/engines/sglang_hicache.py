@@ -9,7 +9,7 @@ Load it into SGLang (0.5.23; imports cleanly with 0.5.17) with::
 
 The extra config holds ``store`` (a registry name, or ``"pkg.mod:Class"``), the store's
 options inline (or nested under ``store_options``), and optionally ``tenant``,
-``model_fingerprint``, ``metrics_port`` and ``metrics_bind_host``. SGLang's own keys are ignored.
+``model_fingerprint``, ``metrics_port`` and ``metrics_host``. SGLang's own keys are ignored.
 
 The rank: ``engine_context`` reads SGLang's ``HiCacheStorageConfig`` (TP, PP, attention CP,
 decode CP and DP ranks, MLA) into the ``EngineContext`` the store is built with; its
@@ -173,8 +173,7 @@ class KVConnectStorage(HiCacheStorage):
             if port:
                 port += self.context.rank_index  # one endpoint per rank process
             self._metrics_port = serve_store_metrics(
-                self.store, port, self.options.metrics_bind_host, engine="sglang",
-                rank=f"tp{self.context.tp_rank}pp{self.context.pp_rank}")
+                self.store, port, self.options.metrics_host, engine="sglang")
         log.info("kvconnect: SGLang HiCache storage on store %r: %s", self.store.name, self.context.describe())
 
     # -- registration -------------------------------------------------------------

@@ -252,7 +252,7 @@ class KVConnectConnector(KVConnectorBase_V1):
             self.saved_pages = 0
             self.load_error_pages = 0
             if self.config.metrics_port is not None:
-                serve_store_metrics(self.store, self.config.metrics_port, engine="vllm")
+                serve_store_metrics(self.store, self.config.metrics_port, self.config.metrics_host, engine="vllm")
         _live.add(self)
         log.info("kvconnect vLLM connector (%s) over store %r, model %r, layout %s",
                  role.name.lower(), self.store.name, self.model_name, self.config.page_layout)

@@ -57,7 +57,8 @@ class VLLMConnectorConfig:
         ``"pkg.mod:Class"``; the store's options inline or under ``store_options``;
       * ``tenant``: isolates these pages from other tenants sharing the store;
       * ``model_fingerprint``: weights revision, to tell fine-tunes served under one name apart;
-      * ``metrics_port``: serve the store's Prometheus ``/metrics`` (127.0.0.1) on this port;
+      * ``metrics_port``: serve the store's Prometheus ``/metrics`` on this port, on
+        ``metrics_host`` (default 127.0.0.1);
       * ``model_name`` (default: vLLM's served model name): the model in the key space;
         give the same name to every engine that should share pages;
       * ``page_layout`` (``native`` | ``layer_first`` | ``page_first``, default ``native``):
@@ -73,6 +74,7 @@ class VLLMConnectorConfig:
     tenant: str = ""
     model_fingerprint: str = ""
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> "VLLMConnectorConfig":
@@ -90,7 +92,8 @@ class VLLMConnectorConfig:
         if staging <= 0:
             raise ConfigError("staging_size", "must be > 0", None, WHERE)
         return cls(options=extra, model_name=model, page_layout=layout, staging_size=staging,
-                   tenant=eo.tenant, model_fingerprint=eo.model_fingerprint, metrics_port=eo.metrics_port)
+                   tenant=eo.tenant, model_fingerprint=eo.model_fingerprint, metrics_port=eo.metrics_port,
+                   metrics_host=eo.metrics_host)
 
 
 

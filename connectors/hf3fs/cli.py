@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--tcp-port", type=int, default=0,
                    help="port of the framed TCP listener clients prefer over gRPC (default 0: any free port, "
                         "announced over gRPC; -1: gRPC only)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0: any free port; default: none)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics binds (default 127.0.0.1; unauthenticated: a WARNING beyond loopback)")
     s.add_argument("--snapshot-interval", type=float, default=60.0, help="seconds between snapshots (default 60)")
     s.add_argument("--ready-file", help="write the bound address here once serving (scripts, tests)")
     u = sub.add_parser("usage", help="print a namespace's usage as JSON")
@@ -51,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
         return serve(args.host, args.port, args.data_dir, _token(args.token_file), fsync=args.fsync,
                      workers=args.workers, snapshot_interval_s=args.snapshot_interval, ready_file=args.ready_file,
-                     read_lease_s=args.read_lease, write_lease_s=args.write_lease, tcp_port=args.tcp_port)
+                     read_lease_s=args.read_lease, write_lease_s=args.write_lease, tcp_port=args.tcp_port,
+                     metrics_port=args.metrics_port, metrics_host=args.metrics_host)
     from kvconnect.connectors.hf3fs.client import RemoteMetadata
 
     c = RemoteMetadata(args.address, _token(args.token_file))

@@ -3,7 +3,8 @@
 Generic gRPC handlers over raw-bytes messages (``protocol.py``) and the same messages over
 framed TCP (a second port, announced by ``Endpoint``), one ``PageIndex`` made durable by a
 ``Journal`` (``wal.py``), shared-secret auth on every call or connection. Binds 127.0.0.1
-unless told otherwise.
+unless told otherwise. Also answers the standard gRPC health check (``grpc_health.py``) and,
+with ``--metrics-port``, serves its own ``/metrics`` (``ServiceMetrics``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,45 @@ from kvconnect.connectors.hf3fs.wal import Journal
 log = logging.getLogger("kvconnect.hf3fs.meta")
 
 
+class ServiceMetrics:
+    """The service's ``/metrics``: calls and latency per method (every transport funnels
+    through ``MetaService._run``), open connections, and at scrape time the index's keys
+    and namespaces. Built only when a metrics port is asked for: no cost otherwise."""
+
+    def __init__(self, index: PageIndex):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        from kvconnect.connectors.base import LATENCY_BUCKETS
+
+        self.index = index
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvconnect_meta_requests", "calls by method and status", ["method", "code"],
+                                registry=r)
+        self.latency = Histogram("kvconnect_meta_request_seconds", "call latency by method", ["method"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.connections = Gauge("kvconnect_meta_connections", "open client connections (grpc: Session streams)",
+                                 ["transport"], registry=r)
+        r.register(self)
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        with self.index.lock:
+            spaces = list(self.index.spaces.items())
+            keys = sum(len(sp.index) for _, sp in spaces)
+            slots = sum(sp.num_pages for _, sp in spaces)
+        yield GaugeMetricFamily("kvconnect_meta_namespaces", "namespaces in the index", value=len(spaces))
+        yield GaugeMetricFamily("kvconnect_meta_keys", "keys in the index", value=keys)
+        yield GaugeMetricFamily("kvconnect_meta_slots", "page slots of all namespaces", value=slots)
+
+    def observe(self, method: str, seconds: float, code: str) -> None:
+        self.requests.labels(method, code).inc()
+        self.latency.labels(method).observe(seconds)
+
+
 class _Abort(Exception):
     def __init__(self, code: "grpc.StatusCode", message: str):
         super().__init__(message)
@@ -41,6 +81,7 @@ class MetaService:
         self.journal = journal
         self._token = token or None
         self.tcp_port = 0  # the framed TCP listener's port, once bound (0: none)
+        self.metrics: ServiceMetrics | None = None
         self.by_id = [getattr(self, m) for m in P.METHODS]
 
     def hello_ok(self, secret: bytes) -> bool:
@@ -58,14 +99,28 @@ class MetaService:
             log.exception("hf3fs-meta: call failed")
             return P.ERR + f"INTERNAL\n{type(e).__name__}: {e}".encode()
 
-    @staticmethod
-    def _run(method, req: bytes) -> bytes:
+    def _run(self, method, req: bytes) -> bytes:
         """One method call; the index's IndexError_ (namespace not initialized, other page
         geometry) is the caller's failed precondition on every transport."""
+        t0 = time.perf_counter()
+        code = "INTERNAL"
         try:
-            return method(req)
+            rep = method(req)
+            code = "OK"
+            return rep
         except IndexError_ as e:
+            code = "FAILED_PRECONDITION"
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        except _Abort as a:
+            code = a.code.name
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe(method.__name__, time.perf_counter() - t0, code)
+
+    def _connected(self, transport: str, delta: int) -> None:
+        if self.metrics is not None:
+            self.metrics.connections.labels(transport).inc(delta)
 
     # -- auth ---------------------------------------------------------------------------
     def _check(self, context: grpc.ServicerContext) -> None:
@@ -211,8 +266,12 @@ class MetaService:
             except _Abort as a:
                 await ctx.abort(a.code, a.message)
             loop = asyncio.get_running_loop()
-            async for msg in requests:
-                yield await loop.run_in_executor(None, self.dispatch, msg) if blocking else self.dispatch(msg)
+            self._connected("grpc", 1)
+            try:
+                async for msg in requests:
+                    yield await loop.run_in_executor(None, self.dispatch, msg) if blocking else self.dispatch(msg)
+            finally:
+                self._connected("grpc", -1)
 
         handlers[P.SESSION] = grpc.stream_stream_rpc_method_handler(session)
         return grpc.method_handlers_generic_handler(P.SERVICE, handlers)
@@ -234,6 +293,7 @@ class _Framed:
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.service._connected("tcp", 1)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             import socket
@@ -242,6 +302,7 @@ class _Framed:
 
     def connection_lost(self, exc) -> None:
         self.transport = None
+        self.service._connected("tcp", -1)
 
     def eof_received(self):
         return False
@@ -306,15 +367,23 @@ class MetaServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 18000, data_dir: str | None = None,
                  token: str | None = None, fsync: str = "interval", workers: int = 8,
                  read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
-                 snapshot_interval_s: float = 60.0, tcp_port: int | None = None):
+                 snapshot_interval_s: float = 60.0, tcp_port: int | None = None,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1"):
         """``tcp_port``: the framed TCP listener's port (``None`` or 0: any free port, which
-        clients learn from ``Endpoint``; -1: none, gRPC only)."""
+        clients learn from ``Endpoint``; -1: none, gRPC only). ``metrics_port``: serve
+        ``/metrics`` there, on ``metrics_host`` (None: no metrics)."""
         import asyncio
 
         self.journal = Journal(data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s) if data_dir else None
         self.index = PageIndex(read_lease_s=read_lease_s, write_lease_s=write_lease_s, journal=self.journal)
         self.recovery = self.journal.open(self.index) if self.journal else {}
         self.service = MetaService(self.index, self.journal, token)
+        self.metrics_port, self._metrics_host = None, metrics_host
+        if metrics_port is not None:
+            from kvconnect.connectors.metrics import serve_metrics
+
+            self.service.metrics = ServiceMetrics(self.index)
+            self.metrics_port = serve_metrics(metrics_port, metrics_host, registry=self.service.metrics.registry)
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(futures.ThreadPoolExecutor(max_workers=workers,
                                                                     thread_name_prefix="hf3fs-meta"))
@@ -325,7 +394,10 @@ class MetaServer:
             server = grpc.aio.server(options=[
                 ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0)])
-            server.add_generic_rpc_handlers((self.service.handler(blocking=fsync == "always"),))
+            from kvconnect.connectors import grpc_health
+
+            server.add_generic_rpc_handlers((self.service.handler(blocking=fsync == "always"),
+                                             grpc_health.handler((P.SERVICE,), aio=True)))
             return server, server.add_insecure_port(f"{host}:{port}")
 
         try:
@@ -372,6 +444,10 @@ class MetaServer:
             return
         self._stopped = True
         try:
+            if self.metrics_port is not None:
+                from kvconnect.connectors.metrics import stop_metrics
+
+                stop_metrics(self.metrics_port, self._metrics_host)
             if self._tcp is not None:
                 self._loop.call_soon_threadsafe(self._tcp.close)
             self._run(self.server.stop(grace), timeout=grace + 10)
@@ -384,17 +460,21 @@ class MetaServer:
 def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "interval",
           workers: int = 8, snapshot_interval_s: float = 60.0, ready_file: str | None = None,
           read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
-          tcp_port: int | None = None) -> int:
+          tcp_port: int | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
     """Run until SIGTERM/SIGINT; a clean stop writes a final snapshot."""
     t0 = time.monotonic()
     srv = MetaServer(host, port, data_dir, token, fsync=fsync, workers=workers, read_lease_s=read_lease_s,
-                     write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s, tcp_port=tcp_port).start()
-    log.info("hf3fs-meta listening on %s (framed TCP port %s; data dir %s, fsync %s, auth %s); recovered %s in %.2fs",
-             srv.address, srv.service.tcp_port or "off", data_dir, fsync, "token" if token else "off", srv.recovery,
+                     write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s, tcp_port=tcp_port,
+                     metrics_port=metrics_port, metrics_host=metrics_host).start()
+    log.info("hf3fs-meta listening on %s (framed TCP port %s; data dir %s, fsync %s, auth %s; metrics %s); "
+             "recovered %s in %.2fs", srv.address, srv.service.tcp_port or "off", data_dir, fsync,
+             "token" if token else "off",
+             f"http://{metrics_host}:{srv.metrics_port}/metrics" if srv.metrics_port else "off", srv.recovery,
              time.monotonic() - t0)
     print(f"hf3fs-meta ready on {srv.address}", flush=True)
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"address": srv.address, "recovery": srv.recovery}))
+        Path(ready_file).write_text(json.dumps({"address": srv.address, "recovery": srv.recovery,
+                                                "metrics_port": srv.metrics_port}))
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -35,6 +35,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,13 +46,14 @@ from kvconnect.connectors.base import (BackendUnavailable, Capability, ConfigErr
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from kvconnect.connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
 from kvconnect.connectors.buffers import page_checksum
-from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, on_3fs_mount, on_local_fs,
-                                   usable_cpus)
+from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
+                                              on_3fs_mount, on_local_fs, usable_cpus)
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
 from kvconnect.connectors.hf3fs.pageid import PageIds
 from kvconnect.connectors.hf3fs.pageid import idents as page_idents
 
 log = logging.getLogger("kvconnect.hf3fs")
+_LOOKS_3FS = re.compile(r"(^|/)(hf)?3fs(/|$)", re.IGNORECASE)  # /mnt/3fs/..., /3fs/...: where 3FS is mounted
 
 # Fraction of a lease a client trusts: the service's clock started it a little after ours.
 LEASE_TRUST = 0.8
@@ -126,6 +128,7 @@ class HF3FSStore(PageStore):
     name = "hf3fs"
     config_class = HF3FSConfig
     capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.ZERO_COPY})
+    metric_counters = frozenset({"validations", "rejected_reads", "stale_reads"})
 
     @classmethod
     def config_from_options(cls, options: Mapping[str, Any] | None = None) -> HF3FSConfig:
@@ -199,6 +202,10 @@ class HF3FSStore(PageStore):
         try:
             # Open (create) the primary data file now: an unwritable path fails the start.
             PosixFile(self.path, 0).close()
+            if _LOOKS_3FS.search(config.file_path_prefix) and not on_3fs_mount(self.path):
+                log.warning("kvconnect hf3fs: file_path_prefix %s looks like a 3FS mount but %s is on %r, not "
+                            "3FS: pages go to that file system, not to 3FS (is the mount missing?)",
+                            config.file_path_prefix, self.path, mount_fstype(self.path))
             self._executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-io")
             hint = config.page_bytes or page_bytes
             if hint:
@@ -433,6 +440,7 @@ class HF3FSStore(PageStore):
                 lane = self._lane(size, create=False)
             except (MetadataError, ConfigError, OSError) as e:
                 self._note_error("layout", e)
+                self._miss("unavailable" if isinstance(e, MetadataError) else "mismatch", len(idx))
                 continue
             if lane is None:
                 continue
@@ -449,6 +457,7 @@ class HF3FSStore(PageStore):
             slots, gens, crcs = self.meta.get(lane.ns, kb)
         except MetadataError as e:
             self._note_error("get", e)
+            self._miss("unavailable", len(keys))
             return out
         hits = [j for j, s in enumerate(slots) if s >= 0]
         if not hits:
@@ -486,6 +495,8 @@ class HF3FSStore(PageStore):
                         self.rejected_reads += 1
         for h, j in enumerate(hits):
             out[j] = bool(ok[h])
+        # the index named these pages but their bytes failed the checksum, identity or lease check
+        self._miss("corrupt", sum(1 for o in ok if not o))
         return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
@@ -591,8 +602,22 @@ class HF3FSStore(PageStore):
                                  "rejected_reads": self.rejected_reads, "reserved": reserved,
                                  "verify_pages": self.verify, "stale_reads": self.stale_reads})
 
+    def describe(self) -> str:
+        mount = "on a 3FS mount" if on_3fs_mount(self.path) else "NOT a 3FS mount"
+        url = self.config.metadata_server_url
+        if not url:
+            index = "in-process index (this process only)"
+        else:
+            auth = "on" if self.config.token() else "off"
+            port = getattr(self.meta, "_tcp_port", None)  # RemoteMetadata: framed TCP port, once asked
+            via = "redis" if url.startswith(("redis", "rediss")) else "framed tcp" if port else "grpc"
+            index = f"index {url} (auth {auth}, {via})"
+        return f"files {self.path} ({self._client_kind}, {mount}), {index}, key space {self.ns}"
+
     def _note_error(self, op: str, e: Exception) -> None:
         self.record_error()
+        if isinstance(e, MetadataError):  # the index did not answer: the call's misses are not index misses
+            self._miss("unavailable")
         log.warning("hf3fs: %s failed, treated as a miss: %s", op, e)
 
     # ------------------------------------------------------------------ lifecycle

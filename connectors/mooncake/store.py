@@ -128,11 +128,18 @@ def _wait_for_tcp(address: str, deadline: float) -> str | None:
         time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
 
 
+_MISS_CAUSE = {mc_errors.Outcome.BAD_REQUEST: "mismatch", mc_errors.Outcome.LEASED: "deadline"}
+"""Why a Mooncake error code missed (``PageStore._miss``); anything else: the cluster failed us."""
+
+
 class MooncakeStore(PageStore):
     """Pages as objects of a Mooncake Store cluster (see the module docstring)."""
 
     name = "mooncake"
     config_class = MooncakeConfig
+    metric_counters = frozenset({"timeouts", "abandoned", "unavailable", "short_circuited", "direct_pages",
+                                 "staged_pages", "poisoned_removed", "local_copy_pages", "local_copy_late",
+                                 "shared_copy_pages", "shared_copy_holder_gone"})
     capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.DEVICE_MEMORY, Capability.ZERO_COPY,
                               Capability.ANY_PAGE_SIZE})
     needs_registered_memory = True
@@ -364,6 +371,7 @@ class MooncakeStore(PageStore):
         staging extent or remove what it wrote).
         """
         if not self._available():
+            self._miss("unavailable")
             if on_abandoned_done is not None:
                 on_abandoned_done(None)
             return None
@@ -376,6 +384,7 @@ class MooncakeStore(PageStore):
             self._mark_unhealthy(f"{op}: answered after {took:.1f}s > op_timeout={self.config.op_timeout:g}s")
         if status == DONE:
             return value
+        self._miss("unavailable" if status == RAISED else "deadline")
         if status == RAISED:  # a binding error is a miss on the data path
             self.record_error()
             log.warning("mooncake %s raised %s: %s", op, type(value).__name__, value)
@@ -436,6 +445,8 @@ class MooncakeStore(PageStore):
         if not bad:
             return
         self.record_error(len(bad))
+        for c in bad:
+            self._miss(_MISS_CAUSE.get(mc_errors.outcome(c), "unavailable"), 1)
         unavailable = [c for c in bad if mc_errors.outcome(c) is mc_errors.Outcome.UNAVAILABLE]
         if unavailable:
             with self._lock:
@@ -716,6 +727,18 @@ class MooncakeStore(PageStore):
                          shared_segments_mapped=self._same_host.mapped if self._same_host else 0,
                          master=self.config.master_server_address)
         return StoreUsage(extra=extra)
+
+    def describe(self) -> str:
+        from kvconnect.connectors.transfer_engine import rdma_devices
+
+        c = self.config
+        proto = c.protocol + (" (no RDMA NIC here: TCP)" if c.protocol == "rdma" and not rdma_devices() else "")
+        return (f"master {c.master_server_address} (no auth: Mooncake has none), metadata {c.metadata_server}, "
+                f"transport {proto}{' ' + c.device_name if c.device_name else ''}, lends {c.global_segment_size} "
+                f"bytes, tenant {c.tenant_id}")
+
+    def _backend_ok(self) -> bool:
+        return self._healthy  # unhealthy from a timeout or an unreachable master until a probe succeeds
 
     def health(self) -> bool:
         """Whether the store currently serves calls (probes the master if a probe is due)."""

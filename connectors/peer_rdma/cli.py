@@ -1,7 +1,7 @@
 """``kvconnect peer``: run a memory-only pool node, or ask a node for its state.
 
     kvconnect peer serve --discovery-addr 10.0.0.1:31998 --global-segment-size 16gb \\
-        --bind-host 10.0.0.2 --metrics-port 31997 --metrics-bind-host 10.0.0.2
+        --bind-host 10.0.0.2 --metrics-port 31997 --metrics-host 10.0.0.2
     kvconnect peer status 10.0.0.2:31998          # members and counters (JSON)
 
 Any ``PeerRdmaConfig`` key can be given as ``--set key=value`` (or ``--config JSON``).
@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; default: none)")
-    s.add_argument("--metrics-bind-host", default="127.0.0.1", help="address /metrics binds (default 127.0.0.1)")
+    s.add_argument("--metrics-host", "--metrics-bind-host", dest="metrics_host", default="127.0.0.1",
+                   help="address /metrics binds (default 127.0.0.1; unauthenticated: a WARNING beyond loopback)")
     s.add_argument("--config", default=None, help="JSON object of options (the SGLang extra-config form)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="any other option")
     s.add_argument("--ready-file", default=None, help="write the node id here once joined (scripts, tests)")
@@ -79,10 +80,10 @@ def run(args: argparse.Namespace) -> int:
         from kvconnect.connectors import metrics
 
         metrics.export_store(store, node=node.node_id)
-        port = metrics.serve_metrics(args.metrics_port, host=args.metrics_bind_host)
+        port = metrics.serve_metrics(args.metrics_port, host=args.metrics_host)
     print(f"peer node {node.node_id} up: te={node.transport.name} segment={node.config.global_segment_size} "
           f"members={len(node.view.members)}"
-          + (f" metrics=http://{args.metrics_bind_host}:{port}/metrics" if port else ""), flush=True)
+          + (f" metrics=http://{args.metrics_host}:{port}/metrics" if port else ""), flush=True)
     if args.ready_file:
         with open(args.ready_file + ".tmp", "w") as f:
             f.write(node.node_id)

@@ -197,8 +197,8 @@ class PeerNode:
     def exists(self, keys: list[str]) -> list[bool]:
         return self.reader.exists(keys)
 
-    def get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        return self.reader.get_into(keys, pages)
+    def get_into(self, keys: list[str], pages: list[Page], why: dict[int, str] | None = None) -> list[bool]:
+        return self.reader.get_into(keys, pages, why)
 
     def put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
         return self.writer.put_from(keys, pages)

@@ -125,7 +125,10 @@ class Reader:
         self.node.timed("exists", t0)
         return out
 
-    def get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
+    def get_into(self, keys: list[str], pages: list[Page], why: dict[int, str] | None = None) -> list[bool]:
+        """``why`` (if given) gets the miss cause of keys that did not read (``MISS_CAUSES``);
+        a key absent from it was not found."""
+        why = {} if why is None else why
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.node.config.timeout
         out = [False] * len(keys)
@@ -144,6 +147,8 @@ class Reader:
                 remote.append(i)
             elif slot.length == sizes[i]:
                 local.append((i, slot))
+            else:
+                why[i] = "mismatch"
         got = self.node.segment.read_many([keys[i] for i, _ in local], [pages[i] for i, _ in local],
                                      [s for _, s in local])
         for (i, _), ok in zip(local, got):
@@ -153,7 +158,7 @@ class Reader:
             self.node.announcer.publish(promoted)
             self.node.announcer.flush()
         if remote:
-            self._get_remote(keys, pages, sizes, remote, out, deadline)
+            self._get_remote(keys, pages, sizes, remote, out, deadline, why)
         hits = sum(out)
         nbytes = sum(s for s, o in zip(sizes, out) if o)
         self.node.count(read_requests=len(keys), read_hits=hits, read_local_hits=local_hits,
@@ -163,14 +168,17 @@ class Reader:
         return out
 
     def _get_remote(self, keys, pages, sizes, idx: list[int], out: list[bool], deadline: float,
-                    retry: bool = True) -> None:
+                    why: dict[int, str], retry: bool = True) -> None:
         entries = self.locate([keys[i] for i in idx], deadline, ask_replicas=True)
         view = self.node.view
         by_holder: dict[str, list[tuple[int, list]]] = {}
         promote: dict[str, list[int]] = {}
         for i, e in zip(idx, entries):
+            if e is not None and e[LEN] != sizes[i]:
+                why[i] = "mismatch"
             if e is None or e[LEN] != sizes[i] or e[HOLDER] == self.node.node_id:
                 continue
+            why[i] = "unavailable"  # until a read says otherwise: holder gone, promote or transfer failed
             if not e[RESIDENT]:
                 promote.setdefault(e[HOLDER], []).append(i)
                 continue
@@ -193,9 +201,9 @@ class Reader:
             if member is None:
                 continue
             if len(by_holder) == 1:
-                self._read_from(member, items, pages, out)
+                self._read_from(member, items, pages, out, why)
             else:
-                jobs.append(self.node.io.submit(self._read_from, member, items, pages, out))
+                jobs.append(self.node.io.submit(self._read_from, member, items, pages, out, why))
         for j in jobs:
             j.result()
         if retry and self.node.config.location_cache_ttl > 0:
@@ -205,9 +213,10 @@ class Reader:
                 with self._lclock:
                     for i in again:
                         self._loc_cache.pop(keys[i], None)
-                self._get_remote(keys, pages, sizes, again, out, deadline, retry=False)
+                self._get_remote(keys, pages, sizes, again, out, deadline, why, retry=False)
 
-    def _read_from(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
+    def _read_from(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool],
+                   why: dict[int, str]) -> None:
         """One holder's pages: one-sided reads, then checksum validation per page.
 
         By default the engine reads into registered staging chunks and a page is copied into
@@ -221,14 +230,15 @@ class Reader:
             reg = self.node.transport.page_registered
             direct = [it for it in items if reg(pages[it[0]])]
             if direct:
-                self._read_direct(member, direct, pages, out)
+                self._read_direct(member, direct, pages, out, why)
             items = [it for it in items if not reg(pages[it[0]])]
             if not items:
                 return
             self.node.count(bounce_reads=len(items))
-        self._read_staged(member, items, pages, out)
+        self._read_staged(member, items, pages, out, why)
 
-    def _read_staged(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
+    def _read_staged(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool],
+                     why: dict[int, str]) -> None:
         staging = self.node.staging
         self.node.count(staged_reads=len(items))
         cap = staging.arena_bytes
@@ -264,24 +274,28 @@ class Reader:
                     bid = 0
                 wave.append((grp, addr, bid, time.monotonic()))
             if not wave:
+                for grp in groups[g:]:
+                    why.update({i: "deadline" for (i, _), _ in grp})
                 return  # no staging memory within the deadline: misses
             # ... then validate and copy out each page as soon as its transfer landed, while the
             # engine moves the next ones (only the last page's validation is not overlapped)
             for grp, addr, bid, t0 in wave:
                 stale = [0]
-                landed = self._stage_out(grp, addr, pages, out, stale)
+                landed = self._stage_out(grp, addr, pages, out, stale, why)
                 rc = self.node.transport.wait(bid, landed, deadline) if bid else -1
                 if rc != 0:
                     staging.retire(addr)
-                    self.node.count(**{"read_timeouts" if time.monotonic() - t0 >= self.node.config.transfer_timeout * 0.9
-                                  else "read_failures": 1})
+                    timed_out = time.monotonic() - t0 >= self.node.config.transfer_timeout * 0.9
+                    self.node.count(**{"read_timeouts" if timed_out else "read_failures": 1})
+                    if timed_out:
+                        why.update({i: "deadline" for (i, _), _ in grp if not out[i]})
                 else:
                     staging.release(addr)
                 if stale[0]:
                     self.node.count(read_stale=stale[0])
 
     @staticmethod
-    def _stage_out(grp, addr: int, pages, out: list[bool], stale: list[int]):
+    def _stage_out(grp, addr: int, pages, out: list[bool], stale: list[int], why: dict[int, str]):
         """``landed`` callback of a staging chunk: the pages a completed transfer covers (one
         transfer = whole pages back to back) are checksummed, and copied out only if valid."""
         at = {addr + o: k for k, (_, o) in enumerate(grp)}
@@ -295,13 +309,15 @@ class Reader:
                     out[i] = True
                 else:
                     stale[0] += 1
+                    why[i] = "corrupt"
                 k += 1
 
         return landed
 
     PIPELINE_CHUNK = 64 << 20  # direct reads: bytes per async chunk (validation overlaps the next ones)
 
-    def _read_direct(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool]) -> None:
+    def _read_direct(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool],
+                     why: dict[int, str]) -> None:
         """Reads straight into registered caller pages. A large batch is split into chunks that
         are all started at once; each chunk is validated as soon as it landed, while the
         engine moves the next ones (checksumming overlaps the transfer)."""
@@ -332,6 +348,8 @@ class Reader:
                 ok = checksum_page(pages[i]) == e[CSUM]
                 out[i] = ok
                 stale += not ok
+                if not ok:
+                    why[i] = "corrupt"
             if stale:
                 self.node.count(read_stale=stale)
 
@@ -352,6 +370,7 @@ class Reader:
                 validate(chunk)
             elif time.monotonic() - t0 >= self.node.config.transfer_timeout * 0.9:
                 self.node.count(read_timeouts=1)
+                why.update({i: "deadline" for i, _ in chunk})
             else:
                 self.node.count(read_failures=1)
 

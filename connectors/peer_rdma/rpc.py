@@ -68,8 +68,10 @@ def serve(handlers: Mapping[str, Callable[[Any], Any]], host: str, port: int, to
                                                    response_serializer=pack)
 
     generic = grpc.method_handlers_generic_handler(SERVICE, {n: wrap(n, f) for n, f in handlers.items()})
+    from kvconnect.connectors import grpc_health
+
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-rpc"),
-                         handlers=[generic], options=_CHANNEL_OPTIONS)
+                         handlers=[generic, grpc_health.handler((SERVICE,))], options=_CHANNEL_OPTIONS)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise OSError(f"cannot bind the peer control port {host}:{port}")

@@ -7,13 +7,10 @@ from typing import Any
 
 from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage
 from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
-from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS, GAUGES
+from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS
 
 log = logging.getLogger(__name__)
 
-# Prometheus: the node's counters (``kvconnect_peer_<name>_total``) and gauges (``kvconnect_peer_<name>``)
-PROM_COUNTERS = COUNTERS + DISK_COUNTERS
-PROM_GAUGES = GAUGES
 
 
 class PeerRdmaStore(PageStore):
@@ -28,6 +25,9 @@ class PeerRdmaStore(PageStore):
     # pages live in the lending nodes' memory: shared while they run, gone with them
     capabilities = frozenset({Capability.SHARED, Capability.ZERO_COPY, Capability.ANY_PAGE_SIZE})
     needs_registered_memory = True  # registered pages are read in place; others via a bounce buffer
+    # Prometheus: the node's counters are kvconnect_peer_<name>_total, its gauges kvconnect_peer_<name>
+    metric_prefix = "kvconnect_peer"
+    metric_counters = frozenset(COUNTERS + DISK_COUNTERS)
 
     def __init__(self, config: PeerRdmaConfig | None = None, context: Any = None):
         super().__init__(context)
@@ -41,7 +41,15 @@ class PeerRdmaStore(PageStore):
         return self._guard("exists", keys, lambda: self.node.exists(keys))
 
     def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        return self._guard("get_into", keys, lambda: self.node.get_into(keys, pages))
+        why: dict[int, str] = {}
+        out = self._guard("get_into", keys, lambda: self.node.get_into(keys, pages, why))
+        causes: dict[str, int] = {}
+        for i, cause in why.items():
+            if not out[i]:
+                causes[cause] = causes.get(cause, 0) + 1
+        for cause, n in causes.items():
+            self._miss(cause, n)
+        return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
         return self._guard("put_from", keys, lambda: self.node.put_from(keys, pages))
@@ -65,7 +73,15 @@ class PeerRdmaStore(PageStore):
         except Exception:  # noqa: BLE001
             log.exception("peer_rdma %s failed; reporting %d misses", op, len(keys))
             self.record_error()
+            self._miss("unavailable")
             return [False] * len(keys)
+
+    def describe(self) -> str:
+        n, c = self.node, self.config
+        asked = "" if n.transport.protocol == c.protocol else f" (asked for {c.protocol})"
+        return (f"node {n.node_id}, peers via {', '.join(c.seeds)} ({len(n.view.members)} members), auth "
+                f"{'on' if c.token else 'off'}, transport {n.transport.protocol}{asked}, lends {c.global_segment_size} "
+                f"bytes")
 
     def _usage(self) -> StoreUsage:
         m = self.node.metrics()
@@ -74,31 +90,6 @@ class PeerRdmaStore(PageStore):
         extra["latency"] = m["latency"]
         return StoreUsage(keys=m["pool_keys"], bytes_used=m["pool_bytes_used"],
                           capacity_bytes=m["pool_capacity_bytes"], evictions=m["evictions"], extra=extra)
-
-    def metric_families(self, label_names: list[str], label_values: list[str]):
-        """Peer-pool series for ``kvconnect.connectors.metrics`` (counters, gauges, latency quantiles)."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-        m = self.node.metrics()
-        for name in PROM_COUNTERS:
-            if name in m:
-                f = CounterMetricFamily(f"kvconnect_peer_{name}", f"peer pool {name}", labels=label_names)
-                f.add_metric(label_values, float(m[name]))
-                yield f
-        for name in PROM_GAUGES:
-            if name in m:
-                f = GaugeMetricFamily(f"kvconnect_peer_{name}", f"peer pool {name}", labels=label_names)
-                f.add_metric(label_values, float(m[name]))
-                yield f
-        # a summary with quantiles over the most recent calls (like PeerCache's op_latency_seconds)
-        lat = Metric("kvconnect_peer_op_latency_seconds", "peer pool operation latency", "summary")
-        base = dict(zip(label_names, label_values))
-        for op, v in m["latency"].items():
-            for qn in ("0.5", "0.9", "0.99"):
-                lat.add_sample("kvconnect_peer_op_latency_seconds", {**base, "op": op, "quantile": qn}, v[qn])
-            lat.add_sample("kvconnect_peer_op_latency_seconds_count", {**base, "op": op}, v["count"])
-            lat.add_sample("kvconnect_peer_op_latency_seconds_sum", {**base, "op": op}, v["sum"])
-        yield lat
 
     def _close(self) -> None:
         from kvconnect.connectors.metrics import unexport_store

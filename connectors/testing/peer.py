@@ -154,7 +154,7 @@ class WorkerNode:
         self.pages = HostPages(spec.get("host_pool"))
         options = dict(spec["options"])
         self.metrics_port = options.pop("metrics_port", None)  # the process's /metrics, as an engine serves it
-        self.metrics_host = options.pop("metrics_bind_host", "127.0.0.1")
+        self.metrics_host = options.pop("metrics_host", options.pop("metrics_bind_host", "127.0.0.1"))
         self.store = create_store("peer_rdma", options)
         if self.metrics_port is not None:
             from kvconnect.connectors import metrics

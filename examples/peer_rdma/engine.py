@@ -66,7 +66,7 @@ def main() -> None:
                               "loaded": total.pages_loaded, "verified": total.pages_verified,
                               "stored": total.pages_stored}), flush=True)
         elif "metrics" in cmd:
-            url = f"http://{opts['metrics_bind_host']}:{opts['metrics_port']}/metrics"
+            url = f"http://{opts['metrics_host']}:{opts['metrics_port']}/metrics"
             text = urllib.request.urlopen(url, timeout=5).read().decode()
             print(json.dumps({"metrics": text}), flush=True)
         else:

@@ -15,5 +15,5 @@ PC='{"backend_name":"kvconnect","module_path":"kvconnect.connectors.engines.sgla
 '"interface_v1":1,"store":"peer_rdma","discovery_addr":"'$DISC'","protocol":"rdma","device_names":"'$DEVS'",'\
 '"local_hostname":"'$SELF'","bind_host":"'$SELF'","global_segment_size":"16gb",'\
 '"disk_path":"/data/kvconnect-peer/","disk_size":"100gb","auth_token":"'$TOKEN'",'\
-'"metrics_port":31997,"metrics_bind_host":"'$SELF'"}'
+'"metrics_port":31997,"metrics_host":"'$SELF'"}'
 export MODEL NODE1_IP NODE2_IP NODE3_IP NODE4_IP DEVS TOKEN TP DISC SELF PC

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             for i, (ns, addr) in enumerate(zip(net.names, net.addrs)):
                 opts = {"discovery_addr": seeds, "protocol": "rdma", "local_hostname": addr, "bind_host": addr,
                         "global_segment_size": args.segment, "auth_token": token,
-                        "metrics_port": 31997, "metrics_bind_host": addr}
+                        "metrics_port": 31997, "metrics_host": addr}
                 env = dict(os.environ, PYTHONPATH=str(ROOT), GLOG_minloglevel="2", LMCACHE_TRACK_USAGE="false")
                 procs.append(subprocess.Popen(
                     ["ip", "netns", "exec", ns, sys.executable, str(Path(__file__).with_name("engine.py")),

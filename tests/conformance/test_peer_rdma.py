@@ -111,6 +111,80 @@ else:
         placement = "local"
         capacity_bytes = SEG_PAGES * PAGE
 
+        def test_misses_say_why_not_found_mismatch_and_a_dead_holder(self, store):
+            from kvconnect.connectors.buffers import HostBuffer
+            from kvconnect.connectors.registry import create_store
+
+            holder = create_store("peer_rdma", self.store_options())  # a fourth node, in this process
+            try:
+                keys = self.keys(16)
+                assert self.write(holder, keys) == [True] * 16  # local placement: in the holder's segment
+                assert self.read(store, keys)[0] == [True] * 16
+                half = HostBuffer(2, PAGE // 2, 2)
+                assert store.get_into(keys[:2], [half.page(0), half.page(1)]) == [False, False]
+                assert self.read(store, self.keys(3, "never"))[0] == [False] * 3
+                assert store.stats().misses["get"] == {"mismatch": 2, "not_found": 3}
+                holder.node.close(leave=False)  # dies without a goodbye: still a member until member_ttl
+                t0 = time.monotonic()
+                ok, _ = self.read(store, keys)
+                assert ok == [False] * 16 and time.monotonic() - t0 < 10
+                by = store.stats().misses["get"]
+                # pages the directory still names, on a node that does not answer: unavailable (the
+                # entries the dead node's directory shard held are simply not found)
+                assert by.get("unavailable", 0) >= 4 and by["mismatch"] == 2, by
+                assert sum(by.values()) == 2 + 3 + 16, by
+            finally:
+                holder.close()
+                deadline = time.monotonic() + 15  # the pool forgets the dead node before the next test
+                while len(store.node.view.members) != 3 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+
+    def test_start_up_line_and_the_warning_when_rdma_runs_on_tcp(caplog):
+        """protocol rdma (the default) on a machine without an RDMA NIC: the engine moves pages
+        over TCP, and the log says so, loudly, once; the start-up line names the real transport."""
+        import logging
+
+        from kvconnect.connectors.registry import create_store
+        from kvconnect.connectors.transfer_engine import rdma_devices
+
+        if rdma_devices():
+            pytest.skip(f"this machine has RDMA NICs ({rdma_devices()}): rdma runs as rdma")
+        caplog.set_level(logging.INFO, logger="kvconnect")
+        store = create_store("peer_rdma", {"discovery_addr": "127.0.0.1:1", "control_port": 0,
+                                           "global_segment_size": 16 * PAGE, "auth_token": "t",
+                                           "join_timeout": 0.1})
+        try:
+            warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                      and "protocol rdma" in r.getMessage()]
+            assert len(warned) == 1 and "over TCP" in warned[0], warned
+            (line,) = [r.getMessage() for r in caplog.records if r.name == "kvconnect"
+                       and r.getMessage().startswith("kvconnect peer_rdma:")]
+            assert f"node {store.node.node_id}, peers via 127.0.0.1:1 (1 members), auth on, " \
+                   f"transport tcp (asked for rdma), lends {16 * PAGE} bytes" in line, line
+        finally:
+            store.close()
+
+    def test_the_node_answers_the_standard_grpc_health_check():
+        """grpc.health.v1.Health/Check, encoded by hand, with no token (probes carry none)."""
+        import grpc
+
+        from kvconnect.connectors import grpc_health
+        from kvconnect.connectors.peer_rdma.rpc import SERVICE
+        from kvconnect.connectors.registry import create_store
+
+        store = create_store("peer_rdma", {"discovery_addr": "127.0.0.1:1", "control_port": 0, "protocol": "tcp",
+                                           "global_segment_size": 16 * PAGE, "auth_token": "right",
+                                           "join_timeout": 0.1})
+        try:
+            target = store.node.node_id
+            assert grpc_health.check(target, timeout=10) == grpc_health.SERVING
+            assert grpc_health.check(target, SERVICE, timeout=10) == grpc_health.SERVING
+            with pytest.raises(grpc.RpcError) as e:
+                grpc_health.check(target, "no.such.Service", timeout=10)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        finally:
+            store.close()
+
     class TestPeerRdmaOwnerPlacement(_PeerBase):
         """Writes are one-sided TE writes into the key owner's segment; 2/3 of the reads are
         one-sided TE reads from the other two nodes."""

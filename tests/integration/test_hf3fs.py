@@ -370,6 +370,9 @@ def test_checksums_catch_bytes_changed_behind_the_index(tmp_path):
         os.close(fd)
         ok, _ = read_pages(s, k)
         assert ok == [False]
+        assert read_pages(s, keyset(2))[0] == [False, False]
+        # misses by cause (kvconnect_store_misses_total): the bad bytes, then two index misses
+        assert s.stats().misses["get"] == {"corrupt": 1, "not_found": 2}
     finally:
         s.close()
 
@@ -448,6 +451,9 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
         assert write_pages(s, keyset(4)) == [False] * 4
         assert time.monotonic() - t0 < 4, "a dead service must cost bounded time"
         assert s.stats().errors >= 1
+        st = s.stats()  # misses by cause and the health gauge (kvconnect_store_up)
+        assert st.misses["get"] == {"unavailable": 8} and st.misses["exists"] == {"unavailable": 8}
+        assert st.up is False
         meta.start()  # back (same data dir): the same store reconnects by itself
         deadline = time.monotonic() + 15
         ok = [False]
@@ -455,6 +461,7 @@ def test_service_going_away_is_a_fast_miss(tmp_path, meta):
             time.sleep(0.3)
             ok, data = read_pages(s, keys)
         assert all(ok) and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 8
+        assert s.stats().up is True
     finally:
         s.close()
 
@@ -749,3 +756,38 @@ def test_auto_write_mode(tmp_path):
             assert all((p.stage_bytes > 0) == staged for p in getattr(f, "files", [f]))
         finally:
             s.close()
+
+
+def test_start_up_line_names_files_index_auth_and_key_space(tmp_path, meta, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kvconnect")
+    opts = store_opts(tmp_path, meta)
+    s = create_store("hf3fs", opts, context=EngineContext(engine="sglang-hicache", tp_rank=1, tp_size=2))
+    try:
+        (line,) = [r.getMessage() for r in caplog.records
+                   if r.name == "kvconnect" and r.getMessage().startswith("kvconnect hf3fs:")]
+        assert line.startswith(f"kvconnect hf3fs: files {opts['file_path_prefix']}.1.bin (posix, NOT a 3FS mount), "
+                               f"index {meta.url} (auth on, "), line
+        assert "key space 1:kv" in line and "for sglang-hicache" in line and "tp1/2" in line, line
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    finally:
+        s.close()
+
+
+def test_a_3fs_looking_path_off_a_3fs_mount_warns(tmp_path, caplog):
+    """/mnt/3fs/... that is no 3FS mount (the mount is missing) silently becomes a local file: say so."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kvconnect")
+    prefix = tmp_path / "3fs" / "kvc"
+    s = create_store("hf3fs", store_opts(tmp_path, file_path_prefix=str(prefix)))
+    try:
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and f"file_path_prefix {prefix} looks like a 3FS mount" in warned[0], warned
+        assert "not 3FS" in warned[0]
+        (line,) = [r.getMessage() for r in caplog.records
+                   if r.levelno == logging.INFO and r.getMessage().startswith("kvconnect hf3fs:")]
+        assert "NOT a 3FS mount" in line and "in-process index (this process only)" in line, line
+    finally:
+        s.close()

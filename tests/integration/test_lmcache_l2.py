@@ -172,6 +172,10 @@ def test_lmcache_factory_round_trip_bytes_and_results_once(memory_adapter):
     assert st["backend_ok"] is True
     assert st["store_stats"]["put_written"] == 16 and st["store_stats"]["get_hits"] == 16
     assert a.get_usage().total_bytes_used == 16 * CHUNK
+    # what `lmcache describe` reads: the store's own count, bytes and capacity (64mb)
+    assert (st["stored_object_count"], st["current_size_bytes"], st["max_capacity_bytes"]) == (16, 16 * CHUNK, 64 << 20)
+    # a private store's capacity is LMCache's to manage: its watermark eviction is on
+    assert a.supports_global_eviction and a.get_usage().total_capacity_bytes == 64 << 20
     # storing the same keys again: success, no double accounting
     assert store(a, keys, src.objs).is_successful()
     assert a.get_usage().total_bytes_used == 16 * CHUNK
@@ -551,6 +555,9 @@ def test_server_pages_land_in_the_store_and_a_second_server_reads_them(servers):
         st = a.adapter_status()
         assert st["store"] == "hf3fs" and st["store_stats"]["put_failed"] == 0 and st["errors"] == {}
         assert st["store_stats"]["put_bytes"] == 4 * 512 * 1024
+        # `lmcache describe`'s figures: the shared file's pages, bytes and real capacity
+        assert st["stored_object_count"] == 4 and st["current_size_bytes"] == 4 * 512 * 1024
+        assert st["max_capacity_bytes"] == 64 << 20
         # A third reader, this test process: the metadata service holds A's pages
         from kvconnect.connectors.registry import create_store
 

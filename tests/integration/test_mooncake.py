@@ -325,6 +325,10 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
         assert not any(c[3] for c in after if c[0] > killed_at[0] + op_timeout + 0.5), \
             "hits while the master was dead"
         assert s.stats().extra["healthy"] is False
+        st = s.stats()  # the health gauge and misses by cause: the master, not the keys
+        assert st.up is False
+        down = st.misses["get"].get("unavailable", 0) + st.misses["get"].get("deadline", 0)
+        assert down >= 16 and down + st.misses["get"].get("not_found", 0) == st.get_pages - st.get_hits, st.misses
 
         master.start()
         fresh = _keys(8, "after")
@@ -340,7 +344,7 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
         out = HostBuffer(8, PAGE, 2)
         assert s.get_into(fresh, _pages(out)) == [True] * 8
         assert all(check_page(k, out.read(i)) == 0 for i, k in enumerate(fresh))
-        assert s.stats().extra["healthy"] is True
+        assert s.stats().extra["healthy"] is True and s.stats().up is True
     finally:
         s.close()
         master.kill()

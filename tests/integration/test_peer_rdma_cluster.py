@@ -114,7 +114,13 @@ def test_round_robin_reads_are_byte_exact_and_remote(cluster):
         members = [ln for ln in prom.splitlines() if ln.startswith("kvconnect_peer_members{")]
         assert remote and float(remote[0].split()[-1]) >= 3 * PAGES, remote
         assert members and float(members[0].split()[-1]) == 4.0, members
-        assert 'kvconnect_peer_op_latency_seconds{' in prom and 'quantile="0.99"' in prom
+        # one name per series (no kvconnect_peer_rdma_* twin), latency as a histogram
+        assert "kvconnect_peer_rdma_" not in prom and "# TYPE kvconnect_peer_members gauge" in prom
+        assert "# TYPE kvconnect_peer_read_remote_hits_total counter" in prom
+        assert "# TYPE kvconnect_store_latency_seconds histogram" in prom
+        gets = [ln for ln in prom.splitlines()
+                if ln.startswith("kvconnect_store_latency_seconds_count{") and 'op="get"' in ln]
+        assert gets and float(gets[0].split()[-1]) >= 3, gets
 
 
 def _assert_readable(cluster, i: int, keys: list[str], what: str, settle_s: float = REHOME_S) -> None:

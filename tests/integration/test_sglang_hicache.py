@@ -736,6 +736,11 @@ def test_metrics_port_serves_the_store_counters_on_loopback():
         hits = [line for line in text.splitlines()
                 if line.startswith("kvconnect_get_hits_total") and 'engine="sglang"' in line]
         assert hits and re.search(r" 2\.0$", hits[0]), hits
+        # the rank as two labels (not one combined 'rank="tp0pp0"'), the miss with its cause
+        assert 'tp_rank="0"' in hits[0] and 'pp_rank="0"' in hits[0] and 'rank="tp' not in text, hits
+        missed = [line for line in text.splitlines() if line.startswith("kvconnect_store_misses_total{")
+                  and 'engine="sglang"' in line and 'op="get"' in line and 'cause="not_found"' in line]
+        assert missed and re.search(r" 1\.0$", missed[0]), missed
     finally:
         b.close()
         server = metrics._servers.pop(("127.0.0.1", port), None)
