@@ -310,9 +310,10 @@ def _holder_main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from mooncake.store import MooncakeDistributedStore
 
-    from kvconnect.connectors.transfer_engine import apply_engine_defaults
-
-    apply_engine_defaults()  # the TCP queue limits every engine kvconnect starts gets
+    # A plain Mooncake client with Mooncake's own settings (not kvconnect's raised TCP queue
+    # limits): with those raised on the lending side too, one get of 8192 segments from it
+    # failed as a whole under load (LEASE_EXPIRED), where the holder at Mooncake's defaults
+    # serves it (test_one_batch_of_more_segments_than_mooncake_queues_per_peer).
     s = MooncakeDistributedStore()
     rc = s.setup("127.0.0.1", args.metadata, parse_size(args.segment), 16 << 20, "tcp", "", args.master)
     if rc != 0:
