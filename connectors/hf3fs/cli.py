@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 
+from kvconnect.connectors.config import port_arg
 from kvconnect.connectors.hf3fs.wal import FSYNC_POLICIES
 
 
@@ -19,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = sub.add_parser("serve", help="serve the page index over gRPC (durable in --data-dir)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; SGLang's mini "
                                                        "server binds 0.0.0.0: set a token before you do)")
-    s.add_argument("--port", type=int, default=18000, help="port (default 18000, SGLang's)")
+    s.add_argument("--port", type=port_arg(), default=18000, help="port (default 18000, SGLang's)")
     s.add_argument("--data-dir", "--persistence-path", dest="data_dir", required=True,
                    help="journal and snapshots live here (--persistence-path, SGLang mini_3fs_metadata_server's "
                         "flag, is the same option: a directory here, not a file)")
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a page returned by get is kept from reuse (default 2; slower readers re-validate)")
     s.add_argument("--write-lease", type=float, default=30.0,
                    help="seconds a reservation lives without confirm (default 30)")
-    s.add_argument("--tcp-port", type=int, default=0,
+    s.add_argument("--tcp-port", type=port_arg(-1), default=0,
                    help="port of the framed TCP listener clients prefer over gRPC (default 0: any free port, "
                         "announced over gRPC; -1: gRPC only)")
     s.add_argument("--snapshot-interval", type=float, default=60.0, help="seconds between snapshots (default 60)")

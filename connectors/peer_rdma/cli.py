@@ -21,6 +21,7 @@ _FLAGS = ("discovery_addr", "bind_host", "local_hostname", "control_port", "glob
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvconnect.connectors.config import port_arg
     from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig  # light: no grpc / mooncake import
 
     fields = {f.name: f for f in dataclasses.fields(PeerRdmaConfig)}
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f = fields[key]  # one source of truth for option docs: the config dataclass
         s.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
                        help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=port_arg(), default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; default: none)")
     s.add_argument("--metrics-bind-host", default="127.0.0.1", help="address /metrics binds (default 127.0.0.1)")
     s.add_argument("--config", default=None, help="JSON object of options (the SGLang extra-config form)")
