@@ -17,6 +17,10 @@ class PeerRdmaConfig(StoreConfig):
     device_name: str = field(default="", metadata=field_doc("RDMA device, e.g. mlx5_0 (empty: auto)"))
     device_names: str = field(default="", metadata=field_doc(
         "RDMA devices (rails), comma-separated; overrides device_name"))
+    gid_index: Annotated[int, Range(-1, 255)] = field(default=-1, metadata=field_doc(
+        "RDMA GID index (RoCE), as MC_GID_INDEX; -1: the engine's choice; ignored over tcp"))
+    ib_port: Annotated[int, Range(0, 255)] = field(default=0, metadata=field_doc(
+        "RDMA HCA port, as MC_IB_PORT; 0: the engine's choice; ignored over tcp"))
     local_hostname: str = field(default="", metadata=field_doc(
         "address peers use to reach this node (default: bind_host, or the route to the first seed)"))
     bind_host: str = field(default="127.0.0.1", metadata=field_doc("address the control plane listens on"))

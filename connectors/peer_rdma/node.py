@@ -38,7 +38,7 @@ from kvconnect.connectors.peer_rdma.rpc import Clients, serve
 from kvconnect.connectors.peer_rdma.segment import Segment, Slot
 from kvconnect.connectors.peer_rdma.writes import Writer
 from kvconnect.connectors.rpc import is_loopback, warn_if_open
-from kvconnect.connectors.transfer_engine import EngineClient, StagingMemory
+from kvconnect.connectors.transfer_engine import EngineClient, StagingMemory, set_rdma_port
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class PeerNode:
 
     def _start(self, c: PeerRdmaConfig, bind: str) -> None:
         self.segment = Segment(c.global_segment_size, on_evict=self.announcer.evicted, populate=c.populate_segment)
+        set_rdma_port(c.protocol, c.gid_index, c.ib_port, "peer_rdma")
         self.transport = EngineClient(self.hostname, c.protocol, c.devices, user="peer_rdma", extra="peer",
                                       transfer_timeout_s=c.transfer_timeout)
         # Registered chunks that remote pages are read through (and unregistered pages

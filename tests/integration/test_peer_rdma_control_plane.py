@@ -196,3 +196,20 @@ else:
         finally:
             taken.close()
             seed.close()
+
+    def test_rdma_keys_of_the_pool_guide_reach_the_engine():
+        """gid_index / ib_port (the peer-pool guide's RDMA keys) are accepted; with protocol
+        rdma they reach the Transfer Engine (MC_GID_INDEX / MC_IB_PORT, read at its
+        creation); the node starts and serves (TCP here: no NIC)."""
+        for k in ("MC_GID_INDEX", "MC_IB_PORT"):
+            os.environ.pop(k, None)
+        port = free_port()
+        s = create_store("peer_rdma", options(port, protocol="tcp", gid_index=3, ib_port=2))
+        s.close()
+        assert "MC_GID_INDEX" not in os.environ  # tcp: ignored (logged)
+        s = create_store("peer_rdma", options(port, protocol="rdma", gid_index=3, ib_port=2))
+        try:
+            assert os.environ["MC_GID_INDEX"] == "3" and os.environ["MC_IB_PORT"] == "2"
+            assert write(s, ["g1"], 1) == [True] and read(s, ["g1"])[1] == [page_bytes("g1", 1, PAGE)]
+        finally:
+            s.close()
