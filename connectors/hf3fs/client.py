@@ -731,4 +731,6 @@ class RemoteMetadata(LeasedWrites):
             conn.close()
         if self._watchdog is not None:
             self._watchdog.close()
-        self._channel.close()
+        from kvconnect.connectors.rpc import close_channels
+
+        close_channels([self._channel])

@@ -18,7 +18,8 @@ import grpc
 import msgpack
 
 from kvconnect.connectors.auth import grpc_metadata
-from kvconnect.connectors.rpc import AuthInterceptor, channel as new_channel, server_options
+from kvconnect.connectors.rpc import AuthInterceptor, close_channels, server_options
+from kvconnect.connectors.rpc import channel as new_channel
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +148,11 @@ class Clients:
         with self._lock:
             entry = self._channels.pop(target, None)
         if entry:
-            entry[0].close()
+            close_channels([entry[0]])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         self._member_pool.shutdown(wait=False)
         with self._lock:
             chans, self._channels = list(self._channels.values()), {}
-        for ch, _ in chans:
-            ch.close()
+        close_channels(ch for ch, _ in chans)
