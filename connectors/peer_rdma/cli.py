@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args, store)
     finally:
         store.close()  # clean leave, also when the node fails after it joined (a metrics port taken)
+        print(f"peer node {store.node.node_id} left", file=sys.stderr, flush=True)
 
 
 def _serve(args: argparse.Namespace, store) -> int:
@@ -106,5 +107,4 @@ def _serve(args: argparse.Namespace, store) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    print(f"peer node {node.node_id} left", file=sys.stderr, flush=True)
     return 0

@@ -181,48 +181,6 @@ def test_segment_that_cannot_be_allocated_is_named_in_the_error(mooncake_cluster
     assert "global_segment_size=70368744177664" in msg and mooncake_cluster.master.address in msg
 
 
-def test_start_that_fails_after_setup_closes_the_client(mooncake_cluster, monkeypatch):  # noqa: F811
-    """A start that fails after the client joined the cluster (here: the endpoint probe of
-    local_copy raises) closes the real Mooncake client and its call threads before the error
-    goes up; a store started next works."""
-    from kvconnect.connectors.mooncake.store import MooncakeStore
-
-    closed = []
-    real_import = __import__("kvconnect.connectors.mooncake.store", fromlist=["_import_mooncake"])._import_mooncake
-
-    def spying_import():
-        client_class, replicate = real_import()
-
-        class Spy(client_class):
-            def close(self):
-                closed.append(True)
-                return super().close()
-        return Spy, replicate
-
-    def probe_fails(self, _replicate):
-        self._call("probe", lambda: None)  # the call threads are running by now
-        raise RuntimeError("endpoint probe failed")
-
-    monkeypatch.setattr("kvconnect.connectors.mooncake.store._import_mooncake", spying_import)
-    monkeypatch.setattr(MooncakeStore, "_find_own_endpoint", probe_fails)
-    before = {t.name for t in threading.enumerate()}
-    with pytest.raises(RuntimeError, match="endpoint probe"):
-        create_store("mooncake", store_options(mooncake_cluster, local_copy=True))
-    assert closed == [True]
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and {t.name for t in threading.enumerate()} - before:
-        time.sleep(0.05)
-    assert not {t.name for t in threading.enumerate() if t.name.startswith("kvc-mooncake")} - before
-    monkeypatch.undo()
-    with create_store("mooncake", store_options(mooncake_cluster)) as s:
-        keys = _keys(2)
-        b = _filled(keys)
-        _put_until_stored(s, keys, b)
-        out = HostBuffer(2, PAGE, 2)
-        assert s.get_into(keys, _pages(out)) == [True, True]
-        assert [out.read(i) for i in range(2)] == [page_bytes(k) for k in keys]
-
-
 def test_prefer_local_segment_keeps_pages_in_the_writers_segment(mooncake_cluster, tmp_path):  # noqa: F811
     """With ``prefer_local_segment`` every page lands in the writer's own segment although a
     bigger segment exists (without it Mooncake spreads them: ~80% to the bigger one here):
@@ -677,6 +635,48 @@ def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_clust
         assert bytes(dst.raw) == bytes(src.raw)
     finally:
         s.close()
+
+
+def test_start_that_fails_after_setup_closes_the_client(mooncake_cluster, monkeypatch):  # noqa: F811
+    """A start that fails after the client joined the cluster (here: the endpoint probe of
+    local_copy raises) closes the real Mooncake client and its call threads before the error
+    goes up; a store started next works."""
+    from kvconnect.connectors.mooncake.store import MooncakeStore
+
+    closed = []
+    real_import = __import__("kvconnect.connectors.mooncake.store", fromlist=["_import_mooncake"])._import_mooncake
+
+    def spying_import():
+        client_class, replicate = real_import()
+
+        class Spy(client_class):
+            def close(self):
+                closed.append(True)
+                return super().close()
+        return Spy, replicate
+
+    def probe_fails(self, _replicate):
+        self._call("probe", lambda: None)  # the call threads are running by now
+        raise RuntimeError("endpoint probe failed")
+
+    monkeypatch.setattr("kvconnect.connectors.mooncake.store._import_mooncake", spying_import)
+    monkeypatch.setattr(MooncakeStore, "_find_own_endpoint", probe_fails)
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="endpoint probe"):
+        create_store("mooncake", store_options(mooncake_cluster, local_copy=True))
+    assert closed == [True]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and {t.name for t in threading.enumerate()} - before:
+        time.sleep(0.05)
+    assert not {t.name for t in threading.enumerate() if t.name.startswith("kvc-mooncake")} - before
+    monkeypatch.undo()
+    with create_store("mooncake", store_options(mooncake_cluster)) as s:
+        keys = _keys(2)
+        b = _filled(keys)
+        _put_until_stored(s, keys, b)
+        out = HostBuffer(2, PAGE, 2)
+        assert s.get_into(keys, _pages(out)) == [True, True]
+        assert [out.read(i) for i in range(2)] == [page_bytes(k) for k in keys]
 
 
 # The outer run has one test: re-running this module inside its own namespace.
