@@ -13,6 +13,7 @@ from kvconnect.connectors.base import (  # noqa: F401
     BackendUnavailable,
     Capability,
     ConfigError,
+    InvalidKey,
     KVStoreError,
     MissingCapability,
     MissingDependency,
@@ -30,8 +31,8 @@ from kvconnect.connectors.base import (  # noqa: F401
 from kvconnect.connectors.context import EngineContext  # noqa: F401
 from kvconnect.connectors.registry import available_stores, create_store, register_store, store_class  # noqa: F401
 
-__all__ = ["BackendUnavailable", "Capability", "ConfigError", "EngineContext", "KVStoreError", "MissingCapability",
-           "MissingDependency", "NotFound", "Page", "PageSizeMismatch", "PageStore", "Segment", "StoreClosed",
+__all__ = ["BackendUnavailable", "Capability", "ConfigError", "EngineContext", "InvalidKey", "KVStoreError",
+           "MissingCapability", "MissingDependency", "NotFound", "Page", "PageSizeMismatch", "PageStore", "Segment", "StoreClosed",
            "StoreStats", "UnknownConfigKey", "UnknownStore", "Unsupported", "available_stores", "create_store",
            "register_store", "store_class"]
 __version__ = "0.1.0"

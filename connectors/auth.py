@@ -11,10 +11,13 @@ messages) as a field of the first or every message. Secrets are compared in cons
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from typing import Any
 
 from kvconnect.connectors.errors import ConfigError
+
+log = logging.getLogger("kvconnect.auth")
 
 AUTH_HEADER = "authorization"
 """gRPC metadata key carrying ``Bearer <secret>``."""
@@ -62,11 +65,8 @@ def grpc_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return ((AUTH_HEADER, f"Bearer {token}"),) if token else ()
 
 
-def grpc_caller_ok(context: Any, token: str | None) -> bool:
-    """Whether a gRPC call's metadata presents ``token`` (no token configured: every call)."""
-    if not token:
-        return True
-    for key, value in context.invocation_metadata():
-        if key == AUTH_HEADER:
-            return token_matches(f"Bearer {token}", value)
-    return False
+
+def warn_token_on_command_line(flag: str, instead: str) -> None:
+    """A secret given as a command-line argument is readable by every local user (``ps``)."""
+    log.warning("%s puts the secret on the command line, where every user of this host can read it "
+                "(ps, /proc/PID/cmdline); use %s or $KVCONNECT_<PART>_TOKEN instead", flag, instead)

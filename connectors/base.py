@@ -23,6 +23,11 @@ Contract for every store:
   * ``put_from`` is idempotent: a key already present is not rewritten and reports True;
     a write becomes visible only once all its bytes landed;
   * a failed or timed-out backend call is a miss / failed write, not a hang.
+
+Keys (checked here, once, for every store): a non-empty ``str``, UTF-8 encodable, without
+newline or NUL, at most ``MAX_KEY_BYTES`` bytes encoded. A batch holding a key that breaks
+this raises ``InvalidKey`` (naming the key and the rule) before the store is called: a bad
+key is a caller's bug, not a miss, and no store may accept a key another store would refuse.
 """
 
 from __future__ import annotations
@@ -39,6 +44,29 @@ if TYPE_CHECKING:
     from kvconnect.connectors.context import EngineContext
 
 Segment = tuple[int, int]
+
+MAX_KEY_BYTES = 4096
+"""The longest key (UTF-8 bytes) any store takes."""
+
+
+def _check_keys(keys: Sequence[str]) -> list[str]:
+    """The key contract (module docstring); ``InvalidKey`` naming the first key that breaks it."""
+    keys = list(keys)
+    for k in keys:
+        if not isinstance(k, str):
+            raise InvalidKey(f"keys are str, got {type(k).__name__} {k!r:.80}")
+        if k.isascii():
+            n = len(k)
+        else:
+            try:
+                n = len(k.encode("utf-8"))
+            except UnicodeEncodeError:
+                raise InvalidKey(f"key {k!r:.80} is not UTF-8 encodable") from None
+        if not 0 < n <= MAX_KEY_BYTES:
+            raise InvalidKey(f"key {k!r:.80} has {n} bytes; keys have 1..{MAX_KEY_BYTES}")
+        if "\n" in k or "\x00" in k:
+            raise InvalidKey(f"key {k!r:.80} holds a newline or NUL")
+    return keys
 """``(address, nbytes)`` of one contiguous host-memory region."""
 
 Page = Sequence[Segment]
@@ -50,6 +78,7 @@ Page = Sequence[Segment]
 from kvconnect.connectors.errors import (  # noqa: E402,F401
     BackendUnavailable,
     ConfigError,
+    InvalidKey,
     KVStoreError,
     MissingCapability,
     MissingDependency,
@@ -233,7 +262,7 @@ class PageStore(ABC):
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """For each key, whether a complete page is stored (LRU order untouched)."""
         self._check_open()
-        keys = list(keys)
+        keys = _check_keys(keys)
         if not keys:
             return []
         result, dt, causes = self._run_op("exists", keys, self._exists, keys)
@@ -293,7 +322,7 @@ class PageStore(ABC):
     def delete(self, keys: Sequence[str]) -> list[bool]:
         """Remove keys; True where a key was present."""
         self._check_open()
-        keys = list(keys)
+        keys = _check_keys(keys)
         if not keys:
             return []
         result = self._checked("delete", keys, self._delete(keys))
@@ -311,6 +340,7 @@ class PageStore(ABC):
         self._check_open()
         if not prefix:
             raise ValueError("clear_prefix needs a non-empty prefix (clear() removes everything)")
+        _check_keys([prefix])
         self._clear_prefix(prefix)
 
     def register_memory(self, address: int, nbytes: int) -> None:
@@ -423,7 +453,7 @@ class PageStore(ABC):
 
     @staticmethod
     def _check_batch(keys: Sequence[str], pages: Sequence[Page]) -> tuple[list[str], list[Page]]:
-        keys = list(keys)
+        keys = _check_keys(keys)
         pages = list(pages)
         if len(keys) != len(pages):
             raise ValueError(f"got {len(keys)} keys but {len(pages)} pages")

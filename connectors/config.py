@@ -5,11 +5,16 @@ plain mapping (JSON from SGLang's extra config, LMCache adapter params, CLI flag
 unknown keys, missing required keys, wrong types and values outside a closed set are
 ``ConfigError``s that name the key and the accepted values. Sizes accept ``"4gb"``-style
 strings (``Size`` fields); choices are ``Literal[...]`` fields.
+
+Bounds every store gets from here: numbers are finite (no NaN, no inf), floats are 0..1e9,
+sizes are at most ``MAX_SIZE``, ``Port`` fields are 0..65535, and any int or float field may
+carry ``Range(lo, hi)`` (``Annotated[int, Range(1, 1024)]``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -26,6 +31,46 @@ SIZE = _SizeMarker()
 Size = Annotated[int, SIZE]
 """An int of bytes; accepts ``4096``, ``"4096"``, ``"4gb"``, ``"512 MiB"``, ``"1.5g"``."""
 
+MAX_SIZE = 1 << 50
+"""The largest size any option takes (1 PiB): a typo such as ``1e30`` is an error, not a
+multi-exabyte allocation attempt."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """``Annotated[int | float, Range(lo, hi)]``: the accepted closed interval."""
+
+    lo: float
+    hi: float
+
+    def check(self, value: Any, key: str, where: str | None) -> Any:
+        if not self.lo <= value <= self.hi:
+            raise ConfigError(key, f"{value!r} is out of range", f"{_num(self.lo)}..{_num(self.hi)}", where)
+        return value
+
+
+def port_arg(lo: int = 0):
+    """An argparse ``type``: a TCP port ``lo``..65535, checked like ``Port`` options."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            return Range(lo, 65535).check(int(text), "port", None)
+        except (ValueError, ConfigError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a port {lo}..65535") from None
+    return parse
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+MAX_FLOAT = 1e9
+"""The largest float option (they are seconds: ~31 years)."""
+
+Port = Annotated[int, Range(0, 65535)]
+"""A TCP port (0: any free port)."""
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
@@ -37,21 +82,25 @@ _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: Any, key: str = "size", where: str | None = None) -> int:
-    """Bytes from an int or a string such as ``"4gb"`` (binary units, as Mooncake/SGLang)."""
+    """Bytes from an int or a string such as ``"4gb"`` (binary units, as Mooncake/SGLang),
+    0..``MAX_SIZE``."""
     if isinstance(value, bool):
         raise ConfigError(key, f"expected a size, got {value!r}", "an int of bytes or e.g. '4gb'", where)
+    n = None
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(key, f"size must be >= 0, got {value}", None, where)
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
-    if isinstance(value, str):
+        n = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(key, f"cannot read {value!r} as a size",
-                      "an int of bytes or a number with unit b/kb/mb/gb/tb (e.g. '4gb')", where)
+            n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n is None:
+        raise ConfigError(key, f"cannot read {value!r} as a size",
+                          "an int of bytes or a number with unit b/kb/mb/gb/tb (e.g. '4gb')", where)
+    if not 0 <= n <= MAX_SIZE:
+        raise ConfigError(key, f"size {value!r} is out of range", f"0..{MAX_SIZE} bytes (1 PiB)", where)
+    return n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +134,11 @@ def _coerce(value: Any, tp: Any, key: str, where: str | None) -> Any:
     origin = get_origin(tp)
     if origin is Annotated:
         base, *marks = get_args(tp)
-        if any(m is SIZE for m in marks):
-            return parse_size(value, key, where)
-        return _coerce(value, base, key, where)
+        out = parse_size(value, key, where) if any(m is SIZE for m in marks) else _coerce(value, base, key, where)
+        for m in marks:
+            if isinstance(m, Range) and out is not None:
+                m.check(out, key, where)
+        return out
     if origin is Literal:
         choices = get_args(tp)
         if value in choices:
@@ -116,14 +167,19 @@ def _coerce(value: Any, tp: Any, key: str, where: str | None) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(key, f"expected a number, got {value!r}", None, where)
+        out = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            out = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                out = float(value)
             except ValueError:
                 pass
-        raise ConfigError(key, f"expected a number, got {value!r}", None, where)
+        if out is None:
+            raise ConfigError(key, f"expected a number, got {value!r}", None, where)
+        if not (math.isfinite(out) and 0 <= out <= MAX_FLOAT):  # "inf" seconds overflow timer APIs
+            raise ConfigError(key, f"{value!r} is out of range", f"a finite number 0..{MAX_FLOAT:g}", where)
+        return out
     if tp is str:
         if isinstance(value, str):
             return value
@@ -178,8 +234,14 @@ def parse_config(config_class: type[C], options: Mapping[str, Any], *, where: st
         return config_class(**kwargs)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as e:  # __post_init__ checks
-        raise ConfigError("<root>", str(e), None, where) from e
+    except (TypeError, ValueError) as e:  # __post_init__ checks that raised a bare error
+        raise ConfigError(_named_key(str(e), fields), str(e), None, where) from e
+
+
+def _named_key(message: str, fields: Mapping[str, Any]) -> str:
+    """The option a bare ``__post_init__`` error message starts with (else ``<root>``)."""
+    first = re.split(r"[\s:]", message.strip(), maxsplit=1)[0]
+    return first if first in fields else "<root>"
 
 
 def describe_config(config_class: type) -> list[tuple[str, str, str, str]]:
@@ -194,6 +256,10 @@ def describe_config(config_class: type) -> list[tuple[str, str, str, str]]:
             default = repr(f.default_factory())  # type: ignore[misc]
         else:
             default = "required"
-        tname = "size" if get_origin(_is_optional(tp)[1]) is Annotated else getattr(tp, "__name__", str(tp))
+        inner = _is_optional(tp)[1]
+        if get_origin(inner) is Annotated:
+            tname = "size" if SIZE in get_args(inner)[1:] else getattr(get_args(inner)[0], "__name__", "int")
+        else:
+            tname = getattr(tp, "__name__", str(tp))
         rows.append((name, str(tname).replace("typing.", ""), default, f.metadata.get("help", "")))
     return rows

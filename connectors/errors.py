@@ -107,5 +107,11 @@ class NotFound(KVStoreError, KeyError):
     """A key is not present (raised only by convenience APIs; the data path returns misses)."""
 
 
+class InvalidKey(KVStoreError, ValueError):
+    """A key breaks the key contract (``PageStore``: a non-empty ``str``, UTF-8 encodable, no
+    newline or NUL, at most ``MAX_KEY_BYTES`` bytes): a caller's bug, refused by every store
+    the same way before any backend call."""
+
+
 class PageSizeMismatch(KVStoreError, ValueError):
     """The caller's page and the stored page differ in size."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage, page_nbytes
 from kvconnect.connectors.buffers import buffer_address, gather_many, scatter_many
 from kvconnect.connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.errors import ConfigError
 
 _EVICTED_KEPT = 65536  # how many evicted keys a miss can still be explained by
 
@@ -25,7 +26,8 @@ class MemoryStoreConfig(StoreConfig):
 
     def __post_init__(self) -> None:
         if self.capacity <= 0:
-            raise ValueError("capacity must be > 0")
+            raise ConfigError("capacity", f"must be > 0, got {self.capacity}", "1..2**50 bytes ('4gb' style)",
+                              "store 'memory'")
 
 
 class MemoryStore(PageStore):

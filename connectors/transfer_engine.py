@@ -55,6 +55,25 @@ def apply_engine_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
+def set_rdma_port(protocol: str, gid_index: int, ib_port: int, user: str) -> None:
+    """The RDMA GID index and HCA port (-1 / 0: the engine's choice). The engine reads them
+    from ``MC_GID_INDEX`` / ``MC_IB_PORT`` when it is created; over TCP they mean nothing."""
+    given = {}
+    if gid_index >= 0:
+        given["MC_GID_INDEX"] = gid_index
+    if ib_port > 0:
+        given["MC_IB_PORT"] = ib_port
+    if not given:
+        return
+    if protocol == "tcp":
+        import logging
+
+        logging.getLogger(__name__).info("%s: gid_index / ib_port ignored: protocol is tcp", user)
+        return
+    for name, value in given.items():
+        os.environ[name] = str(value)
+
+
 def set_transfer_timeout(seconds: float) -> None:
     """The engine's transfer timeout, read once when it is created (whole seconds, >= 5)."""
     os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(5, int(round(seconds)))))

@@ -37,7 +37,12 @@ class KeySpace:
         tp_rank/tp_size, pp_rank/pp_size, cp_rank/cp_size: parallel ranks.
         rank_replicated: KV identical on every TP rank (MLA): rank left out of the key.
         pool: which pool the page belongs to (``kv``, ``mamba``, ``swa``, ``indexer``, ...).
-        tenant: tenant or cache salt; different tenants never share pages.
+        tenant: the tenant; different tenants never share pages.
+        salt: a per-request cache salt (LMCache's ``cache_salt``) within the tenant. Tenant and
+            salt are separate fields of the digested identity, never joined into one string,
+            so no (tenant, salt) pair can name another pair's key space (``a`` + salt ``b/``
+            and ``a/b`` with no salt used to be one key space). Without a salt the identity,
+            hence every key, is what it was before the field existed.
     """
 
     model: str
@@ -55,6 +60,7 @@ class KeySpace:
     rank_replicated: bool = False
     pool: str = "kv"
     tenant: str = ""
+    salt: str = ""
     _prefix: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -72,6 +78,8 @@ class KeySpace:
         """The fields that go into the key (rank left out for rank-replicated KV)."""
         d = asdict(self)
         d.pop("_prefix", None)
+        if not self.salt:
+            del d["salt"]  # keys of unsalted spaces stay as they were
         if self.rank_replicated:
             d["tp_rank"] = None
             d["tp_size"] = None
@@ -103,6 +111,6 @@ class KeySpace:
             ranks += f" pp{self.pp_rank}/{self.pp_size}"
         if self.cp_size > 1:
             ranks += f" cp{self.cp_rank}/{self.cp_size}"
-        tenant = f" tenant={self.tenant}" if self.tenant else ""
+        tenant = (f" tenant={self.tenant}" if self.tenant else "") + (f" salt={self.salt}" if self.salt else "")
         return (f"{self.model} [{self.pool}] {self.layout} page={self.page_size} {self.dtype} "
                 f"{self.geometry} {ranks}{tenant} -> {self._prefix}")

@@ -225,8 +225,8 @@ class ObjectKeyMapper:
     """``ObjectKey`` -> (key space, page hash); key spaces cached per (model, object group, salt).
 
     The key space carries the model, the pool (``kv`` for object group 0, ``kv.g<N>`` for
-    the others), the tenant and cache salt (``"<tenant>/<salt>"``: a salt never holds '/',
-    so the pair is unambiguous) and the model fingerprint. The page hash is
+    the others), the tenant and the cache salt (separate fields of the key space: no pair
+    of them shares a key space with another pair) and the model fingerprint. The page hash is
     ``r<kv_rank hex>-<chunk hash hex>``.
     """
 
@@ -244,10 +244,9 @@ class ObjectKeyMapper:
             if ks is not None:
                 self._spaces.move_to_end(ident)
                 return ks
-        tenant = f"{self.tenant}/{salt}" if (self.tenant or salt) else ""
         ks = KeySpace(model=model or "<unnamed>", layout=KEY_LAYOUT, dtype="lmcache",
                       weights=self.model_fingerprint, pool="kv" if group == 0 else f"kv.g{group}",
-                      tenant=tenant)
+                      tenant=self.tenant, salt=salt)
         with self._lock:
             self._spaces[ident] = ks
             while len(self._spaces) > self._max:

@@ -503,10 +503,9 @@ class RemoteMetadata(LeasedWrites):
         self._init_leases(lease_ahead)
         self._metadata = grpc_metadata(token)
         self._secret = token.encode() if token else b""
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.enable_retries", 0), ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.keepalive_time_ms", 30000)])
+        from kvconnect.connectors.rpc import channel
+
+        self._channel = channel(address, [("grpc.enable_retries", 0), ("grpc.keepalive_time_ms", 30000)])
         self._calls = {m: self._channel.unary_unary(P.path(m)) for m in P.METHODS}
         self._stream_call = self._channel.stream_stream(P.path(P.SESSION))
         self._idle: list[_Session] = []
@@ -732,4 +731,6 @@ class RemoteMetadata(LeasedWrites):
             conn.close()
         if self._watchdog is not None:
             self._watchdog.close()
-        self._channel.close()
+        from kvconnect.connectors.rpc import close_channels
+
+        close_channels([self._channel])

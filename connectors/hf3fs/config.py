@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 from kvconnect.connectors.auth import env_var, resolve_token
 from kvconnect.connectors.base import ConfigError
-from kvconnect.connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.config import Range, Size, StoreConfig, field_doc
 
 ENV_CONFIG_PATH = "SGLANG_HICACHE_HF3FS_CONFIG_PATH"
 ENV_TOKEN = env_var("hf3fs")
@@ -38,8 +38,8 @@ class HF3FSConfig(StoreConfig):
     # -- SGLang's hf3fs keys (same names, same meaning) ------------------------------
     file_path_prefix: str = field(metadata=field_doc("data file prefix; the file is {prefix}.{rank}.bin"))
     file_size: Size = field(metadata=field_doc("bytes per data file ('1tb' style accepted)"))
-    numjobs: int = field(metadata=field_doc("I/O worker threads (and usrbio rings) per store"))
-    entries: int = field(metadata=field_doc("pages per I/O submission (one worker task)"))
+    numjobs: Annotated[int, Range(1, 1024)] = field(metadata=field_doc("I/O worker threads (and usrbio rings) per store"))
+    entries: Annotated[int, Range(1, 65536)] = field(metadata=field_doc("pages per I/O submission (one worker task)"))
     metadata_server_url: str | None = field(default=None, metadata=field_doc(
         "page index: the kvconnect metadata service (http://host:port, grpc://host:port or host:port), "
         "or Redis/Valkey (redis://[user@]host:port[/db], rediss://... with TLS, "
@@ -68,7 +68,7 @@ class HF3FSConfig(StoreConfig):
         "{file}.x{n}, {file}.x{n}.1, ... so that writes to different files run in parallel"))
     page_bytes: Size | None = field(default=None, metadata=field_doc(
         "bytes per page; default: the engine's page size (or the first page written)"))
-    meta_retries: int = field(default=3, metadata=field_doc("metadata RPC attempts before a miss"))
+    meta_retries: Annotated[int, Range(1, 100)] = field(default=3, metadata=field_doc("metadata RPC attempts before a miss"))
     fsync_data: bool = field(default=False, metadata=field_doc(
         "fdatasync the data file before confirming a write (power-loss safety)"))
     use_mock_hf3fs_client: bool = field(default=False, metadata=field_doc(
@@ -115,6 +115,8 @@ class HF3FSConfig(StoreConfig):
         if self.page_bytes is not None and self.file_size // self.page_bytes < 1:
             raise ConfigError("file_size", f"{self.file_size} bytes hold no page of {self.page_bytes} bytes",
                               None, where)
+        if self.page_bytes is not None:
+            check_page_count(self.file_size, self.page_bytes, where)
         if self.metadata_server_url is not None:
             check_meta_url(self.metadata_server_url)
         _check_redis_keys(self, where)
@@ -122,6 +124,16 @@ class HF3FSConfig(StoreConfig):
     def token(self) -> str | None:
         """The shared secret: ``auth_token``, else ``auth_token_file``, else the env var."""
         return resolve_token(self.auth_token, self.auth_token_file, "hf3fs")
+
+
+def check_page_count(file_size: int, page_bytes: int, where: str | None = "store 'hf3fs'") -> None:
+    """A ``ConfigError`` (naming ``file_size``) for a file of more pages than an index holds."""
+    from kvconnect.connectors.hf3fs.index import MAX_PAGES
+
+    if file_size // page_bytes > MAX_PAGES:
+        raise ConfigError("file_size", f"{file_size} bytes are {file_size // page_bytes} pages of {page_bytes} bytes",
+                          f"at most {MAX_PAGES} pages per file: file_size <= {MAX_PAGES * page_bytes} "
+                          f"for pages of {page_bytes} bytes (the index keeps ~40 bytes per page)", where)
 
 
 def check_meta_url(url: str) -> None:

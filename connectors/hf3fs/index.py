@@ -55,6 +55,10 @@ PUT_DUP = 2  # the key is stored or in flight elsewhere; the slot stays leased t
 
 FREE, RESERVED, CONFIRMED = 0, 1, 2
 
+MAX_PAGES = 1 << 27
+"""Pages one namespace (data file) may have: the index keeps ~40 bytes per page from the
+start (5 GiB at this bound), so a file_size typo must not become an allocation."""
+
 DEFAULT_READ_LEASE_S = 2.0
 DEFAULT_WRITE_LEASE_S = 30.0
 
@@ -146,6 +150,9 @@ class PageIndex:
             if space is None and num_pages > 0:
                 if page_bytes <= 0:
                     raise IndexError_(f"namespace {ns!r}: page_bytes must be > 0")
+                if num_pages > MAX_PAGES:
+                    raise IndexError_(f"namespace {ns!r}: {num_pages} pages; at most {MAX_PAGES} per file "
+                                      "(a smaller file_size)")
                 space = self.spaces[ns] = Namespace(ns, num_pages, page_bytes)
                 if self.journal is not None:
                     self.journal.record("init", ns, num_pages=num_pages, page_bytes=page_bytes)

@@ -38,10 +38,33 @@ def connect_metadata(config: HF3FSConfig, ns: str) -> MetadataClient:
     except AuthError as e:
         client.close()
         raise ConfigError("auth_token", str(e)) from e
-    except MetadataError as e:
+    except (MetadataError, BackendUnavailable) as e:
         client.close()
+        if not is_redis_url(url) and _answers_http(parse_meta_url(url)):
+            raise ConfigError(
+                "metadata_server_url",
+                f"{url} answers plain HTTP, not kvconnect's gRPC metadata service: it looks like SGLang's "
+                "mini_3fs_metadata_server, whose API kvconnect does not speak. Run "
+                "'kvconnect hf3fs-meta serve --host HOST --port PORT --data-dir DIR' (it also takes that "
+                "server's --persistence-path / --save-interval flags) and point metadata_server_url at it",
+                "http://HOST:PORT of 'kvconnect hf3fs-meta serve', or redis://...") from e
+        if isinstance(e, BackendUnavailable):
+            raise
         raise BackendUnavailable("hf3fs", f"{e} (config key 'metadata_server_url')") from e
     except BaseException:
         client.close()
         raise
     return client
+
+
+def _answers_http(address: str, timeout: float = 1.0) -> bool:
+    """Whether ``host:port`` answers an HTTP/1.0 request (our service speaks only gRPC there)."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+            s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+            return s.recv(5) == b"HTTP/"
+    except (OSError, ValueError):
+        return False

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import grpc
 
-from kvconnect.connectors.auth import grpc_caller_ok, token_matches
+from kvconnect.connectors.auth import token_matches
+from kvconnect.connectors.rpc import AioAuthInterceptor, raise_nofile_limit, server_options, warn_if_open
 from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, IndexError_, PageIndex
 from kvconnect.connectors.hf3fs.wal import Journal
@@ -76,12 +78,17 @@ class _Abort(Exception):
 class MetaService:
     """Handlers for every method of ``protocol.METHODS`` over one ``PageIndex``."""
 
-    def __init__(self, index: PageIndex, journal: Journal | None, token: str | None):
+    def __init__(self, index: PageIndex, journal: Journal | None, token: str | None,
+                 hello_timeout_s: float = 2.0, max_unauthenticated: int = 256):
         self.index = index
         self.journal = journal
         self._token = token or None
         self.tcp_port = 0  # the framed TCP listener's port, once bound (0: none)
         self.metrics: ServiceMetrics | None = None
+        # framed TCP connections that have not sent HELLO yet, oldest first (event loop only)
+        self.hello_timeout_s = hello_timeout_s
+        self.max_unauthenticated = max_unauthenticated
+        self.unauthenticated: dict["_Framed", None] = {}
         self.by_id = [getattr(self, m) for m in P.METHODS]
 
     def hello_ok(self, secret: bytes) -> bool:
@@ -121,12 +128,6 @@ class MetaService:
     def _connected(self, transport: str, delta: int) -> None:
         if self.metrics is not None:
             self.metrics.connections.labels(transport).inc(delta)
-
-    # -- auth ---------------------------------------------------------------------------
-    def _check(self, context: grpc.ServicerContext) -> None:
-        """gRPC: the bearer token in the call's metadata."""
-        if not grpc_caller_ok(context, self._token):
-            raise _Abort(grpc.StatusCode.UNAUTHENTICATED, "hf3fs-meta: missing or wrong token")
 
     def _commit(self) -> None:
         if self.journal is not None:
@@ -240,8 +241,7 @@ class MetaService:
         import asyncio
 
         def wrap(fn):
-            def call(req, ctx):
-                self._check(ctx)
+            def call(req, ctx):  # the token was checked from the metadata (AioAuthInterceptor)
                 return self._run(fn, req)
 
             if blocking:
@@ -261,10 +261,6 @@ class MetaService:
         handlers = {m: wrap(getattr(self, m)) for m in P.METHODS}
 
         async def session(requests, ctx):
-            try:
-                self._check(ctx)
-            except _Abort as a:
-                await ctx.abort(a.code, a.message)
             loop = asyncio.get_running_loop()
             self._connected("grpc", 1)
             try:
@@ -289,11 +285,24 @@ class _Framed:
         self.authed = False
         self.busy = False
         self.transport = None
+        self.hello_timer = None
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.service._connected("tcp", 1)
+        # Before HELLO a connection is bounded in time and in number: idle or slow
+        # connections must not use up the process's descriptors. Past the cap the oldest
+        # waiting one goes (a real client sends HELLO at once, so it is rarely the oldest).
+        pending = self.service.unauthenticated
+        while len(pending) >= self.service.max_unauthenticated:
+            oldest = next(iter(pending))
+            pending.pop(oldest)
+            oldest._abort()
+        pending[self] = None
+        import asyncio
+
+        self.hello_timer = asyncio.get_running_loop().call_later(self.service.hello_timeout_s, self._expire)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             import socket
@@ -303,6 +312,23 @@ class _Framed:
     def connection_lost(self, exc) -> None:
         self.transport = None
         self.service._connected("tcp", -1)
+        self._authenticated()
+
+    def _authenticated(self) -> None:
+        self.service.unauthenticated.pop(self, None)
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+            self.hello_timer = None
+
+    def _expire(self) -> None:
+        self.hello_timer = None
+        if not self.authed:
+            self._abort()
+
+    def _abort(self) -> None:
+        self.service.unauthenticated.pop(self, None)
+        if self.transport is not None:
+            self.transport.abort()  # no lingering close: the descriptor is freed now
 
     def eof_received(self):
         return False
@@ -334,6 +360,7 @@ class _Framed:
             del buf[:4 + n]
             if not self.authed:
                 self.authed = msg[0] == P.HELLO and self.service.hello_ok(msg[1:])
+                self._authenticated()
                 self._reply(P.OK if self.authed else P.ERR + b"UNAUTHENTICATED\nhf3fs-meta: missing or wrong token")
                 if not self.authed:
                     self.transport.close()
@@ -368,16 +395,19 @@ class MetaServer:
                  token: str | None = None, fsync: str = "interval", workers: int = 8,
                  read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
                  snapshot_interval_s: float = 60.0, tcp_port: int | None = None,
-                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1"):
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 hello_timeout_s: float = 2.0, max_unauthenticated: int = 256):
         """``tcp_port``: the framed TCP listener's port (``None`` or 0: any free port, which
         clients learn from ``Endpoint``; -1: none, gRPC only). ``metrics_port``: serve
-        ``/metrics`` there, on ``metrics_host`` (None: no metrics)."""
+        ``/metrics`` there, on ``metrics_host`` (None: no metrics). ``hello_timeout_s`` /
+        ``max_unauthenticated``: a framed TCP connection without HELLO is closed after that
+        long, and at most that many wait for theirs."""
         import asyncio
 
         self.journal = Journal(data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s) if data_dir else None
         self.index = PageIndex(read_lease_s=read_lease_s, write_lease_s=write_lease_s, journal=self.journal)
         self.recovery = self.journal.open(self.index) if self.journal else {}
-        self.service = MetaService(self.index, self.journal, token)
+        self.service = MetaService(self.index, self.journal, token, hello_timeout_s, max_unauthenticated)
         self.metrics_port, self._metrics_host = None, metrics_host
         if metrics_port is not None:
             from kvconnect.connectors.metrics import serve_metrics
@@ -391,9 +421,7 @@ class MetaServer:
         self._thread.start()
 
         async def build():
-            server = grpc.aio.server(options=[
-                ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                ("grpc.so_reuseport", 0)])
+            server = grpc.aio.server(options=server_options(), interceptors=[AioAuthInterceptor(token)])
             from kvconnect.connectors import grpc_health
 
             server.add_generic_rpc_handlers((self.service.handler(blocking=fsync == "always"),
@@ -460,12 +488,16 @@ class MetaServer:
 def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "interval",
           workers: int = 8, snapshot_interval_s: float = 60.0, ready_file: str | None = None,
           read_lease_s: float = DEFAULT_READ_LEASE_S, write_lease_s: float = DEFAULT_WRITE_LEASE_S,
-          tcp_port: int | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
+          tcp_port: int | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+          hello_timeout_s: float = 2.0, max_unauthenticated: int = 256) -> int:
     """Run until SIGTERM/SIGINT; a clean stop writes a final snapshot."""
     t0 = time.monotonic()
+    raise_nofile_limit(log)
+    warn_if_open("hf3fs-meta", host, token, log)
     srv = MetaServer(host, port, data_dir, token, fsync=fsync, workers=workers, read_lease_s=read_lease_s,
                      write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s, tcp_port=tcp_port,
-                     metrics_port=metrics_port, metrics_host=metrics_host).start()
+                     metrics_port=metrics_port, metrics_host=metrics_host, hello_timeout_s=hello_timeout_s,
+                     max_unauthenticated=max_unauthenticated).start()
     log.info("hf3fs-meta listening on %s (framed TCP port %s; data dir %s, fsync %s, auth %s; metrics %s); "
              "recovered %s in %.2fs", srv.address, srv.service.tcp_port or "off", data_dir, fsync,
              "token" if token else "off",
@@ -473,8 +505,10 @@ def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "
              time.monotonic() - t0)
     print(f"hf3fs-meta ready on {srv.address}", flush=True)
     if ready_file:
-        Path(ready_file).write_text(json.dumps({"address": srv.address, "recovery": srv.recovery,
-                                                "metrics_port": srv.metrics_port}))
+        # whole or absent: a script polling for the file must never read half of it
+        Path(ready_file + ".tmp").write_text(json.dumps({"address": srv.address, "recovery": srv.recovery,
+                                                         "metrics_port": srv.metrics_port}))
+        os.replace(ready_file + ".tmp", ready_file)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -44,7 +44,7 @@ from typing import Any, Mapping
 from kvconnect.connectors.base import (BackendUnavailable, Capability, ConfigError, MissingDependency, Page, PageStore,
                                        StoreUsage)
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
-from kvconnect.connectors.hf3fs.config import HF3FSConfig, merged_options, parse_meta_url
+from kvconnect.connectors.hf3fs.config import HF3FSConfig, check_page_count, merged_options, parse_meta_url
 from kvconnect.connectors.buffers import page_checksum
 from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
                                               on_3fs_mount, on_local_fs, usable_cpus)
@@ -297,6 +297,7 @@ class HF3FSStore(PageStore):
             if create and num_pages < 1:
                 raise ConfigError("file_size", f"{self.config.file_size} bytes hold no page of {page_bytes} bytes",
                                   "a file_size of at least one page")
+            check_page_count(self.config.file_size, page_bytes)
             # The primary namespace takes the first size registered in it, by anyone.
             for primary in (True, False):
                 ns, path = self._lane_names(page_bytes, primary)
@@ -404,11 +405,7 @@ class HF3FSStore(PageStore):
     # ------------------------------------------------------------------ primitives
     @staticmethod
     def _encode(keys: list[str]) -> list[bytes]:
-        out = [k.encode() for k in keys]
-        for k in out:
-            if b"\n" in k or not k:
-                raise ValueError(f"hf3fs: keys must be non-empty and free of newlines, got {k!r}")
-        return out
+        return [k.encode() for k in keys]  # the base class refused empty keys and newlines (the wire's separator)
 
     @staticmethod
     def _by_size(pages: list[Page]) -> dict[int, list[int]]:

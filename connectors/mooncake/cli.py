@@ -16,6 +16,8 @@ import logging
 import signal
 import threading
 
+from kvconnect.connectors.config import port_arg
+
 log = logging.getLogger("kvconnect.mooncake")
 
 
@@ -25,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory to contribute, e.g. '4gb' (else MOONCAKE_GLOBAL_SEGMENT_SIZE, default 4gb)")
     p.add_argument("--option", "-o", action="append", default=[], metavar="KEY=VALUE",
                    help="any mooncake store option (see `kvconnect stores`); repeatable")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=port_arg(), default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", default="127.0.0.1", help="bind address for /metrics (default 127.0.0.1)")
 
 

@@ -183,25 +183,31 @@ class MooncakeStore(PageStore):
                         "direct_pages": 0, "staged_pages": 0, "poisoned_removed": 0,
                         "local_copy_pages": 0, "local_copy_late": 0, "shared_copy_pages": 0,
                         "shared_copy_holder_gone": 0}
-        self._client = self._connect()
-        if config.prefer_local_segment:  # the segment name is known only once set up
-            self._replicate.preferred_segment = self._client.get_hostname()
+        self._shared_file: SharedSegmentFile | None = None
+        self._same_host = None
         self._staging = StagingMemory(config.staging_size, register=lambda addr, n: self._check_rc(
             "register staging buffer", self._client.register_buffer(addr, n)))
         try:
-            self._staging.prepare()
-        except Exception:
-            self._client.close()
+            self._client = self._connect()
+        except BaseException:
             self._runner.close()
             raise
-        self._shared_file: SharedSegmentFile | None = None
-        if config.shared_segment:
-            self._shared_file = self._mount_shared_segment()
-        self._own_endpoint = self._find_own_endpoint(ReplicateConfig) \
-            if (config.local_copy or config.shared_segment) and config.global_segment_size > 0 else None
-        if self._shared_file is not None:
-            self._publish_shared_segment()
-        self._same_host = SameHostSegments(config.shared_segment_dir) if config.local_copy else None
+        # All or nothing: a start that fails after the client joined the cluster (staging,
+        # a shared segment, the endpoint probe) closes the client and what it mounted.
+        try:
+            if config.prefer_local_segment:  # the segment name is known only once set up
+                self._replicate.preferred_segment = self._client.get_hostname()
+            self._staging.prepare()
+            if config.shared_segment:
+                self._shared_file = self._mount_shared_segment()
+            self._own_endpoint = self._find_own_endpoint(ReplicateConfig) \
+                if (config.local_copy or config.shared_segment) and config.global_segment_size > 0 else None
+            if self._shared_file is not None:
+                self._publish_shared_segment()
+            self._same_host = SameHostSegments(config.shared_segment_dir) if config.local_copy else None
+        except BaseException:
+            self._close()
+            raise
 
     def _mount_shared_segment(self) -> SharedSegmentFile:
         """Lend the segment from a shared-memory file (``shared_segment``)."""
@@ -209,12 +215,10 @@ class MooncakeStore(PageStore):
         try:
             shared = SharedSegmentFile(c.shared_segment_dir, c.global_segment_size)
         except OSError as e:
-            self._close_client()
             raise BackendUnavailable("mooncake", f"shared_segment: {e}") from e
         result = self._call("mount_segment", self._client.mount_segment, shared.path, c.global_segment_size)
         if not result or result.get("ret") != 0:
             shared.close()
-            self._close_client()
             raise BackendUnavailable("mooncake", f"shared_segment: mount_segment({shared.path}) "
                                                  f"returned {result}")
         return shared
@@ -230,14 +234,6 @@ class MooncakeStore(PageStore):
         shared.publish(self._own_endpoint, base)
         log.info("mooncake: shared segment %s (%d bytes) published for same-host readers at %s",
                  shared.path, shared.nbytes, self._own_endpoint)
-
-    def _close_client(self) -> None:
-        try:
-            for addr in self._staging.addresses:
-                self._client.unregister_buffer(addr)
-            self._client.close()
-        finally:
-            self._runner.close()
 
     def _find_own_endpoint(self, ReplicateConfig: Any) -> str | None:
         """The transport endpoint of this process's segment (``local_copy``), else None."""

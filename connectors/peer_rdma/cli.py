@@ -17,10 +17,11 @@ import sys
 import threading
 
 _FLAGS = ("discovery_addr", "bind_host", "local_hostname", "control_port", "global_segment_size",
-          "protocol", "device_name", "device_names", "disk_path", "disk_size", "auth_token")
+          "protocol", "device_name", "device_names", "disk_path", "disk_size", "auth_token", "auth_token_file")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvconnect.connectors.config import port_arg
     from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig  # light: no grpc / mooncake import
 
     fields = {f.name: f for f in dataclasses.fields(PeerRdmaConfig)}
@@ -30,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f = fields[key]  # one source of truth for option docs: the config dataclass
         s.add_argument("--" + key.replace("_", "-"), dest=key, default=None,
                        help=f"{f.metadata.get('help', '')} (default: {f.default!r})")
-    s.add_argument("--metrics-port", type=int, default=None,
+    s.add_argument("--metrics-port", type=port_arg(), default=None,
                    help="serve Prometheus /metrics on this port (0: any free port; default: none)")
     s.add_argument("--metrics-host", "--metrics-bind-host", dest="metrics_host", default="127.0.0.1",
                    help="address /metrics binds (default 127.0.0.1; unauthenticated: a WARNING beyond loopback)")
@@ -39,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--ready-file", default=None, help="write the node id here once joined (scripts, tests)")
     t = sub.add_parser("status", help="print a node's members and counters as JSON")
     t.add_argument("address", help="control address host:port")
-    t.add_argument("--token", default=None, help="shared token (default: $KVCONNECT_PEER_TOKEN)")
+    t.add_argument("--token", default=None, help="shared token (default: --token-file, else $KVCONNECT_PEER_TOKEN)")
+    t.add_argument("--token-file", default=None, help="file holding the shared token")
     t.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the node (default 2)")
 
 
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         from kvconnect.connectors.auth import resolve_token
         from kvconnect.connectors.peer_rdma.rpc import Clients
 
-        c = Clients(resolve_token(args.token, None, "peer") or "", args.timeout)
+        c = Clients(resolve_token(args.token, args.token_file, "peer") or "", args.timeout)
         try:
             print(json.dumps(c.call(args.address, "Stats", []), indent=2, sort_keys=True))
         finally:
@@ -73,7 +75,19 @@ def run(args: argparse.Namespace) -> int:
 
     from kvconnect.connectors.registry import create_store
 
+    if args.auth_token:
+        from kvconnect.connectors.auth import warn_token_on_command_line
+
+        warn_token_on_command_line("--auth-token", "--auth-token-file")
     store = create_store("peer_rdma", options_from_args(args))
+    try:
+        return _serve(args, store)
+    finally:
+        store.close()  # clean leave, also when the node fails after it joined (a metrics port taken)
+        print(f"peer node {store.node.node_id} left", file=sys.stderr, flush=True)
+
+
+def _serve(args: argparse.Namespace, store) -> int:
     node = store.node
     port = None
     if args.metrics_port is not None:
@@ -94,6 +108,4 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    store.close()  # clean leave
-    print(f"peer node {node.node_id} left", file=sys.stderr, flush=True)
     return 0

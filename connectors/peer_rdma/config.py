@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from kvconnect.connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.config import Range, Size, StoreConfig, field_doc
 
 
 @dataclass(frozen=True)
@@ -17,10 +17,14 @@ class PeerRdmaConfig(StoreConfig):
     device_name: str = field(default="", metadata=field_doc("RDMA device, e.g. mlx5_0 (empty: auto)"))
     device_names: str = field(default="", metadata=field_doc(
         "RDMA devices (rails), comma-separated; overrides device_name"))
+    gid_index: Annotated[int, Range(-1, 255)] = field(default=-1, metadata=field_doc(
+        "RDMA GID index (RoCE), as MC_GID_INDEX; -1: the engine's choice; ignored over tcp"))
+    ib_port: Annotated[int, Range(0, 255)] = field(default=0, metadata=field_doc(
+        "RDMA HCA port, as MC_IB_PORT; 0: the engine's choice; ignored over tcp"))
     local_hostname: str = field(default="", metadata=field_doc(
         "address peers use to reach this node (default: bind_host, or the route to the first seed)"))
     bind_host: str = field(default="127.0.0.1", metadata=field_doc("address the control plane listens on"))
-    control_port: int = field(default=-1, metadata=field_doc(
+    control_port: Annotated[int, Range(-1, 65535)] = field(default=-1, metadata=field_doc(
         "control (gRPC) port; -1: the discovery_addr port if it is free here, else any; 0: any"))
     global_segment_size: Size = field(default=4 << 30, metadata=field_doc(
         "memory this node lends to the pool ('16gb' style); 0: store no pages"))

@@ -37,7 +37,8 @@ from kvconnect.connectors.peer_rdma.rehome import Rehoming
 from kvconnect.connectors.peer_rdma.rpc import Clients, serve
 from kvconnect.connectors.peer_rdma.segment import Segment, Slot
 from kvconnect.connectors.peer_rdma.writes import Writer
-from kvconnect.connectors.transfer_engine import EngineClient, StagingMemory
+from kvconnect.connectors.rpc import is_loopback, warn_if_open
+from kvconnect.connectors.transfer_engine import EngineClient, StagingMemory, set_rdma_port
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class PeerNode:
         seed_host = c.seeds[0].rpartition(":")[0]
         bind = c.bind_host
         self.hostname = c.local_hostname or (bind if bind not in ("0.0.0.0", "::", "") else _route_to(seed_host))
+        warn_if_open("peer_rdma node (control plane)", bind, c.token, log)
+        if c.local_hostname and not is_loopback(c.local_hostname) and is_loopback(bind):
+            log.warning("peer_rdma: local_hostname %s is announced to peers but bind_host is %s: no other "
+                        "host can reach this node's control port; set bind_host to %s (or 0.0.0.0)",
+                        c.local_hostname, bind, c.local_hostname)
 
         self.directory = DirectoryShard(self)
         self.announcer = Announcer(self)
@@ -89,9 +95,21 @@ class PeerNode:
         self.holder = Holder(self)
         self.reader = Reader(self)
         self.writer = Writer(self)
+        # All or nothing: a start that fails half way (a port, a read-only disk_path) stops
+        # what it started (listener, Transfer Engine, threads) before the error goes up.
+        self.segment = self.transport = self.staging = self.clients = self.server = self.disk = None
+        self.membership: Membership | None = None
+        self._threads: list[threading.Thread] = []
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-io")
+        try:
+            self._start(c, bind)
+        except BaseException:
+            self._close_started(leave=False)
+            raise
 
+    def _start(self, c: PeerRdmaConfig, bind: str) -> None:
         self.segment = Segment(c.global_segment_size, on_evict=self.announcer.evicted, populate=c.populate_segment)
+        set_rdma_port(c.protocol, c.gid_index, c.ib_port, "peer_rdma")
         self.transport = EngineClient(self.hostname, c.protocol, c.devices, user="peer_rdma", extra="peer",
                                       transfer_timeout_s=c.transfer_timeout)
         # Registered chunks that remote pages are read through (and unregistered pages
@@ -102,7 +120,6 @@ class PeerNode:
                                      arena_bytes=chunk, populate=True)
         if c.global_segment_size:
             self.transport.register(self.segment.base, c.global_segment_size)
-        self.disk = None
         self.clients = Clients(c.token, c.rpc_timeout)
         handlers = {
             "Heartbeat": lambda r: self.membership.handle_heartbeat(r),
@@ -114,7 +131,6 @@ class PeerNode:
             "Stats": lambda _r: self.metrics(),
         }
         port = c.control_port
-        self.server = None
         if port == -1:
             seed_port = int(c.seeds[0].rpartition(":")[2])
             try:
@@ -135,8 +151,8 @@ class PeerNode:
         self.membership = Membership(self.me, c.seeds, self.clients, interval=c.heartbeat_interval,
                                      ttl=c.member_ttl, on_change=self.rehoming.on_view_change)
         self.clients.on_reply = self.membership.touch
-        self._threads = [threading.Thread(target=self.announcer.loop, name="peer-outbox", daemon=True),
-                         threading.Thread(target=self.rehoming.loop, name="peer-rehome", daemon=True)]
+        self._threads += [threading.Thread(target=self.announcer.loop, name="peer-outbox", daemon=True),
+                          threading.Thread(target=self.rehoming.loop, name="peer-rehome", daemon=True)]
         for t in self._threads:
             t.start()
         joined = self.membership.join(c.join_timeout)
@@ -249,16 +265,21 @@ class PeerNode:
     def close(self, leave: bool = True) -> None:
         if self._closed:
             return
+        self._close_started(leave)
+
+    def _close_started(self, leave: bool) -> None:
+        """Stop whatever has been started (all of it after a full start)."""
         self._closed = True
-        self.membership.stop(leave=leave)
-        self.server.stop(grace=0.5).wait(2)
+        if self.membership is not None:
+            self.membership.stop(leave=leave)
+        if self.server is not None:
+            self.server.stop(grace=0.5).wait(2)
         self.announcer.wake()
         self.rehoming.wake()
         for t in self._threads:
             t.join(5)
         self.io.shutdown(wait=True)
-        self.clients.close()
-        if self.disk is not None:
-            self.disk.close()
-        self.transport.close()
-        self.segment.close()
+        # (staging memory stays: a transfer given up on may still land in it)
+        for part in (self.clients, self.disk, self.transport, self.segment):
+            if part is not None:
+                part.close()

@@ -4,7 +4,7 @@ No generated stubs and no protoc: each method is registered through a generic ha
 whose (de)serialisers are msgpack, so adding a method is one entry in a dict. Every call
 carries the shared token as kvconnect's control planes do (``kvconnect.connectors.auth``:
 ``authorization: Bearer <token>``); a server with a token refuses calls without the same
-token (UNAUTHENTICATED) before any handler runs.
+token (UNAUTHENTICATED) before its body is read (``kvconnect.connectors.rpc``).
 """
 
 from __future__ import annotations
@@ -17,23 +17,13 @@ from typing import Any, Callable, Mapping
 import grpc
 import msgpack
 
-from kvconnect.connectors.auth import grpc_caller_ok, grpc_metadata
+from kvconnect.connectors.auth import grpc_metadata
+from kvconnect.connectors.rpc import AuthInterceptor, close_channels, server_options
+from kvconnect.connectors.rpc import channel as new_channel
 
 log = logging.getLogger(__name__)
 
 SERVICE = "kvconnect.peer.Peer"
-
-_CHANNEL_OPTIONS = [
-    # A peer that comes back (rejoin after kill -9 or a healed partition) must be reachable
-    # again within a heartbeat or two, not after gRPC's default backoff of up to 120 s.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.enable_http_proxy", 0),
-]
-
 
 def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
@@ -52,12 +42,10 @@ class RpcError(Exception):
 
 
 def serve(handlers: Mapping[str, Callable[[Any], Any]], host: str, port: int, token: str,
-          workers: int = 32) -> tuple[grpc.Server, int]:
+          workers: int = 32) -> tuple["_Server", int]:
     """Start a gRPC server exposing ``handlers`` (name -> fn(request) -> response)."""
     def wrap(name: str, fn: Callable[[Any], Any]):
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
-            if not grpc_caller_ok(context, token):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing token")
             try:
                 return fn(request)
             except Exception as e:  # noqa: BLE001 - an error becomes a status, never a dead server
@@ -70,13 +58,31 @@ def serve(handlers: Mapping[str, Callable[[Any], Any]], host: str, port: int, to
     generic = grpc.method_handlers_generic_handler(SERVICE, {n: wrap(n, f) for n, f in handlers.items()})
     from kvconnect.connectors import grpc_health
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-rpc"),
-                         handlers=[generic, grpc_health.handler((SERVICE,))], options=_CHANNEL_OPTIONS)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    pool = futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="peer-rpc")
+    server = _Server(grpc.server(pool, handlers=[generic, grpc_health.handler((SERVICE,))],
+                                 interceptors=[AuthInterceptor(token)], options=server_options()), pool)
+    try:
+        bound = server.server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
     if not bound:
-        raise OSError(f"cannot bind the peer control port {host}:{port}")
-    server.start()
+        server.stop(0)
+        raise OSError(f"cannot bind the peer control port {host}:{port} (in use? control_port, discovery_addr)")
+    server.server.start()
     return server, bound
+
+
+class _Server:
+    """A gRPC server that also ends its handler threads when stopped (gRPC leaves them)."""
+
+    def __init__(self, server: grpc.Server, pool: futures.ThreadPoolExecutor):
+        self.server, self.pool = server, pool
+
+    def stop(self, grace: float | None) -> threading.Event:
+        done = self.server.stop(grace)
+        done.wait((grace or 0) + 2)
+        self.pool.shutdown(wait=False)
+        return done
 
 
 class Clients:
@@ -96,7 +102,7 @@ class Clients:
         with self._lock:
             entry = self._channels.get(target)
             if entry is None:
-                entry = (grpc.insecure_channel(target, options=_CHANNEL_OPTIONS), {})
+                entry = (new_channel(target), {})
                 self._channels[target] = entry
             channel, stubs = entry
             stub = stubs.get(method)
@@ -144,12 +150,11 @@ class Clients:
         with self._lock:
             entry = self._channels.pop(target, None)
         if entry:
-            entry[0].close()
+            close_channels([entry[0]])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         self._member_pool.shutdown(wait=False)
         with self._lock:
             chans, self._channels = list(self._channels.values()), {}
-        for ch, _ in chans:
-            ch.close()
+        close_channels(ch for ch, _ in chans)

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import pytest
 
-from kvconnect.connectors.base import PageStore, StoreClosed, UnknownConfigKey
+from kvconnect.connectors.base import MAX_KEY_BYTES, InvalidKey, PageStore, StoreClosed, UnknownConfigKey
 from kvconnect.connectors.buffers import HostBuffer
 from kvconnect.connectors.registry import create_store
 from kvconnect.namespace import count_hits
@@ -214,6 +214,34 @@ class PageStoreConformance:
             store.put_from(keys, [b.page(0)])
         with pytest.raises(ValueError):
             store.get_into(keys[:1], [[]])
+
+    BAD_KEYS = [b"bytes-key", "", "a\nb", "a\x00b", "bad-\udc80", "k" * (MAX_KEY_BYTES + 1), 7, None]
+
+    def test_keys_that_break_the_key_contract_are_refused(self, store):
+        """One key contract for every store (``kvconnect.connectors.base``): a bad key in a
+        batch raises ``InvalidKey`` from every call, before the store is touched; the good
+        keys of the store are unaffected."""
+        good = self.keys(1)
+        assert self.write(store, good) == [True]
+        b = self.buf(2)
+        for bad in self.BAD_KEYS:
+            batch = [good[0], bad]
+            for call in (lambda: store.exists(batch), lambda: store.delete(batch),
+                         lambda: store.get_into(batch, [b.page(0), b.page(1)]),
+                         lambda: store.put_from(batch, [b.page(0), b.page(1)])):
+                with pytest.raises(InvalidKey):
+                    call()
+        with pytest.raises(InvalidKey):
+            store.clear_prefix("a\nb")
+        ok, r = self.read(store, good)  # refused before the store was called: nothing deleted
+        assert ok == [True] and r.read(0) == page_bytes(good[0])
+
+    def test_non_ascii_and_long_keys_round_trip(self, store):
+        keys = ["ключ-é-" + self.keys(1)[0], "k" * 200 + self.keys(1)[0]]
+        assert self.write(store, keys) == [True, True]
+        ok, r = self.read(store, keys)
+        assert ok == [True, True] and [r.read(i) for i in range(2)] == [page_bytes(k) for k in keys]
+        assert store.delete(keys) == [True, True] and store.exists(keys) == [False, False]
 
     def test_closed_store_raises(self):
         s = self.make_store()

@@ -18,7 +18,9 @@ class MetaProcess:
 
     def __init__(self, data_dir: Path, token_file: Path | None = None, port: int | None = None,
                  fsync: str = "interval", *, exec_prefix: list[str] | None = None, workers: int | None = None,
-                 log_path: Path | None = None):
+                 log_path: Path | None = None, host: str = "127.0.0.1", args: list[str] | None = None,
+                 nofile: int | None = None):
+        """``args``: more ``serve`` flags; ``nofile``: the service's open-file soft limit at start."""
         self.data_dir = Path(data_dir)
         self.token_file = token_file
         self.port = port or free_port()
@@ -26,6 +28,9 @@ class MetaProcess:
         self.exec_prefix = list(exec_prefix or [])
         self.workers = workers
         self.log_path = log_path
+        self.host = host
+        self.args = list(args or [])
+        self.nofile = nofile
         self.proc: subprocess.Popen | None = None
         self.started_s = 0.0
         self.recovery: dict = {}
@@ -43,18 +48,19 @@ class MetaProcess:
         ready = self.data_dir.parent / f"ready-{self.port}.json"
         ready.unlink(missing_ok=True)
         cmd = self.exec_prefix + [
-            sys.executable, "-m", "kvconnect", "--log-level", "WARNING", "hf3fs-meta", "serve", "--host", "127.0.0.1",
+            sys.executable, "-m", "kvconnect", "--log-level", "WARNING", "hf3fs-meta", "serve", "--host", self.host,
             "--port", str(self.port), "--data-dir", str(self.data_dir), "--fsync", self.fsync,
             "--ready-file", str(ready)]
         if self.token_file:
             cmd += ["--token-file", str(self.token_file)]
         if self.workers:
             cmd += ["--workers", str(self.workers)]
+        cmd += self.args
         err = open(self.log_path, "w") if self.log_path else subprocess.PIPE
         t0 = time.monotonic()
         try:
             self.proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.DEVNULL, stderr=err,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=self._limits if self.nofile else None)
         finally:
             if self.log_path:
                 err.close()  # type: ignore[union-attr]
@@ -68,6 +74,11 @@ class MetaProcess:
         self.started_s = time.monotonic() - t0
         self.recovery = json.loads(ready.read_text())["recovery"]
         return self
+
+    def _limits(self) -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
     def _stderr(self) -> str:
         if self.log_path:

@@ -210,7 +210,7 @@ def test_object_key_fields_never_collide():
         mapper = ObjectKeyMapper()
         names = {mapper.key(x) for x in [k] + variants}
         names |= {ObjectKeyMapper(tenant="team-b").key(k), ObjectKeyMapper(model_fingerprint="rev2").key(k)}
-        # '/' in a tenant and a salt cannot be confused: a salt never holds '/'
+        # '/' in a tenant and a salt cannot be confused (separate key-space fields)
         names |= {ObjectKeyMapper(tenant="a/b").key(k), ObjectKeyMapper(tenant="a").key(
             okeys(1, model=k.model_name, kv_rank=k.kv_rank, salt="b")[0])}
         assert len(names) == len(variants) + 5

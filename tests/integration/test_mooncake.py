@@ -641,6 +641,48 @@ def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_clust
         s.close()
 
 
+def test_start_that_fails_after_setup_closes_the_client(mooncake_cluster, monkeypatch):  # noqa: F811
+    """A start that fails after the client joined the cluster (here: the endpoint probe of
+    local_copy raises) closes the real Mooncake client and its call threads before the error
+    goes up; a store started next works."""
+    from kvconnect.connectors.mooncake.store import MooncakeStore
+
+    closed = []
+    real_import = __import__("kvconnect.connectors.mooncake.store", fromlist=["_import_mooncake"])._import_mooncake
+
+    def spying_import():
+        client_class, replicate = real_import()
+
+        class Spy(client_class):
+            def close(self):
+                closed.append(True)
+                return super().close()
+        return Spy, replicate
+
+    def probe_fails(self, _replicate):
+        self._call("probe", lambda: None)  # the call threads are running by now
+        raise RuntimeError("endpoint probe failed")
+
+    monkeypatch.setattr("kvconnect.connectors.mooncake.store._import_mooncake", spying_import)
+    monkeypatch.setattr(MooncakeStore, "_find_own_endpoint", probe_fails)
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="endpoint probe"):
+        create_store("mooncake", store_options(mooncake_cluster, local_copy=True))
+    assert closed == [True]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and {t.name for t in threading.enumerate()} - before:
+        time.sleep(0.05)
+    assert not {t.name for t in threading.enumerate() if t.name.startswith("kvc-mooncake")} - before
+    monkeypatch.undo()
+    with create_store("mooncake", store_options(mooncake_cluster)) as s:
+        keys = _keys(2)
+        b = _filled(keys)
+        _put_until_stored(s, keys, b)
+        out = HostBuffer(2, PAGE, 2)
+        assert s.get_into(keys, _pages(out)) == [True, True]
+        assert [out.read(i) for i in range(2)] == [page_bytes(k) for k in keys]
+
+
 # The outer run has one test: re-running this module inside its own namespace.
 if not INNER:
     for _name in [n for n in globals() if n.startswith("test_")]:

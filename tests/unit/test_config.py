@@ -142,3 +142,79 @@ def test_describe_config_rows():
     assert rows["path"][2] == "required"
     assert rows["capacity"][1] == "size" and rows["capacity"][2] == repr(1 << 20) and rows["capacity"][3] == "bytes"
     assert rows["peers"][2] == "[]"
+
+
+# -- bounds every store gets from the one parser -------------------------------------
+
+HF3FS = {"file_path_prefix": "/tmp/kvc-never-created/h", "file_size": "1gb", "numjobs": 2, "entries": 4}
+
+
+def _refused(store: str, opts: dict) -> ConfigError:
+    from kvconnect.connectors.registry import store_class
+
+    with pytest.raises(ConfigError) as e:
+        store_class(store).config_from_options(opts)
+    return e.value
+
+
+@pytest.mark.parametrize("store, opts, key, accepted", [
+    ("hf3fs", {**HF3FS, "client_timeout": "inf"}, "client_timeout", "finite number 0..1e+09"),
+    ("hf3fs", {**HF3FS, "client_timeout": "nan"}, "client_timeout", "finite number 0..1e+09"),
+    ("hf3fs", {**HF3FS, "client_timeout": float("inf")}, "client_timeout", "finite number"),
+    ("peer_rdma", {"rpc_timeout": "-inf"}, "rpc_timeout", "finite number"),
+    ("peer_rdma", {"control_port": 70000}, "control_port", "-1..65535"),
+    ("peer_rdma", {"control_port": -2}, "control_port", "-1..65535"),
+    ("memory", {"capacity": 1e30}, "capacity", "1 PiB"),
+    ("memory", {"capacity": "2048tb"}, "capacity", "1 PiB"),
+    ("memory", {"capacity": 0}, "capacity", "bytes"),
+    ("hf3fs", {**HF3FS, "numjobs": 100000}, "numjobs", "1..1024"),
+    ("hf3fs", {**HF3FS, "entries": 0}, "entries", "1..65536"),
+    ("hf3fs", {**HF3FS, "file_size": "1024tb", "page_bytes": 4096}, "file_size", "at most 134217728 pages"),
+    ("mooncake", {"master_server_address": "127.0.0.1:50051", "op_timeout": "inf"}, "op_timeout", "finite"),
+])
+def test_out_of_range_values_are_refused_naming_key_and_range(store, opts, key, accepted):
+    err = _refused(store, opts)
+    assert err.key == key
+    assert accepted in str(err), str(err)
+
+
+def test_a_huge_file_without_a_known_page_size_is_refused_when_the_size_is_known(tmp_path):
+    """The index of a 1024 TB file of 4 KiB pages would need ~11 TB of memory: the store
+    refuses the file when its page size becomes known (ConfigError naming file_size),
+    instead of the index allocating it."""
+    from kvconnect.connectors.context import EngineContext
+    from kvconnect.connectors.registry import create_store
+
+    opts = {**HF3FS, "file_path_prefix": str(tmp_path / "h"), "file_size": "1024tb"}
+    with pytest.raises(ConfigError, match="file_size") as e:
+        create_store("hf3fs", opts, context=EngineContext(page_bytes=4096))
+    assert e.value.key == "file_size"
+
+
+def test_bare_post_init_errors_name_their_key():
+    with pytest.raises(ConfigError) as e:
+        parse(workers=0)
+    assert e.value.key == "workers"
+
+
+def test_ports_and_ranges_accept_their_bounds():
+    from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
+
+    for port in (-1, 0, 65535):
+        assert parse_config(PeerRdmaConfig, {"control_port": port}).control_port == port
+    assert parse_size("1024tb") == 1 << 50  # the largest size
+
+
+@pytest.mark.parametrize("argv", [["hf3fs-meta", "serve", "--data-dir", "/nonexistent/d", "--port", "70000"],
+                                  ["peer", "serve", "--metrics-port", "65536"],
+                                  ["peer", "serve", "--control-port", "70000"]])
+def test_command_line_ports_are_bounded(argv):
+    import subprocess
+    import sys
+
+    from kvconnect.connectors.testing.processes import child_env
+
+    out = subprocess.run([sys.executable, "-m", "kvconnect", *argv], capture_output=True, text=True, timeout=60,
+                         env=child_env())
+    assert out.returncode != 0
+    assert "65535" in out.stderr, out.stderr[-2000:]

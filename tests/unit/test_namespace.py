@@ -168,3 +168,26 @@ def test_block_groups_count_the_full_pages_of_leading_complete_groups():
     assert block_group_pages(keys, group_pages=2, block_pages=16, span_pages=20) == 20  # the span's end
     assert block_group_pages([T, T, T], group_pages=2) == 2  # a trailing partial group covers nothing
     assert block_group_pages([F, T], group_pages=1, block_pages=4) == 0
+
+
+def test_unsalted_key_spaces_keep_their_keys():
+    """Adding the salt field left every unsalted key space where it was (existing caches hit)."""
+    assert BASE.prefix == "kvc1-f9df7c1beef0a4280c73"
+    assert KeySpace(model="m", tenant="t").prefix == "kvc1-a5377a7d2cdff5ac4eb4"
+
+
+def test_no_two_tenant_salt_pairs_share_a_key_space():
+    """Every (tenant, salt) pair over parts with separators, escapes and empties is its own key
+    space (tenant 'a' + salt 'b/' and tenant 'a/b' without salt used to be one)."""
+    parts = ["", "a", "b", "a/b", "b/", "/b", "a/", "/", "//", "a\\b", "a:b", '"', "a,b", "a b", "\x00"]
+    spaces = {}
+    for tenant in parts:
+        for salt in parts:
+            p = replace(BASE, tenant=tenant, salt=salt).prefix
+            assert p not in spaces, f"{(tenant, salt)} and {spaces[p]} share {p}"
+            spaces[p] = (tenant, salt)
+    assert len(spaces) == len(parts) ** 2
+    from kvconnect.connectors.engines.lmcache_l2 import ObjectKeyMapper
+
+    assert ObjectKeyMapper(tenant="a").space("m", 0, "b/").prefix != ObjectKeyMapper(tenant="a/b").space("m", 0, "").prefix
+    assert ObjectKeyMapper().space("m", 0, "").prefix == "kvc1-c713728ff9ba7cadabf9"  # no tenant, no salt: unchanged
