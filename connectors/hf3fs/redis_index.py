@@ -45,7 +45,7 @@ from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.client import AuthError, LeasedWrites, MetadataError
 from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, PUT_LOST, PUT_OK, NamespaceInfo
 from kvconnect.connectors.hf3fs.pageid import key_digests
-from kvconnect.connectors.hf3fs.redis_lua import SCRIPTS, SUFFIXES
+from kvconnect.connectors.hf3fs.redis_lua import MAX_PAGES, SCRIPTS, SUFFIXES
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -352,6 +352,9 @@ class RedisMetadata(LeasedWrites):
 
     # -- the index ------------------------------------------------------------------------
     def initialize(self, ns, num_pages, page_bytes):
+        if num_pages > MAX_PAGES:
+            raise ConfigError("file_size", f"{num_pages} pages of {page_bytes} bytes in one file: the Redis index "
+                              f"holds at most {MAX_PAGES} pages per file (larger pages or a smaller file_size)")
         np_, pb, rl, wl = self._script("initialize", ns, (int(num_pages), int(page_bytes), self.read_lease_ms,
                                                           self.write_lease_ms))
         np_, pb = int(np_), int(pb)
@@ -467,15 +470,13 @@ class RedisMetadata(LeasedWrites):
         return int(self._script("clear", ns, ()))
 
     def usage(self, ns):
-        m, k, _l, f, p, w = self._ns_keys(ns)
-
-        (np_, pb, ev, ex, fr), keys, reserved, free, leased = self._cmds(
-            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr"), ("HLEN", k), ("HLEN", p), ("ZCARD", f),
-                      ("HLEN", w)])
+        m, k, _l, f, p = self._ns_keys(ns)[:5]
+        (np_, pb, ev, ex, fr, leased), keys, reserved, free = self._cmds(
+            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr", "ls"), ("HLEN", k), ("HLEN", p), ("ZCARD", f)])
         if np_ is None:
             return {"keys": 0, "num_pages": 0, "page_bytes": 0}
         return {"keys": max(0, keys - 1),  # less the field that keeps the hash a hash table (redis_lua.py)
-                "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": leased,
+                "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": int(leased or 0),
                 "evictions": int(ev), "expired": int(ex), "free": free + int(np_) - int(fr),
                 "wait_shortfalls": self.wait_shortfalls}
 
