@@ -97,7 +97,8 @@ local function many(cmd, key, args, per)  -- one command per ~4000 arguments (Lu
     i = j + 1
   end
 end
-local function flags(t)  -- u8 per item (any count: no unpack)
+local function flags(t, all1)  -- u8 per item (any count: no unpack); all1: every item is 1
+  if all1 then return rep('\1', #t) end
   local out = {}
   for i = 1, #t do out[i] = string.char(t[i]) end
   return table.concat(out)
@@ -148,10 +149,10 @@ local function u32_get(S, slots)  -- values at slots (numbers), any count
   end
   return out
 end
-local function u32_set(S, slots, v, check)  -- S[slot] = v for every slot (check: write only what differs)
+local function u32_set(S, slots, v, check, rs)  -- S[slot] = v for every slot (check: write only what differs)
   local n = #slots
   if n == 0 then return end
-  local rs = runs_of(slots)
+  rs = rs or runs_of(slots)
   local vb = pack('>I4', v)
   if #rs <= 4 then  -- a few runs: one range each
     for _, r in ipairs(rs) do
@@ -172,23 +173,30 @@ local function u32_set(S, slots, v, check)  -- S[slot] = v for every slot (check
   end
   if #args > 0 then many('BITFIELD', S, args, 4000) end
 end
-local function u32_match(S, slots, vals)  -- ok[i]: S[slots[i]] == vals[i]
-  local ok, n = {}, #slots
+local function u32_match(S, slots, vals)  -- ok[i]: S[slots[i]] == vals[i]; and whether all are
+  local ok, n, all = {}, #slots, true
   local rs = runs_of(slots, vals)
   if #rs <= 4 then
+    local curs = {}
+    for j, r in ipairs(rs) do
+      curs[j] = redis.call('GETRANGE', S, 4 * r[1], 4 * (r[1] + r[2]) - 1)
+      if curs[j] ~= rep(pack('>I4', r[3]), r[2]) then all = false end
+    end
+    if all then return ok, true, rs end
     local i = 0
-    for _, r in ipairs(rs) do
-      local vb = pack('>I4', r[3])
-      local cur = redis.call('GETRANGE', S, 4 * r[1], 4 * (r[1] + r[2]) - 1)
-      local all = cur == rep(vb, r[2])
-      for k = 1, r[2] do ok[i + k] = all or sub(cur, 4 * k - 3, 4 * k) == vb end
+    for j, r in ipairs(rs) do
+      local vb, cur = pack('>I4', r[3]), curs[j]
+      for k = 1, r[2] do ok[i + k] = sub(cur, 4 * k - 3, 4 * k) == vb end
       i = i + r[2]
     end
-    return ok
+    return ok, false, rs
   end
   local cur = u32_get(S, slots)
-  for i = 1, n do ok[i] = cur[i] == vals[i] end
-  return ok
+  for i = 1, n do
+    ok[i] = cur[i] == vals[i]
+    all = all and ok[i]
+  end
+  return ok, all, rs
 end
 local function g32(g)  -- a generation in ``o`` (never 0: generations that would give 0 are skipped)
   return g % TWO32
@@ -232,10 +240,10 @@ local function lease_slots(v)  -- the slots of a ``w`` entry
   return out
 end
 local function free_leased(slots, gens32)  -- slots whose ``o`` still names their lease: free at once
-  local ok = u32_match(O, slots, gens32)
+  local ok, all = u32_match(O, slots, gens32)
   local freed, fargs = {}, {}
   for i = 1, #slots do
-    if ok[i] then
+    if all or ok[i] then
       freed[#freed + 1] = slots[i]
       fargs[#fargs + 1] = 0  -- never held a key: free at once
       fargs[#fargs + 1] = slots[i]
@@ -246,6 +254,7 @@ local function free_leased(slots, gens32)  -- slots whose ``o`` still names thei
     many('ZADD', F, fargs)
     redis.call('HINCRBY', M, 'ls', -#freed)
   end
+  if all then for i = 1, #slots do ok[i] = true end end
   return ok
 end
 local function give_back(GB)  -- <i8 slot><i8 gen> items: write leases handed back unused
@@ -277,7 +286,7 @@ local function expire_leases(now)
   if #dead > 0 then many('HDEL', W, dead) end
   return n
 end
-local function take_free(want, now, np, fresh)  -- never-used slots, then freed ones past their lease
+local function take_free(want, now, np, fresh)  -- never-used slots, then freed ones past their lease; ascending?
   local got = {}
   local take = math.min(want, np - fresh)
   if take > 0 then
@@ -289,9 +298,10 @@ local function take_free(want, now, np, fresh)  -- never-used slots, then freed 
     if #fr > 0 then
       many('ZREM', F, fr)
       for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
+      return got, false
     end
   end
-  return got
+  return got, true
 end
 local function queue(blob_keys, blob_vals, t)  -- append confirmed entries to the LRU queue
   local n = #blob_keys / 16
@@ -650,8 +660,8 @@ return #fargs / 2
 
 # ARGV: need, extra, <i8 slot><i8 gen> items given back first. Leases up to need + extra
 # free slots (extra at most num_pages / 16; never evicts: a writer short of need reserves
-# instead), each the caller's until its deadline. Reply: <i8 write lease ms>, i64 slot[n],
-# i64 gen[n].
+# instead), each the caller's until its deadline. Reply: <i8 write lease ms>, <i8 gen> (0: no
+# slot), then <i8 first slot><i8 count> per run of the slots, ascending.
 LEASE = _PRELUDE + r"""
 local meta = redis.call('HMGET', M, 'np', 'wl', 'fr', 'sw', 'rl', 't0')
 """ + _META + r"""
@@ -659,21 +669,19 @@ local np, wl, fresh, sw = tonumber(meta[1]), tonumber(meta[2]), tonumber(meta[3]
 local now = now_ms()
 give_back(ARGV[3])
 if now >= sw then sweep(now, np) end
-local got = take_free(tonumber(ARGV[1]) + math.min(tonumber(ARGV[2]), floor(np / 16)), now, np, fresh)
-table.sort(got)  -- see reserve
-local slots = {}
-local gp = ''
-if #got > 0 then
-  local g = new_gen()
-  gp = pack('<i8', g)
-  u32_set(O, got, g32(g))
-  local wv = {pack('<i8', now + wl)}
-  for _, r in ipairs(runs_of(got)) do wv[#wv + 1] = pack('<i8i8', r[1], r[2]) end
-  redis.call('HSET', W, gp, table.concat(wv))
-  redis.call('HINCRBY', M, 'ls', #got)
-  for j = 1, #got do slots[j] = pack('<i8', got[j]) end
-end
-return pack('<i8', wl) .. table.concat(slots) .. rep(gp, #got)
+local got, ascending = take_free(tonumber(ARGV[1]) + math.min(tonumber(ARGV[2]), floor(np / 16)), now, np, fresh)
+if #got == 0 then return pack('<i8i8', wl, 0) end
+if not ascending then table.sort(got) end  -- see reserve
+local g = new_gen()
+local gp = pack('<i8', g)
+local runs = runs_of(got)
+u32_set(O, got, g32(g), false, runs)
+local rs = {}
+for _, r in ipairs(runs) do rs[#rs + 1] = pack('<i8i8', r[1], r[2]) end
+rs = table.concat(rs)
+redis.call('HSET', W, gp, pack('<i8', now + wl) .. rs)
+redis.call('HINCRBY', M, 'ls', #got)
+return pack('<i8', wl) .. gp .. rs
 """
 
 # ARGV: <i8 slot><i8 gen><u4 crc> per key (slots of the caller's write leases, pages written),
@@ -685,57 +693,73 @@ local VALS = ARGV[1]
 local keys, n = split(ARGV[2])
 if n == 0 then return '' end
 local now = now_ms()
-local slots, gs, gv, g32s, glist = {}, {}, {}, {}, {}
+local slots, gv, glist, g32s = {}, {}, {}, {}
+local g_prev, x_prev, s_prev, inc = nil, nil, -1, true
 for i = 1, n do
-  slots[i] = unpack_s('<i8', VALS, 20 * i - 19)
-  local g = sub(VALS, 20 * i - 11, 20 * i - 4)
-  gs[i] = g
-  local x = g32s[g]
-  if not x then
-    x = g32(unpack_s('<i8', g))
-    g32s[g] = x
-    glist[#glist + 1] = g
+  local s, g = unpack_s('<i8i8', VALS, 20 * i - 19)
+  slots[i] = s
+  inc = inc and s > s_prev
+  s_prev = s
+  if g ~= g_prev then
+    x_prev = g32s[g]
+    if not x_prev then
+      x_prev = g32(g)
+      g32s[g] = x_prev
+      glist[#glist + 1] = g
+    end
+    g_prev = g
   end
-  gv[i] = x
+  gv[i] = x_prev
 end
-local alive = {}
-local av = redis.call('HMGET', W, unpack(glist))  -- the leases named (one, as a rule) not expired
-for j = 1, #glist do alive[glist[j]] = av[j] and true or false end
-local own = u32_match(O, slots, gv)
+local gp = {}
+for j = 1, #glist do gp[j] = pack('<i8', glist[j]) end
+local av = redis.call('HMGET', W, unpack(gp))  -- the leases named (one, as a rule) are not expired
+local alive, all_alive = {}, true
+for j = 1, #glist do
+  alive[glist[j]] = av[j] and true or false
+  all_alive = all_alive and alive[glist[j]]
+end
+local own, all_own, runs = u32_match(O, slots, gv)
 local kv = redis.call('HMGET', K, unpack(keys))
 local pv = nil
 if redis.call('HLEN', P) > 0 then pv = redis.call('HMGET', P, unpack(keys)) end
-local st, kargs, used, stored, claimed = {}, {}, {}, {}, {}
+local st, kargs, claimed = {}, {}, {}
+local ok_n = 0
 for i = 1, n do
-  local k, s = keys[i], slots[i]
-  if not (own[i] and alive[gs[i]]) or claimed[s] then
+  local k = keys[i]
+  if not ((all_own or own[i]) and (all_alive or alive[select(2, unpack_s('<i8i8', VALS, 20 * i - 19))]))
+     or (not inc and claimed[slots[i]]) then
     st[i] = (kv[i] and sub(kv[i], 1, 16) == sub(VALS, 20 * i - 19, 20 * i - 4)) and 1 or 0  -- stored by an earlier attempt?
   elseif kv[i] or (pv and pv[i]) or claimed[k] then
     st[i] = 2
   else
     st[i] = 1
-    claimed[k] = true
-    claimed[s] = true
-    used[#used + 1] = s
-    stored[#stored + 1] = i
-    local a = #kargs
-    kargs[a + 1] = k
-    kargs[a + 2] = sub(VALS, 20 * i - 19, 20 * i)
+    ok_n = ok_n + 1
+    claimed[k] = i
+    if not inc then claimed[slots[i]] = true end
+    kargs[2 * ok_n - 1] = k
+    kargs[2 * ok_n] = sub(VALS, 20 * i - 19, 20 * i)
   end
 end
-if #used > 0 then
-  u32_set(O, used, 0)
+if ok_n > 0 then
   many('HSET', K, kargs)
-  if #used == n then
+  if ok_n == n then
+    u32_set(O, slots, 0, false, runs)
     queue(ARGV[2], VALS, now)
   else
-    local qk, qv = {}, {}
-    for j, i in ipairs(stored) do qk[j] = keys[i]; qv[j] = kargs[2 * j] end
+    local used, qk, qv = {}, {}, {}
+    for j = 1, ok_n do
+      local i = claimed[kargs[2 * j - 1]]
+      used[j] = slots[i]
+      qk[j] = keys[i]
+      qv[j] = kargs[2 * j]
+    end
+    u32_set(O, used, 0)
     queue(table.concat(qk), table.concat(qv), now)
   end
-  redis.call('HINCRBY', M, 'ls', -#used)
+  redis.call('HINCRBY', M, 'ls', -ok_n)
 end
-return flags(st)
+return flags(st, ok_n == n)
 """
 
 # ARGV: <i8 slot><i8 gen> items. Write leases given back unused. Reply: u8 ok[n].
