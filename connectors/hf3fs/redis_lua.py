@@ -287,17 +287,18 @@ local function expire_leases(now)
   return n
 end
 local function take_free(want, now, np, fresh)  -- never-used slots, then freed ones past their lease; ascending?
-  local got = {}
+  local got, n = {}, 0
   local take = math.min(want, np - fresh)
   if take > 0 then
-    for j = 0, take - 1 do got[#got + 1] = fresh + j end
+    for j = 1, take do got[j] = fresh + j - 1 end
+    n = take
     redis.call('HSET', M, 'fr', fresh + take)
   end
-  if #got < want then
-    local fr = redis.call('ZRANGEBYSCORE', F, '-inf', now, 'LIMIT', 0, want - #got)
+  if n < want then
+    local fr = redis.call('ZRANGEBYSCORE', F, '-inf', now, 'LIMIT', 0, want - n)
     if #fr > 0 then
       many('ZREM', F, fr)
-      for _, s in ipairs(fr) do got[#got + 1] = tonumber(s) end
+      for j = 1, #fr do got[n + j] = tonumber(fr[j]) end
       return got, false
     end
   end
@@ -312,7 +313,7 @@ end
 local function compact(np)  -- the queue holds far more entries than keys (deletes): drop the gone ones
   local lt = tonumber(redis.call('HGET', M, 'lt') or '0')
   if lt <= 2 * np + 4096 then return end
-  local popped, ks, vs, t_min = 0, {}, {}, nil
+  local popped, ks, vs, kept, t_min = 0, {}, {}, 0, nil
   while popped < 8192 do
     local e = redis.call('LPOP', L)
     if not e then break end
@@ -321,19 +322,21 @@ local function compact(np)  -- the queue holds far more entries than keys (delet
     popped = popped + n
     t_min = t_min and math.min(t_min, t) or t
     local keys, vals = {}, {}
+    local o = 16 * n - 11
     for i = 1, n do
       keys[i] = sub(e, 16 * i - 7, 16 * i + 8)
-      vals[i] = sub(e, 16 * n + 20 * i - 11, 16 * n + 20 * i + 8)
+      vals[i] = sub(e, o + 20 * i, o + 20 * i + 19)
     end
     local cur = hmget(K, keys)
     for i = 1, n do
-      if cur[i] and sub(cur[i], 1, 16) == sub(vals[i], 1, 16) then
-        ks[#ks + 1] = keys[i]; vs[#vs + 1] = vals[i]
+      if cur[i] == vals[i] then
+        kept = kept + 1
+        ks[kept] = keys[i]; vs[kept] = vals[i]
       end
     end
   end
   if popped > 0 then redis.call('HINCRBY', M, 'lt', -popped) end
-  if #ks > 0 then queue(table.concat(ks), table.concat(vs), t_min) end
+  if kept > 0 then queue(table.concat(ks), table.concat(vs), t_min) end
 end
 local function sweep(now, np)  -- once a second: reservations and write leases past their deadline
   local expired = expire_reservations(now) + expire_leases(now)
@@ -342,12 +345,12 @@ local function sweep(now, np)  -- once a second: reservations and write leases p
   compact(np)
 end
 local function evict(need, now, tick, lt, t0, tk)  -- least recently used keys no reader holds: their slots
-  local victims, vslots = {}, {}
-  local tail_k, tail_v = {}, {}  -- under a read lease, or read since queued and not taken
-  local second = {}  -- {stamp, key, entry} read since queued
-  local back_k, back_v, back_t = {}, {}, 0  -- the unused rest of the last element
+  local victims, vslots, nv = {}, {}, 0
+  local tail_k, tail_v, nt = {}, {}, 0  -- under a read lease, or read since queued and not taken
+  local second, ns = {}, 0  -- {stamp, key, entry, slot} read since queued
+  local back_k, back_v, nb, back_t = {}, {}, 0, 0  -- the unused rest of the last element
   local seen, popped, blobs = 0, 0, 0
-  while #victims < need and seen < need + 64 and popped < need + 8192 and blobs < 64 do
+  while nv < need and seen < need + 64 and popped < need + 8192 and blobs < 64 do
     local e = redis.call('LPOP', L)
     if not e then break end
     blobs = blobs + 1
@@ -355,53 +358,62 @@ local function evict(need, now, tick, lt, t0, tk)  -- least recently used keys n
     local n = (#e - 8) / 36
     popped = popped + n
     local keys, vals = {}, {}
+    local o = 16 * n - 11
     for i = 1, n do
       keys[i] = sub(e, 16 * i - 7, 16 * i + 8)
-      vals[i] = sub(e, 16 * n + 20 * i - 11, 16 * n + 20 * i + 8)
+      vals[i] = sub(e, o + 20 * i, o + 20 * i + 19)
     end
     local cur = hmget(K, keys)
-    local live, lslots = {}, {}
+    local live, lslots, nl = {}, {}, 0
     for i = 1, n do
-      if cur[i] and sub(cur[i], 1, 16) == sub(vals[i], 1, 16) then
-        live[#live + 1] = i
-        lslots[#lslots + 1] = unpack_s('<i8', vals[i])
+      local v = vals[i]
+      if cur[i] == v then  -- still this entry (another is a key removed, or written again since)
+        nl = nl + 1
+        live[nl] = i
+        lslots[nl] = unpack_s('<i8', v)
       end
     end
     local st = u32_get(R, lslots)
     local t_tick = floor((t - t0) / tk) + 1
-    for j = 1, #live do
+    seen = seen + nl
+    for j = 1, nl do
       local i, s = live[j], st[j]
-      seen = seen + 1
       if s > 0 and tick - s <= lt then
-        tail_k[#tail_k + 1] = keys[i]; tail_v[#tail_v + 1] = vals[i]
+        nt = nt + 1
+        tail_k[nt] = keys[i]; tail_v[nt] = vals[i]
       elseif s > 0 and s >= t_tick then
-        second[#second + 1] = {s, keys[i], vals[i], lslots[j]}
-      elseif #victims < need then
-        victims[#victims + 1] = keys[i]; vslots[#vslots + 1] = lslots[j]
+        ns = ns + 1
+        second[ns] = {s, keys[i], vals[i], lslots[j]}
+      elseif nv < need then
+        nv = nv + 1
+        victims[nv] = keys[i]; vslots[nv] = lslots[j]
       else
-        back_k[#back_k + 1] = keys[i]; back_v[#back_v + 1] = vals[i]; back_t = t
+        nb = nb + 1
+        back_k[nb] = keys[i]; back_v[nb] = vals[i]; back_t = t
       end
     end
   end
-  if #victims < need and #second > 0 then  -- then those read longest ago
+  if nv < need and ns > 0 then  -- then those read longest ago
     table.sort(second, function(a, b) return a[1] < b[1] end)
   end
   for _, c in ipairs(second) do
-    if #victims < need then
-      victims[#victims + 1] = c[2]; vslots[#vslots + 1] = c[4]
+    if nv < need then
+      nv = nv + 1
+      victims[nv] = c[2]; vslots[nv] = c[4]
     else
-      tail_k[#tail_k + 1] = c[2]; tail_v[#tail_v + 1] = c[3]
+      nt = nt + 1
+      tail_k[nt] = c[2]; tail_v[nt] = c[3]
     end
   end
   if popped > 0 then redis.call('HINCRBY', M, 'lt', -popped) end
-  if #back_k > 0 then
+  if nb > 0 then
     redis.call('LPUSH', L, pack('<i8', back_t) .. table.concat(back_k) .. table.concat(back_v))
-    redis.call('HINCRBY', M, 'lt', #back_k)
+    redis.call('HINCRBY', M, 'lt', nb)
   end
-  if #tail_k > 0 then queue(table.concat(tail_k), table.concat(tail_v), now) end
-  if #victims > 0 then
+  if nt > 0 then queue(table.concat(tail_k), table.concat(tail_v), now) end
+  if nv > 0 then
     many('HDEL', K, victims)
-    redis.call('HINCRBY', M, 'ev', #victims)
+    redis.call('HINCRBY', M, 'ev', nv)
   end
   return vslots
 end
@@ -445,14 +457,15 @@ local found = redis.call('HMGET', K, unpack(keys))
 local pend = nil
 if npend > 0 then pend = redis.call('HMGET', P, unpack(keys)) end
 local NONE, ZERO = pack('<i8', -1), pack('<i8', 0)
-local status, slots, gens, want, claimed, touch = {}, {}, {}, {}, {}, {}
+local status, slots, gens, want, claimed, touch, m, nt = {}, {}, {}, {}, {}, {}, 0, 0
 for i = 1, n do
   local v = found[i]
   if v then
     status[i] = 1
     slots[i] = sub(v, 1, 8)
     gens[i] = sub(v, 9, 16)
-    touch[#touch + 1] = unpack_s('<i8', v)  -- a writer met it: in use (and no reader loses a lease)
+    nt = nt + 1
+    touch[nt] = unpack_s('<i8', v)  -- a writer met it: in use (and no reader loses a lease)
   else
     local k = keys[i]
     slots[i] = NONE
@@ -474,19 +487,21 @@ for i = 1, n do
     else
       claimed[k] = true
       status[i] = 0
-      want[#want + 1] = i
+      m = m + 1
+      want[m] = i
     end
   end
 end
 u32_set(R, touch, tick, true)
 if expired > 0 then redis.call('HINCRBY', M, 'ex', expired) end
-local m = #want
 if m > 0 then
   local got = take_free(m, now, np, fresh)
-  if #got < m then
-    for _, s in ipairs(evict(m - #got, now, tick, lt, t0, tk)) do got[#got + 1] = s end
-  end
   local got_n = #got
+  if got_n < m then
+    local ev = evict(m - got_n, now, tick, lt, t0, tk)
+    for j = 1, #ev do got[got_n + j] = ev[j] end
+  end
+  got_n = #got
   if got_n > 0 then
     -- ascending slots for the batch's keys in order: adjacent pages of the caller's buffer
     -- land in adjacent slots, and a read of the batch is a few large copies, not one per page
@@ -517,7 +532,8 @@ local keys, n = split(ARGV[3])
 if n == 0 then return '' end
 local now = now_ms()
 local pend = redis.call('HMGET', P, unpack(keys))
-local ok, done, kargs, qk, qv, fargs = {}, {}, {}, {}, {}, {}
+local ok, done, kargs, qk, qv, fargs, nd, nk, nf = {}, {}, {}, {}, {}, {}, 0, 0, 0
+local all1 = true
 for i = 1, n do
   local val = sub(VALS, 20 * i - 19, 20 * i)
   local sg = sub(val, 1, 16)
@@ -525,15 +541,18 @@ for i = 1, n do
   ok[i] = 0
   if p then
     if sub(p, 1, 16) == sg then
-      done[#done + 1] = keys[i]
+      nd = nd + 1
+      done[nd] = keys[i]
       if string.byte(CF, i) ~= 0 then
-        kargs[#kargs + 1] = keys[i]
-        kargs[#kargs + 1] = val
-        qk[#qk + 1] = keys[i]
-        qv[#qv + 1] = val
+        nk = nk + 1
+        kargs[2 * nk - 1] = keys[i]
+        kargs[2 * nk] = val
+        qk[nk] = keys[i]
+        qv[nk] = val
       else  -- a failed write: its slot is free at once
-        fargs[#fargs + 1] = 0
-        fargs[#fargs + 1] = unpack_s('<i8', p)
+        nf = nf + 2
+        fargs[nf - 1] = 0
+        fargs[nf] = unpack_s('<i8', p)
       end
       ok[i] = 1
     end
@@ -541,14 +560,15 @@ for i = 1, n do
     local v = redis.call('HGET', K, keys[i])
     if v and sub(v, 1, 16) == sg then ok[i] = 1 end
   end
+  all1 = all1 and ok[i] == 1
 end
-if #done > 0 then redis.call('HDEL', P, unpack(done)) end
-if #kargs > 0 then
+if nd > 0 then redis.call('HDEL', P, unpack(done)) end
+if nk > 0 then
   many('HSET', K, kargs)
-  queue(table.concat(qk), table.concat(qv), now)
+  if nk == n then queue(ARGV[3], VALS, now) else queue(table.concat(qk), table.concat(qv), now) end
 end
-if #fargs > 0 then many('ZADD', F, fargs) end
-return flags(ok)
+if nf > 0 then many('ZADD', F, fargs) end
+return flags(ok, all1)
 """
 
 # ARGV: keys. Reply: <i8 slot><i8 gen><u4 crc> per key (slot -1: a miss). Stamps the slots
@@ -557,17 +577,18 @@ GET = _PRELUDE + r"""
 local keys, n = split(ARGV[1])
 local vals = redis.call('HMGET', K, unpack(keys))
 local miss = pack('<i8i8I4', -1, 0, 0)
-local out, hit = {}, {}
+local out, hit, nh = {}, {}, 0
 for i = 1, n do
   local v = vals[i]
   if v then
     out[i] = v
-    hit[#hit + 1] = unpack_s('<i8', v)
+    nh = nh + 1
+    hit[nh] = unpack_s('<i8', v)
   else
     out[i] = miss
   end
 end
-if #hit > 0 then
+if nh > 0 then
   local m = redis.call('HMGET', M, 't0', 'tk')
   if m[1] then u32_set(R, hit, floor((now_ms() - tonumber(m[1])) / tonumber(m[2])) + 1, true) end
 end
