@@ -11,7 +11,9 @@ metadata work of writing new keys (reserve + confirm: for Redis a ``reserve`` sc
 ``commit`` script; for the kvconnect service what its client sends, Lease + Put; for SGLang
 ``reserve_and_allocate_page_indices`` + ``confirm_write``), then get, then exists; with one
 client thread and with ``--threads`` (8) threads sharing the batches; the systems' passes
-interleaved in tenths. ``reserve_confirm_wait`` repeats the write row with ``WAIT 1``.
+interleaved in tenths. ``reserve_confirm_wait`` repeats the write row with ``WAIT 1``;
+``roundtrip_floor`` sends one ``PING`` per batch on the Redis index's own connections (its
+keys/s: 128 keys per round trip of nothing, the client + network + server dispatch floor).
 
 Store (same run): ``HF3FSStore`` (POSIX client, one file, 512 KiB pages, batches of 128,
 4 workers) with its index in the kvconnect service, in Redis with the page identity check
@@ -135,6 +137,10 @@ def bench_index(result: BenchResult, ha, batches: int, concurrency: int, tmp: Pa
                     assert c.exists(NS, batch) == b"\x01" * B
             return run
 
+        def redis_ping(a, b):  # the round-trip floor: one no-op call per batch, same client path, no Lua
+            for _ in range(a, b):
+                rd._exec([b"*1\r\n$4\r\nPING\r\n"], time.monotonic() + 30)
+
         def mini_rc(a, b):
             for batch in state["ks"][a:b]:
                 r = mini.reserve_and_allocate_page_indices(0, [(k, "") for k in batch])
@@ -168,7 +174,8 @@ def bench_index(result: BenchResult, ha, batches: int, concurrency: int, tmp: Pa
             rows = [("reserve_confirm", {"redis": kv_rc(rd), "service": kv_rc(svc), "mini": mini_rc}),
                     ("get", {"redis": kv_get(rd), "service": kv_get(svc), "mini": mini_get}),
                     ("exists", {"redis": kv_exists(rd), "service": kv_exists(svc), "mini": mini_exists}),
-                    ("reserve_confirm_wait", {"redis": kv_rc(rdw)})]
+                    ("reserve_confirm_wait", {"redis": kv_rc(rdw)}),
+                    ("roundtrip_floor", {"redis": redis_ping})]
             for op, systems in rows:
                 if op.startswith("reserve_confirm"):
                     fresh(f"{op}{threads}-")  # new keys, the same for every system
