@@ -336,7 +336,10 @@ local function compact(np)  -- the queue holds far more entries than keys (delet
     end
   end
   if popped > 0 then redis.call('HINCRBY', M, 'lt', -popped) end
-  if kept > 0 then queue(table.concat(ks), table.concat(vs), t_min) end
+  if kept > 0 then  -- back at the head, where they were: the queue keeps its order
+    redis.call('LPUSH', L, pack('<i8', t_min) .. table.concat(ks) .. table.concat(vs))
+    redis.call('HINCRBY', M, 'lt', kept)
+  end
 end
 local function sweep(now, np)  -- once a second: reservations and write leases past their deadline
   local expired = expire_reservations(now) + expire_leases(now)
@@ -346,7 +349,7 @@ local function sweep(now, np)  -- once a second: reservations and write leases p
 end
 local function evict(need, now, tick, lt, t0, tk)  -- least recently used keys no reader holds: their slots
   local victims, vslots, nv = {}, {}, 0
-  local tail_k, tail_v, nt = {}, {}, 0  -- under a read lease, or read since queued and not taken
+  local tail_k, tail_v, nt, tail_t = {}, {}, 0, nil  -- under a read lease, or read since queued and not taken
   local second, ns = {}, 0  -- {stamp, key, entry, slot} read since queued
   local back_k, back_v, nb, back_t = {}, {}, 0, 0  -- the unused rest of the last element
   local seen, popped, blobs = 0, 0, 0
@@ -381,9 +384,10 @@ local function evict(need, now, tick, lt, t0, tk)  -- least recently used keys n
       if s > 0 and tick - s <= lt then
         nt = nt + 1
         tail_k[nt] = keys[i]; tail_v[nt] = vals[i]
+        tail_t = tail_t and math.min(tail_t, t) or t
       elseif s > 0 and s >= t_tick then
         ns = ns + 1
-        second[ns] = {s, keys[i], vals[i], lslots[j]}
+        second[ns] = {s, keys[i], vals[i], lslots[j], t}
       elseif nv < need then
         nv = nv + 1
         victims[nv] = keys[i]; vslots[nv] = lslots[j]
@@ -403,6 +407,7 @@ local function evict(need, now, tick, lt, t0, tk)  -- least recently used keys n
     else
       nt = nt + 1
       tail_k[nt] = c[2]; tail_v[nt] = c[3]
+      tail_t = tail_t and math.min(tail_t, c[5]) or c[5]
     end
   end
   if popped > 0 then redis.call('HINCRBY', M, 'lt', -popped) end
@@ -410,7 +415,10 @@ local function evict(need, now, tick, lt, t0, tk)  -- least recently used keys n
     redis.call('LPUSH', L, pack('<i8', back_t) .. table.concat(back_k) .. table.concat(back_v))
     redis.call('HINCRBY', M, 'lt', nb)
   end
-  if nt > 0 then queue(table.concat(tail_k), table.concat(tail_v), now) end
+  if nt > 0 then  -- kept where they were (at the head, their oldest queue time): newer pages stay behind them
+    redis.call('LPUSH', L, pack('<i8', tail_t) .. table.concat(tail_k) .. table.concat(tail_v))
+    redis.call('HINCRBY', M, 'lt', nt)
+  end
   if nv > 0 then
     many('HDEL', K, victims)
     redis.call('HINCRBY', M, 'ev', nv)
