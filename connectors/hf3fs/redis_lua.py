@@ -52,9 +52,10 @@ batch as the writer sent it) instead of a sorted-set entry per key. Eviction pop
 from the head (the oldest writes): an entry that is gone is dropped; one under a read lease
 goes to the tail; one read since it was queued is kept aside; the others are evicted, oldest
 first. If those are too few, the entries read since they were queued are evicted next,
-least recently read first; the rest go to the tail (read since: a second chance, as CLOCK).
-So eviction prefers pages nobody read, then those read longest ago, and never takes one
-under a read lease. A popped element's unused tail goes back to the head.
+least recently read first. What is not taken goes back to the head (one element, its oldest
+queue time), never to the tail: older pages do not move behind newer ones, so an unread new
+page is not evicted while older ones wait. So eviction prefers pages nobody read, then those
+read longest ago, and never takes one under a read lease.
 
 **Write leases are a generation per slot.** ``lease`` writes the lease's generation into
 ``o`` for its slots (one ``SETRANGE`` per run: slots come sorted, fresh ones adjacent) and
