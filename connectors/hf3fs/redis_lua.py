@@ -311,24 +311,27 @@ local function queue(blob_keys, blob_vals, t)  -- append confirmed entries to th
   redis.call('RPUSH', L, pack('<i8', t) .. blob_keys .. blob_vals)
   redis.call('HINCRBY', M, 'lt', n)
 end
+local function pop_batch()  -- the queue's oldest element: its time, count, keys, entries, the keys' values now
+  local e = redis.call('LPOP', L)
+  if not e then return nil end
+  local n = (#e - 8) / 36
+  local keys, vals = {}, {}
+  local o = 16 * n - 11
+  for i = 1, n do
+    keys[i] = sub(e, 16 * i - 7, 16 * i + 8)
+    vals[i] = sub(e, o + 20 * i, o + 20 * i + 19)
+  end
+  return unpack_s('<i8', e), n, keys, vals, hmget(K, keys)
+end
 local function compact(np)  -- the queue holds far more entries than keys (deletes): drop the gone ones
   local lt = tonumber(redis.call('HGET', M, 'lt') or '0')
   if lt <= 2 * np + 4096 then return end
   local popped, ks, vs, kept, t_min = 0, {}, {}, 0, nil
   while popped < 8192 do
-    local e = redis.call('LPOP', L)
-    if not e then break end
-    local t = unpack_s('<i8', e)
-    local n = (#e - 8) / 36
+    local t, n, keys, vals, cur = pop_batch()
+    if not t then break end
     popped = popped + n
     t_min = t_min and math.min(t_min, t) or t
-    local keys, vals = {}, {}
-    local o = 16 * n - 11
-    for i = 1, n do
-      keys[i] = sub(e, 16 * i - 7, 16 * i + 8)
-      vals[i] = sub(e, o + 20 * i, o + 20 * i + 19)
-    end
-    local cur = hmget(K, keys)
     for i = 1, n do
       if cur[i] == vals[i] then
         kept = kept + 1
@@ -355,19 +358,10 @@ local function evict(need, now, tick, lt, t0, tk)  -- least recently used keys n
   local back_k, back_v, nb, back_t = {}, {}, 0, 0  -- the unused rest of the last element
   local seen, popped, blobs = 0, 0, 0
   while nv < need and seen < need + 64 and popped < need + 8192 and blobs < 64 do
-    local e = redis.call('LPOP', L)
-    if not e then break end
+    local t, n, keys, vals, cur = pop_batch()
+    if not t then break end
     blobs = blobs + 1
-    local t = unpack_s('<i8', e)
-    local n = (#e - 8) / 36
     popped = popped + n
-    local keys, vals = {}, {}
-    local o = 16 * n - 11
-    for i = 1, n do
-      keys[i] = sub(e, 16 * i - 7, 16 * i + 8)
-      vals[i] = sub(e, o + 20 * i, o + 20 * i + 19)
-    end
-    local cur = hmget(K, keys)
     local live, lslots, nl = {}, {}, 0
     for i = 1, n do
       local v = vals[i]
