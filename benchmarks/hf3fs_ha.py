@@ -139,7 +139,7 @@ def bench_index(result: BenchResult, ha, batches: int, concurrency: int, tmp: Pa
 
         def redis_ping(a, b):  # the round-trip floor: one no-op call per batch, same client path, no Lua
             for _ in range(a, b):
-                rd._exec([("PING",)], time.monotonic() + 30)
+                rd._exec([b"*1\r\n$4\r\nPING\r\n"], time.monotonic() + 30)
 
         def mini_rc(a, b):
             for batch in state["ks"][a:b]:

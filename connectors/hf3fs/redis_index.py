@@ -32,6 +32,7 @@ failed write (the page stays visible on the primary but is not promised to survi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import random
@@ -45,7 +46,7 @@ from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.client import AuthError, LeasedWrites, MetadataError
 from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, PUT_LOST, PUT_OK, NamespaceInfo
 from kvconnect.connectors.hf3fs.pageid import key_digests
-from kvconnect.connectors.hf3fs.redis_lua import SCRIPTS, SUFFIXES
+from kvconnect.connectors.hf3fs.redis_lua import MAX_PAGES, SCRIPTS, SUFFIXES
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -59,6 +60,12 @@ _ENTRY = struct.Struct("<qqI")  # an index entry (and a get reply item): slot, g
 _PAGE = struct.Struct("<qq")  # slot, generation
 _I64 = struct.Struct("<q")
 _TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS", "BUSY", "CLUSTERDOWN")
+
+
+@functools.lru_cache(maxsize=64)
+def _entries(n: int) -> struct.Struct:
+    """``n`` index entries back to back (a get reply)."""
+    return struct.Struct("<" + "qqI" * n)
 
 
 def is_redis_url(url: str | None) -> bool:
@@ -191,6 +198,7 @@ class RedisMetadata(LeasedWrites):
         self._lock = threading.Lock()
         self._init_leases(lease_ahead)
         self._keys: dict[str, tuple[str, ...]] = {}
+        self._heads: dict[tuple, bytes] = {}  # packed EVALSHA heads (_packed)
         self._registry = f"{key_prefix}:spaces"
         self._src = {n: s.encode() for n, s in SCRIPTS.items()}
         self._sha = {n: hashlib.sha1(s).hexdigest() for n, s in self._src.items()}
@@ -237,10 +245,13 @@ class RedisMetadata(LeasedWrites):
         pool = self._r.connection_pool
         conn = pool.get_connection()  # connecting is bounded by the connect and Sentinel timeouts
         try:
-            if len(cmds) == 1:
+            if len(cmds) == 1 and isinstance(cmds[0], bytes):  # packed by _packed: one send
+                conn.send_packed_command([cmds[0]], check_health=False)
+            elif len(cmds) == 1:
                 conn.send_command(*cmds[0], check_health=False)
             else:
-                conn.send_packed_command(conn.pack_commands(cmds), check_health=False)
+                conn.send_packed_command([c if isinstance(c, bytes) else b"".join(conn.pack_command(*c))
+                                          for c in cmds], check_health=False)
             out = []
             for _ in cmds:
                 try:
@@ -254,12 +265,26 @@ class RedisMetadata(LeasedWrites):
         finally:
             pool.release(conn)
 
+    def _packed(self, name: str, keys: tuple[str, ...], args) -> bytes:
+        """``EVALSHA`` of script ``name`` in the protocol's bytes: the script's and the
+        namespace's part packed once, the arguments (bytes or ints) appended (one buffer, one
+        send; redis-py's packer costs about as much per call as a 128-key script's Lua)."""
+        head = self._heads.get((name, keys))
+        if head is None:
+            head = self._heads[(name, keys)] = b"".join(
+                b"$%d\r\n%s\r\n" % (len(x), x) for x in (b"EVALSHA", self._sha[name].encode(),
+                                                          str(len(keys)).encode(), *(k.encode() for k in keys)))
+        parts = [b"*%d\r\n" % (3 + len(keys) + len(args)), head]
+        for a in args:
+            a = a if isinstance(a, bytes) else str(int(a)).encode()
+            parts += (b"$%d\r\n" % len(a), a, b"\r\n")
+        return b"".join(parts)
+
     def _eval(self, name: str, keys: tuple[str, ...], args, deadline: float, wait: int = 0) -> list:
         """Run script ``name`` (loading it where the server lacks it: a new primary, a
         restarted server), then ``WAIT`` for ``wait`` replicas in the same round trip.
         Replies: [script reply] or [script reply, replicas that acknowledged]."""
-        call = ("EVALSHA", self._sha[name], len(keys), *keys, *args)
-        cmds = [call]
+        cmds = [self._packed(name, keys, args)]
         if wait:
             ms = max(1, int(min(self.wait_timeout, (deadline - time.monotonic()) * 0.8) * 1000))
             cmds.append(("WAIT", wait, ms))
@@ -352,6 +377,9 @@ class RedisMetadata(LeasedWrites):
 
     # -- the index ------------------------------------------------------------------------
     def initialize(self, ns, num_pages, page_bytes):
+        if num_pages > MAX_PAGES:
+            raise ConfigError("file_size", f"{num_pages} pages of {page_bytes} bytes in one file: the Redis index "
+                              f"holds at most {MAX_PAGES} pages per file (larger pages or a smaller file_size)")
         np_, pb, rl, wl = self._script("initialize", ns, (int(num_pages), int(page_bytes), self.read_lease_ms,
                                                           self.write_lease_ms))
         np_, pb = int(np_), int(pb)
@@ -400,9 +428,12 @@ class RedisMetadata(LeasedWrites):
 
     def lease(self, ns, need, extra=0, give_back=((), ())):
         rep, _ = self._write("lease", ns, (int(need), int(extra), b"".join(map(_PAGE.pack, *give_back))), False)
-        self._ttl = _I64.unpack_from(rep)[0] / 1000.0
-        n = (len(rep) - 8) // 16
-        return P.read_i64(rep, 8, n), P.read_i64(rep, 8 + 8 * n, n)
+        wl, gen = _PAGE.unpack_from(rep)
+        self._ttl = wl / 1000.0
+        slots: list[int] = []
+        for first, count in _PAGE.iter_unpack(memoryview(rep)[16:]):  # runs of adjacent slots
+            slots += range(first, first + count)
+        return slots, [gen] * len(slots)
 
     def put(self, ns, keys, slots, gens, crcs):
         if len(keys) > MAX_BATCH:
@@ -427,8 +458,8 @@ class RedisMetadata(LeasedWrites):
         if not n:
             return [], [], []
         rep = self._script("get", ns, (key_digests(keys),))
-        slots, gens, crcs = zip(*_ENTRY.iter_unpack(rep))
-        return list(slots), list(gens), list(crcs)
+        t = _entries(n).unpack(rep)  # one C call; then every third item
+        return list(t[0::3]), list(t[1::3]), list(t[2::3])
 
     def validate(self, ns, slots, gens):
         """Without the keys this index cannot tell (it maps keys, not slots): every page is
@@ -467,15 +498,13 @@ class RedisMetadata(LeasedWrites):
         return int(self._script("clear", ns, ()))
 
     def usage(self, ns):
-        m, k, _l, f, p, w = self._ns_keys(ns)
-
-        (np_, pb, ev, ex, fr), keys, reserved, free, leased = self._cmds(
-            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr"), ("HLEN", k), ("HLEN", p), ("ZCARD", f),
-                      ("HLEN", w)])
+        m, k, _l, f, p = self._ns_keys(ns)[:5]
+        (np_, pb, ev, ex, fr, leased), keys, reserved, free = self._cmds(
+            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr", "ls"), ("HLEN", k), ("HLEN", p), ("ZCARD", f)])
         if np_ is None:
             return {"keys": 0, "num_pages": 0, "page_bytes": 0}
         return {"keys": max(0, keys - 1),  # less the field that keeps the hash a hash table (redis_lua.py)
-                "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": leased,
+                "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": int(leased or 0),
                 "evictions": int(ev), "expired": int(ex), "free": free + int(np_) - int(fr),
                 "wait_shortfalls": self.wait_shortfalls}
 
