@@ -620,13 +620,19 @@ def test_two_processes_sglang_host_pool_byte_exact(mooncake_cluster):  # noqa: F
             writer.kill()
 
 
-def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_cluster):  # noqa: F811
+def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_cluster, tmp_path):  # noqa: F811
     """8192 segments in one put and one get, all crossing TCP to another process. Mooncake's
     TCP transport queues 1024 + 1024 transfers per peer by default and fails the rest at once
     (measured: most of such a batch came back TRANSFER_FAIL); kvconnect raises both limits
-    before its engine starts (connectors/transfer_engine.py), so every page lands."""
-    mooncake_cluster.start_holder("160mb")
-    s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0))
+    before its engine starts (connectors/transfer_engine.py), so every page lands.
+    Own master with Mooncake's default 10 s read lease: on a loaded 2-core machine one get of
+    8192 segments outlasted the shared cluster's 0.5 s lease (LEASE_EXPIRED, the whole batch a
+    miss), which is not what this test is about."""
+    master = MasterProcess(None, rpc_port=50073, metrics_port=9025, lease_ttl_ms=10000,
+                           log_path=tmp_path / "master-wide.log").start()
+    mooncake_cluster.start_holder("160mb", master=master)
+    s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0,
+                                               master_server_address=master.address, lease_ttl=10, lease_wait=20))
     try:
         n = 4096  # pages of 2 segments
         keys = _keys(n, "wide")
@@ -639,6 +645,7 @@ def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_clust
         assert bytes(dst.raw) == bytes(src.raw)
     finally:
         s.close()
+        master.kill()
 
 
 def test_start_that_fails_after_setup_closes_the_client(mooncake_cluster, monkeypatch):  # noqa: F811
