@@ -17,8 +17,8 @@ import time
 import pytest
 
 from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance, page_bytes
-from kvconnect.connectors.testing.netns import netns_available, outer_test
-from kvconnect.connectors.testing.peer import exec_in
+from kvconnect.connectors.testing.netns import outer_test
+from kvconnect.connectors.testing.peer import exec_in, skip_reason
 from kvconnect.connectors.testing.processes import python, stop
 
 INNER = os.environ.get("KVCONNECT_PEER_NS")
@@ -26,12 +26,7 @@ SEG_PAGES = 64  # pages each node lends
 
 
 def _deps() -> str | None:
-    try:
-        import grpc  # noqa: F401
-        import mooncake.engine  # noqa: F401
-    except ImportError as e:
-        return f"peer_rdma needs grpcio and mooncake-transfer-engine ({e})"
-    return netns_available()
+    return skip_reason("grpc", "mooncake.engine")
 
 
 if not INNER:

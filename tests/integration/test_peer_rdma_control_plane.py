@@ -17,19 +17,15 @@ import time
 
 import pytest
 
-from kvconnect.connectors.testing.netns import netns_available, outer_test
+from kvconnect.connectors.testing.netns import outer_test
+from kvconnect.connectors.testing.peer import skip_reason
 
 INNER = os.environ.get("KVCONNECT_PEER_CP_NS")
 PAGE = 64 << 10
 
 
 def _deps() -> str | None:
-    try:
-        import grpc  # noqa: F401
-        import mooncake.engine  # noqa: F401
-    except ImportError as e:
-        return f"peer_rdma needs grpcio and mooncake-transfer-engine ({e})"
-    return netns_available()
+    return skip_reason("grpc", "mooncake.engine")
 
 
 if not INNER:
