@@ -1,6 +1,6 @@
 #!/bin/bash
 # GPU end-to-end TTFT of SGLang HiCache with kvconnect stores vs SGLang's own L3 backends.
-# Runs ON THE DEVICE (H200) from the repository root; see benchmarks/gpu/README.md for the device calls.
+# Runs on the GPU machine (H200) from the repository root; benchmarks/gpu/README.md has the commands.
 #   bash benchmarks/gpu/run_e2e.sh PHASE...
 # PHASE: diag | install1 | install2 | install3 (Mooncake, from .gpumc/) | install4 (CUDA Mooncake from .gpumccuda/ + the PD plugin's
 #        entry point, needs two GPUs' phases) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE | pd:TRANSPORT

@@ -7,7 +7,7 @@
 #   start      start `kvconnect bench serve $SERVE_ARGS` detached (it outlives this call; results in /tmp/serve/out)
 #   wait       wait for it up to DEADLINE_S seconds after this script started, then copy what it wrote to $OUT
 #   stop       stop it and every server it started
-# benchmarks/gpu/README.md lists the device calls and how the carried folders are made.
+# benchmarks/gpu/README.md lists the commands of each phase and how the carried folders are made.
 set -u
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
