@@ -41,10 +41,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
-from kvconnect.connectors.base import (BackendUnavailable, Capability, ConfigError, MissingDependency, Page, PageStore,
-                                       StoreUsage)
+from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, StoreUsage
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
-from kvconnect.connectors.hf3fs.config import HF3FSConfig, check_page_count, merged_options, parse_meta_url
+from kvconnect.connectors.hf3fs.config import HF3FSConfig, check_page_count, merged_options
 from kvconnect.connectors.buffers import page_checksum
 from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
                                               on_3fs_mount, on_local_fs, usable_cpus)
@@ -186,10 +185,8 @@ class HF3FSStore(PageStore):
         if metadata is not None:
             self.meta = metadata
         elif config.metadata_server_url:
-            try:
-                from kvconnect.connectors.hf3fs.metadata import connect_metadata
-            except ImportError as e:  # grpc / redis: the index clients
-                raise MissingDependency("hf3fs", "hf3fs", e) from e
+            from kvconnect.connectors.hf3fs.metadata import connect_metadata
+
             self.meta = connect_metadata(config, self.ns)
         else:
             # No service: the in-process index makes the file's old contents meaningless, so

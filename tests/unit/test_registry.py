@@ -152,3 +152,18 @@ def test_out_of_tree_store_by_module_path(plugin_dir):
     with pytest.raises(ConfigError) as e:
         registry.create_store(None, {"module_path": "kvc_test_oot_store"})
     assert e.value.key == "class_name"
+
+
+def test_hf3fs_metadata_client_without_grpc_names_the_extra(tmp_path, monkeypatch):
+    """The HF3FS store itself imports without grpc; only its metadata-service client needs it.
+    With grpc absent, a store pointed at a service fails with MissingDependency naming the
+    extra (the registry turns any ImportError of a store's start into it), before any file is made."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "grpc", None)  # import grpc -> ImportError
+    with pytest.raises(MissingDependency) as e:
+        registry.create_store("hf3fs", {"file_path_prefix": str(tmp_path / "kv"), "file_size": "1mb", "numjobs": 1,
+                                        "entries": 1, "metadata_server_url": "127.0.0.1:1"})
+    assert e.value.store == "hf3fs" and e.value.extra == "hf3fs"
+    assert 'pip install "kvconnect[hf3fs]"' in str(e.value)
+    assert not list(tmp_path.iterdir())
