@@ -9,7 +9,10 @@ Load it into SGLang (0.5.23; imports cleanly with 0.5.17) with::
 
 The extra config holds ``store`` (a registry name, or ``"pkg.mod:Class"``), the store's
 options inline (or nested under ``store_options``), and optionally ``tenant``,
-``model_fingerprint``, ``metrics_port`` and ``metrics_host``. SGLang's own keys are ignored.
+``model_fingerprint``, ``metrics_port``, ``metrics_host`` and ``write_behind`` (a size, e.g.
+``"4gb"``: KV page writes are staged in a buffer that large and stored in the background, so a
+store slower than the engine's write-through sheds pages instead of holding SGLang's host pool;
+see ``write_behind``). SGLang's own keys are ignored.
 
 The rank: ``engine_context`` reads SGLang's ``HiCacheStorageConfig`` (TP, PP, attention CP,
 decode CP and DP ranks, MLA) into the ``EngineContext`` the store is built with; its
@@ -39,7 +42,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
-from kvconnect.connectors.base import Capability, MissingDependency, Unsupported
+from kvconnect.connectors.base import Capability, ConfigError, MissingDependency, Unsupported
+from kvconnect.connectors.config import parse_size
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import (
     ErrorCounter,
@@ -57,6 +61,7 @@ from kvconnect.connectors.engines.sglang_shims import (
     pool_result,
     storage_metrics_class,
 )
+from kvconnect.connectors.engines.write_behind import WriteBehind
 from kvconnect.connectors.views import exists_many, get_many, put_many
 from kvconnect.namespace import KeySpace
 from kvconnect.namespace.hits import HitPolicy, block_group_pages, leading_hits, restorable_prefixes
@@ -148,14 +153,18 @@ class KVConnectStorage(HiCacheStorage):
         self._rlog = RateLimitedLog(log)
         self.context = engine_context(storage_config)
         self.store, self.options = build_store(storage_config.extra_config or {}, where=ADAPTER,
-                                               ignore=SGLANG_KEYS, context=self.context,
+                                               ignore=SGLANG_KEYS, engine_keys=("write_behind",),
+                                               context=self.context,
                                                require=required_capabilities(self.context))
         try:
             self.base_keyspace = base_keyspace(self.context, tenant=self.options.tenant,
                                                weights=self.options.model_fingerprint)
-        except ValueError:
+            wb = self.options.extra.get("write_behind", 0)
+            self._write_behind_bytes = parse_size(0 if wb in (None, "", False) else wb, "write_behind", ADAPTER)
+        except (ValueError, ConfigError):
             self.store.close()
             raise
+        self._write_behind: Optional[WriteBehind] = None
         self.is_writer = self.context.is_writer
         self._pools: dict[str, PoolIO] = {}
         self.kv: Optional[PoolIO] = None
@@ -188,6 +197,8 @@ class KVConnectStorage(HiCacheStorage):
         self._pools["kv"] = self.kv
         self._register_buffers(mem_pool_host)
         log.info("kvconnect: KV pages keyed as %s", self.kv.keyspace.describe())
+        if self._write_behind_bytes and self.kv.is_writer and self._write_behind is None:
+            self._write_behind = WriteBehind(self.kv.store, self._write_behind_bytes, self.kv.page_nbytes)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -246,7 +257,7 @@ class KVConnectStorage(HiCacheStorage):
             return [True] * len(keys)  # rank-replicated KV: the writer rank stores it
         t0 = time.perf_counter()
         pages, _keep = kv.plan_write(keys, host_indices)
-        ok = kv.store.put_from(keys, pages)
+        ok = (self._write_behind.submit if self._write_behind else kv.store.put_from)(keys, pages)
         self._record(False, sum(ok), kv.page_nbytes, time.perf_counter() - t0)
         return ok
 
@@ -452,6 +463,9 @@ class KVConnectStorage(HiCacheStorage):
         try:
             from kvconnect.connectors import metrics
 
+            if self._write_behind is not None:
+                self._write_behind.close()
+
             metrics.unexport_store(self.store)
             self.store.close()
         except Exception as e:  # noqa: BLE001 - close never raises into SGLang
@@ -478,6 +492,7 @@ class KVConnectStorage(HiCacheStorage):
     def kvconnect_stats(self) -> dict:
         """The store's counters plus the errors this adapter turned into misses."""
         return {"store": self.store.stats().as_dict(), "adapter_errors": self._errors.as_dict(),
+                "write_behind": self._write_behind.stats() if self._write_behind else None,
                 "context": self.context.describe(),
                 "keyspaces": {n: io.keyspace.describe() for n, io in self._pools.items()}}
 

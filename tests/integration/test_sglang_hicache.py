@@ -716,6 +716,69 @@ def test_concurrent_prefetch_and_backup_threads_keep_pages_intact():
         x.close()
 
 
+FAULTY = "kvconnect.connectors.testing.stores:FaultyStore"
+
+
+def _flat_page_nbytes(host) -> int:
+    t = host.get_dummy_flat_data_page()
+    return t.numel() * t.element_size()
+
+
+def test_write_behind_answers_while_the_store_hangs_sheds_when_full_then_stores_the_staged_bytes():
+    """A store slower than SGLang's write-through (here: its put blocks until released) must not
+    hold the backup thread: with ``write_behind`` the call returns once the pages are copied,
+    pages that do not fit the buffer are refused at once, and what was staged is stored with
+    the bytes it had when staged."""
+    import time
+
+    host = make_cpu_host_pool("page_first")
+    pnb = _flat_page_nbytes(host)
+    b = backend(host, store=FAULTY, extra={"hang_on": ["put_from"], "hang_s": 60.0, "write_behind": 3 * pnb})
+    keys = hashes(5, "wb")
+    idx = alloc_pages(host, 5)
+    fill_pages(host, idx, seed=11)
+    want = pages_of(host, idx)
+    ps = host.page_size
+    t0 = time.monotonic()
+    assert b.batch_set_v1(keys[:2], idx[:2 * ps]) == [True, True]
+    deadline = time.monotonic() + 10
+    while b.store.calls["put_from"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)                     # the writer thread is now blocked in the store
+    assert b.batch_set_v1(keys[2:], idx[2 * ps:]) == [True, False, False]  # 3 slots: 2 in flight + 1
+    assert time.monotonic() - t0 < 10        # neither call waited for the hanging store
+    assert b.batch_exists(keys) == 0         # staged is not stored: a miss until confirmed
+    fill_pages(host, idx, seed=12)           # the engine reuses its host pages at once
+    b.store.release()
+    assert b._write_behind.flush(30)
+    assert b.kvconnect_stats()["write_behind"] == {"staged": 3, "written": 3, "failed": 0, "shed": 2,
+                                                   "slots": 3, "pending": 0}
+    assert b.batch_exists(keys) == 3
+    fresh = alloc_pages(host, 3)
+    assert b.batch_get_v1(keys[:3], fresh) == [True, True, True]
+    assert pages_of(host, fresh) == want[:3]
+    b.close()
+
+
+def test_write_behind_close_writes_what_is_staged_and_bad_sizes_name_the_key():
+    host = make_cpu_host_pool("layer_first")
+    pnb = _flat_page_nbytes(host)
+    b = backend(host, space="wbclose", extra={"write_behind": f"{8 * pnb}b"})
+    keys = hashes(4, "wbclose")
+    idx = alloc_pages(host, 4)
+    fill_pages(host, idx, seed=5)
+    want = pages_of(host, idx)
+    assert b.batch_set_v1(keys, idx) == [True] * 4
+    b.close()                                # flushes before the store closes
+    reader = backend(make_cpu_host_pool("layer_first"), space="wbclose")
+    ridx = alloc_pages(reader.kv.pool, 4)
+    assert reader.batch_get_v1(keys, ridx) == [True] * 4
+    assert pages_of(reader.kv.pool, ridx) == want
+    reader.close()
+    for bad in ("lots", -1, "2zb"):
+        with pytest.raises(ConfigError, match="write_behind"):
+            backend(make_cpu_host_pool("page_first"), space="wbbad", extra={"write_behind": bad})
+
+
 def test_metrics_port_serves_the_store_counters_on_loopback():
     import re
     import urllib.request
