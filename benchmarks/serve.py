@@ -96,6 +96,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--server-arg", action="append", default=[], help="extra sglang.launch_server argument (repeat)")
     s.add_argument("--l3-per-server", default="16gb", help="memory each server lends (peer pools, memory store)")
     s.add_argument("--l3-file-size", default="32gb", help="size of the hf3fs files (kvconnect's and SGLang's)")
+    s.add_argument("--write-behind", default="4gb", help="kvconnect configurations: staging buffer per server for "
+                   "L3 writes, so a slow medium sheds pages instead of holding SGLang's host pool (0: off)")
     s.add_argument("--port-base", type=int, default=0, help="offset added to every port")
     s.add_argument("--workdir", default="/tmp/kvconnect-serve", help="logs, model, store data")
     s.add_argument("--out", default=None, help="raw results of this run: runs.jsonl, requests.jsonl.gz "
@@ -150,7 +152,7 @@ def main(argv=None) -> int:
     l3_per_server, l3_file = ("256mb", "1gb") if a.quick else (a.l3_per_server, a.l3_file_size)
     plan = Plan(pairs, spec, Path(a.workdir), out, default_ports(a.port_base), a.probe,
                 deadline=time.time() + a.deadline_s if a.deadline_s else 0.0, l3_bytes_per_server=l3_per_server,
-                l3_file_bytes=parse_size(l3_file))
+                l3_file_bytes=parse_size(l3_file), write_behind="64mb" if a.quick else a.write_behind)
     print(f"[serve] {len(pairs)} pairs on {a.servers} servers: " + ", ".join(f"{w.name}:{c}" for w, c in pairs),
           flush=True)
     _stop_on_sigterm()

@@ -29,7 +29,10 @@ phase_install1() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site1 \
     .gpuwheels1/*.whl .gpuserve1/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -3
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V; nproc; free -g | head -2;
-    df -h /tmp /dev/shm | tail -2; } 2>&1 | tee "$OUTD/diag.txt"
+    df -h /tmp /dev/shm | tail -2
+    # the media the file-backed stores write to: 2 GiB, flushed to the device (the write-through demand is in runs.jsonl)
+    for d in /tmp /dev/shm; do echo "$d: $(dd if=/dev/zero of=$d/kvc_write_probe bs=8M count=256 conv=fdatasync 2>&1 \
+      | tail -n 1)"; rm -f $d/kvc_write_probe; done; } 2>&1 | tee "$OUTD/diag.txt"
   say "install1 done"
 }
 phase_install2() {

@@ -28,6 +28,7 @@ class Setup:
     servers: int
     l3_bytes_per_server: str = "16gb"   # memory each server lends (peer pools) or keeps (memory store)
     l3_file_bytes: int = 32 << 30        # hf3fs file size (shared by every server)
+    write_behind: str = "4gb"            # kvconnect's staging buffer per server ("0": write through, no buffer)
 
     def data(self, name: str) -> Path:
         p = Path(self.workdir) / "data" / name
@@ -68,7 +69,8 @@ class Config:
 def _kvc(store: str, **options) -> Callable[[Setup, int], dict]:
     def build(s: Setup, i: int) -> dict:
         opts = {k: (v(s, i) if callable(v) else v) for k, v in options.items()}
-        return {**KVC_HICACHE, "store": store, **opts, "metrics_port": s.ports["kvc_metrics"] + i}
+        return {**KVC_HICACHE, "store": store, **opts, "metrics_port": s.ports["kvc_metrics"] + i,
+                "write_behind": s.write_behind}
     return build
 
 

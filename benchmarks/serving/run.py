@@ -72,6 +72,7 @@ class Plan:
     deadline: float = 0.0                      # time.time() after which no pair starts (0: none)
     l3_bytes_per_server: str = "16gb"
     l3_file_bytes: int = 32 << 30
+    write_behind: str = "4gb"
     request_timeout_s: float = 600.0
 
 
@@ -170,7 +171,9 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
         for s in cluster.servers:
             s.flush()
             if cfg.backend:
-                s.attach(cfg.backend, cfg.extra(setup, s.index))
+                extra = cfg.extra(setup, s.index)
+                record.setdefault("extra_config", {k: v for k, v in extra.items() if "token" not in k})
+                s.attach(cfg.backend, extra)
                 attached.append(s)
         results, wall = client.run(cluster.router.url, workload, desc=f"{workload.name}/{cfg.name}",
                                    timeout_s=plan.request_timeout_s)
@@ -228,7 +231,8 @@ def machine() -> dict:
 def execute(plan: Plan) -> list[dict]:
     """Run every pair of ``plan``; returns the pair records (also in ``plan.out/runs.jsonl``)."""
     plan.out.mkdir(parents=True, exist_ok=True)
-    setup = Setup(plan.workdir, plan.ports, plan.spec.servers, plan.l3_bytes_per_server, plan.l3_file_bytes)
+    setup = Setup(plan.workdir, plan.ports, plan.spec.servers, plan.l3_bytes_per_server, plan.l3_file_bytes,
+                  plan.write_behind)
     setup.write_hf3fs_ref_config()
     model_dir = Path(plan.spec.model_path) if plan.spec.model_path else \
         write_model_dir(Path(plan.workdir) / f"model-{plan.spec.shape}", plan.spec.shape)
