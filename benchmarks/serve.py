@@ -96,8 +96,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--server-arg", action="append", default=[], help="extra sglang.launch_server argument (repeat)")
     s.add_argument("--l3-per-server", default="16gb", help="memory each server lends (peer pools, memory store)")
     s.add_argument("--l3-file-size", default="32gb", help="size of the hf3fs files (kvconnect's and SGLang's)")
-    s.add_argument("--write-behind", default="4gb", help="kvconnect configurations: staging buffer per server for "
-                   "L3 writes, so a slow medium sheds pages instead of holding SGLang's host pool (0: off)")
+    s.add_argument("--write-behind", default="0", help="kvconnect configurations: the adapter's write_behind, a "
+                   "staging buffer per server for L3 writes (e.g. 4gb; default 0: write through, as the guides deploy)")
     s.add_argument("--port-base", type=int, default=0, help="offset added to every port")
     s.add_argument("--workdir", default="/tmp/kvconnect-serve", help="logs, model, store data")
     s.add_argument("--out", default=None, help="raw results of this run: runs.jsonl, requests.jsonl.gz "

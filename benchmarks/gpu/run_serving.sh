@@ -3,7 +3,8 @@
 # Phases (any order, each once per machine):
 #   install1   SGLang 0.5.17 wheels (.gpuwheels1/) + PeerCache 0.8.4 (.gpuserve1/*.whl) into /tmp/site1
 #   install2   the rest of SGLang's wheel set + sglang-router 0.3.2, unpacked (.gpuserve2/site2.tar.xz) into
-#              /tmp/site2; Mooncake 0.3.13 (.gpumc/mc312.tar.xz, with libibverbs/librdmacm) into /tmp/site3
+#              /tmp/site2; Mooncake 0.3.13 (.gpumc/mc312.tar.xz, with libibverbs/librdmacm) into /tmp/site3;
+#              an earlier run's JIT cache (.gpujitcache/jitcache.tgz, optional) into /tmp/jitcache
 #   start      start `kvconnect bench serve $SERVE_ARGS` detached (it outlives this call; results in /tmp/serve/out)
 #   wait       wait for it up to DEADLINE_S seconds after this script started, then copy what it wrote to $OUT
 #   stop       stop it and every server it started
@@ -40,6 +41,7 @@ phase_install2() {
   xz -dc .gpuserve2/site2.tar.xz | tar xf - -C /tmp/site2 || return 1
   xz -dc .gpumc/mc312.tar.xz | tar xf - -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
   find /tmp/site1 /tmp/site2 -exec touch -h -d 2000-01-01 {} + 2>/dev/null   # JIT caches stay newer than headers
+  [ -f .gpujitcache/jitcache.tgz ] && tar xzf .gpujitcache/jitcache.tgz -C /tmp   # an earlier run's kernels
   python3 -c 'import mooncake.store, mooncake.engine, sglang_router, peercache.store, sglang' || return 1
   say "install2 done"
 }

@@ -28,7 +28,7 @@ class Setup:
     servers: int
     l3_bytes_per_server: str = "16gb"   # memory each server lends (peer pools) or keeps (memory store)
     l3_file_bytes: int = 32 << 30        # hf3fs file size (shared by every server)
-    write_behind: str = "4gb"            # kvconnect's staging buffer per server ("0": write through, no buffer)
+    write_behind: str = "0"              # kvconnect's staging buffer per server ("0": write through, no buffer)
 
     def data(self, name: str) -> Path:
         p = Path(self.workdir) / "data" / name
@@ -112,7 +112,7 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
                       file_size=lambda s, i: s.l3_file_bytes, numjobs=16, entries=16,
                       metadata_server_url=lambda s, i: f"http://127.0.0.1:{s.ports['kvc_meta']}")),
     Config("kvc_hf3fs_wt", "reference",
-           "kvc_hf3fs without write_behind: SGLang's backup thread waits for every file write",
+           "kvc_hf3fs with write_behind off whatever --write-behind says (SGLang waits for every file write)",
            backend="dynamic", services=("kvc_meta",), metrics_url=_kvc_metrics,
            extra=lambda s, i: {**CONFIGS["kvc_hf3fs"].extra(s, i), "write_behind": "0"}),
     Config("kvc_peer_rdma", "kvconnect", "kvconnect peer pool, each server lends memory (Transfer Engine, TCP)",

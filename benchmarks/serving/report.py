@@ -171,7 +171,10 @@ def bounds(figs: dict, headers: list[dict]) -> dict:
     ``reuse_ceiling``: share of prompt pages an unbounded prefix cache could serve (from the load
     itself); ``baseline_cached_share``: share the baseline's GPU + host caches served; their
     difference is the most L3 can add. ``input_tps_ratio_bound``: the offered prompt tokens/s over
-    the baseline's, which bounds any throughput ratio of an open-loop run.
+    the baseline's, which bounds any throughput ratio of an open-loop run. ``offered_over_served``:
+    the same ratio for every configuration; above ~1.05 the servers could not keep up with the
+    offered load, a queue grew for the whole run and TTFT measures that queue (a short stall early in
+    such a run shows up as seconds of TTFT for every later request).
     """
     params = {}
     for h in headers:
@@ -189,6 +192,10 @@ def bounds(figs: dict, headers: list[dict]) -> dict:
                 b["l3_room_share"] = round(max(0.0, b["reuse_ceiling"] - share), 4)
             if base.get("offered_input_tps"):
                 b["input_tps_ratio_bound"] = round(base["offered_input_tps"] / base["input_tps"], 4)
+        load = {c: round(f["offered_input_tps"] / f["input_tps"], 4) for c, f in by_cfg.items()
+                if f.get("offered_input_tps") and f.get("input_tps")}
+        if load:
+            b["offered_over_served"] = load
         out[w] = b
     return out
 

@@ -72,7 +72,7 @@ class Plan:
     deadline: float = 0.0                      # time.time() after which no pair starts (0: none)
     l3_bytes_per_server: str = "16gb"
     l3_file_bytes: int = 32 << 30
-    write_behind: str = "4gb"
+    write_behind: str = "0"
     request_timeout_s: float = 600.0
 
 

@@ -289,3 +289,47 @@ def serve_store_metrics(store: PageStore, port: int | None, host: str = "127.0.0
     except Exception as e:  # noqa: BLE001 - metrics are optional
         log.error("kvconnect: cannot serve metrics on port %s: %s", port, e)
         return None
+
+
+# ---------------------------------------------------------------------------------
+# Diagnosing stalls of an engine process
+# ---------------------------------------------------------------------------------
+
+STACKS_EVERY_ENV = "KVCONNECT_DUMP_STACKS_S"
+STACKS_DIR_ENV = "KVCONNECT_DUMP_STACKS_DIR"
+
+
+def start_stack_dumps() -> Any:
+    """If ``KVCONNECT_DUMP_STACKS_S`` is set (seconds), write every thread's Python stack of this
+    process to ``$KVCONNECT_DUMP_STACKS_DIR/stacks-<pid>.log`` (default: the temp directory) at that
+    interval until ``stop_stack_dumps``: where an engine's threads are while it stalls. Off by
+    default; a bad value is logged and ignored (a debugging aid never stops an engine)."""
+    import faulthandler
+    import os
+    import tempfile
+
+    every = os.environ.get(STACKS_EVERY_ENV, "")
+    if not every:
+        return None
+    try:
+        seconds = float(every)
+        if not 0.05 <= seconds <= 3600:
+            raise ValueError("out of 0.05..3600")
+        path = os.path.join(os.environ.get(STACKS_DIR_ENV) or tempfile.gettempdir(), f"stacks-{os.getpid()}.log")
+        out = open(path, "a")
+        faulthandler.dump_traceback_later(seconds, repeat=True, file=out)
+    except (ValueError, OSError) as e:
+        log.error("kvconnect: %s=%r: %s; no stack dumps", STACKS_EVERY_ENV, every, e)
+        return None
+    log.warning("kvconnect: dumping every thread's stack every %.2f s to %s (%s)", seconds, path, STACKS_EVERY_ENV)
+    return out
+
+
+def stop_stack_dumps(out: Any) -> None:
+    if out is None:
+        return
+    import faulthandler
+
+    faulthandler.cancel_dump_traceback_later()
+    out.close()
+

@@ -51,6 +51,8 @@ from kvconnect.connectors.engines.common import (
     build_store,
     guarded,
     serve_store_metrics,
+    start_stack_dumps,
+    stop_stack_dumps,
 )
 from kvconnect.connectors.engines.sglang_pools import ADAPTER, PoolIO, describe_pool, pool_buffers, tensor_segment
 from kvconnect.connectors.engines.sglang_shims import (
@@ -184,6 +186,7 @@ class KVConnectStorage(HiCacheStorage):
             self._metrics_port = serve_store_metrics(
                 self.store, port, self.options.metrics_host, engine="sglang")
         log.info("kvconnect: SGLang HiCache storage on store %r: %s", self.store.name, self.context.describe())
+        self._stack_dump = start_stack_dumps()
 
     # -- registration -------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -465,6 +468,7 @@ class KVConnectStorage(HiCacheStorage):
 
             if self._write_behind is not None:
                 self._write_behind.close()
+            stop_stack_dumps(self._stack_dump)
 
             metrics.unexport_store(self.store)
             self.store.close()

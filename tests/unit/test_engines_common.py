@@ -86,3 +86,25 @@ def test_rate_limited_log_suppresses_and_counts(caplog):
     with caplog.at_level(logging.WARNING, logger="test.rlog"):
         assert rlog.warning("k", "later") is True
     assert "1 similar messages suppressed" in caplog.records[-1].getMessage()
+
+
+def test_stack_dumps_only_when_asked_and_a_bad_interval_is_ignored(tmp_path, monkeypatch, caplog):
+    import time
+
+    from kvconnect.connectors.engines.common import STACKS_DIR_ENV, STACKS_EVERY_ENV, start_stack_dumps, stop_stack_dumps
+
+    monkeypatch.delenv(STACKS_EVERY_ENV, raising=False)
+    assert start_stack_dumps() is None
+    monkeypatch.setenv(STACKS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(STACKS_EVERY_ENV, "soon")
+    assert start_stack_dumps() is None and STACKS_EVERY_ENV in caplog.text
+    monkeypatch.setenv(STACKS_EVERY_ENV, "0.1")
+    handle = start_stack_dumps()
+    time.sleep(0.45)
+    stop_stack_dumps(handle)
+    (dump,) = tmp_path.glob("stacks-*.log")
+    text = dump.read_text()
+    assert text.count("Timeout (0:00:00.100000)!") >= 2
+    assert "test_stack_dumps_only_when_asked" in text  # this test's own frame, sleeping
+    time.sleep(0.25)
+    assert dump.read_text() == text                     # stopped: nothing more is written

@@ -127,6 +127,7 @@ def test_offered_load_bounds_open_loop_throughput():
     b = report.bounds(figs, [{"workloads": {"w1": {"groups": 3, "per_group": 4, "system_len": 128,
                                                    "question_len": 64, "output_len": 1, "rate": 10.0}}}])["w1"]
     assert b["input_tps_ratio_bound"] == pytest.approx(7.0 / 4.0)
+    assert b["offered_over_served"] == {"l2_only": pytest.approx(7.0 / 4.0, abs=1e-4)}
     assert b["baseline_cached_share"] == 0.5
     # 3 groups x 4 prompts of 2 + 1 pages: every group's first 2 pages repeat in its 3 later prompts
     assert b["reuse_ceiling"] == pytest.approx(3 * 3 * 2 / (12 * 3), abs=1e-4)
