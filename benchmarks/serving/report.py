@@ -42,11 +42,21 @@ def merge_runs(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     for n, d in enumerate(run_dirs):
         header, records = load_runs(Path(d) / "runs.jsonl")
         headers.append(header)
+        caveats = _caveats(Path(d))
         for r in records:
             key = (r["workload"], r["config"])
             if "summary" in r or key not in chosen:
                 chosen[key] = {**r, "run": n}
+                if f"{key[0]}:{key[1]}" in caveats:
+                    chosen[key]["caveat"] = caveats[f"{key[0]}:{key[1]}"]
     return headers, list(chosen.values())
+
+
+def _caveats(run_dir: Path) -> dict:
+    """``WORKLOAD:CONFIG`` -> what was found after the run about that pair's figures
+    (``caveats.json`` beside ``runs.jsonl``, written by hand with the evidence's location)."""
+    path = run_dir / "caveats.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _row(metric, ours, reference, ratio, reference_system, lower_is_better=False) -> dict:
@@ -139,6 +149,8 @@ def figures_of(records: Iterable[dict]) -> dict:
                   "probe_storage_tokens": p.get("storage_tokens"), "probe_mismatches": p.get("mismatches")})
         s["store_counters"] = _counters(r.get("store_metrics", {}))
         s["run"] = r.get("run", 0)
+        if r.get("caveat"):
+            s["caveat"] = r["caveat"]
         figs.setdefault(r["workload"], {})[r["config"]] = s
     return figs
 
@@ -217,6 +229,8 @@ def build(run_dirs: list[Path], out_json: Path, command: str = "") -> dict:
            "figures": figs, "ratios": rows, "targets": targets(figs, rows), "bounds": bounds(figs, headers),
            "failed_pairs": [{k: r.get(k) for k in ("workload", "config", "error", "skipped")}
                             for r in records if "summary" not in r],
+           "caveats": [{"pair": f"{r['workload']}:{r['config']}", "run": r["run"], "caveat": r["caveat"]}
+                       for r in records if r.get("caveat")],
            "notes": ["TTFT: send -> first streamed output token, through sglang_router; input_tps: prompt tokens "
                      "of successful requests / (last completion - first send).",
                      "probe: after each pair, GPU and host caches emptied, a sample of the workload's prompts sent "

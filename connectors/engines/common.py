@@ -300,13 +300,16 @@ STACKS_DIR_ENV = "KVCONNECT_DUMP_STACKS_DIR"
 
 
 def start_stack_dumps() -> Any:
-    """If ``KVCONNECT_DUMP_STACKS_S`` is set (seconds), write every thread's Python stack of this
-    process to ``$KVCONNECT_DUMP_STACKS_DIR/stacks-<pid>.log`` (default: the temp directory) at that
-    interval until ``stop_stack_dumps``: where an engine's threads are while it stalls. Off by
-    default; a bad value is logged and ignored (a debugging aid never stops an engine)."""
-    import faulthandler
+    """If ``KVCONNECT_DUMP_STACKS_S`` is set (seconds), a daemon thread appends every thread's
+    Python stack of this process to ``$KVCONNECT_DUMP_STACKS_DIR/stacks-<pid>.log`` (default: the
+    temp directory) at that interval until ``stop_stack_dumps``: where an engine's threads are
+    while it stalls. The thread takes the GIL like any other (``faulthandler``'s timed dumps read
+    other threads' frames without it and can crash a busy process), so a dump that comes late
+    means something held the GIL. Off by default; a bad value is logged and ignored."""
     import os
+    import sys
     import tempfile
+    import traceback
 
     every = os.environ.get(STACKS_EVERY_ENV, "")
     if not every:
@@ -317,19 +320,34 @@ def start_stack_dumps() -> Any:
             raise ValueError("out of 0.05..3600")
         path = os.path.join(os.environ.get(STACKS_DIR_ENV) or tempfile.gettempdir(), f"stacks-{os.getpid()}.log")
         out = open(path, "a")
-        faulthandler.dump_traceback_later(seconds, repeat=True, file=out)
     except (ValueError, OSError) as e:
         log.error("kvconnect: %s=%r: %s; no stack dumps", STACKS_EVERY_ENV, every, e)
         return None
+    stop = threading.Event()
+
+    def dump() -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        while not stop.wait(seconds):
+            lines = [f"--- {time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}\n"]
+            for ident, frame in sys._current_frames().items():
+                if ident == threading.get_ident():
+                    continue
+                lines.append(f"Thread {names.get(ident) or ident}:\n")
+                lines.extend(traceback.format_stack(frame))
+            out.write("".join(lines))
+            out.flush()
+            names = {t.ident: t.name for t in threading.enumerate()}
+
+    thread = threading.Thread(target=dump, name="kvconnect-stack-dumps", daemon=True)
+    thread.start()
     log.warning("kvconnect: dumping every thread's stack every %.2f s to %s (%s)", seconds, path, STACKS_EVERY_ENV)
-    return out
+    return stop, thread, out
 
 
-def stop_stack_dumps(out: Any) -> None:
-    if out is None:
+def stop_stack_dumps(handle: Any) -> None:
+    if handle is None:
         return
-    import faulthandler
-
-    faulthandler.cancel_dump_traceback_later()
+    stop, thread, out = handle
+    stop.set()
+    thread.join(5)
     out.close()
-

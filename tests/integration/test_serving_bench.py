@@ -35,6 +35,7 @@ def broken_config(monkeypatch):
     return cfg
 
 
+@pytest.mark.timeout(600)  # ten pairs and two server launches: ~300 s on a 2-core machine
 def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     out, results = tmp_path / "out", tmp_path / "results"
     rc = serve.main(["--quick", "--server-module", "kvconnect.connectors.testing.serving_engine", "--pairs", PAIRS,
@@ -89,4 +90,12 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     assert any(t["target"].startswith("w1: best kvconnect") for t in doc["targets"])
     if (results / "serving.png").exists():
         assert (results / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "[serve] w1/kvc_hf3fs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "[serve] w1/kvc_hf3fs" in printed
+    # SGLang's first L3 lookup was taken before any pair, by a backend attached for it and gone after
+    assert printed.index("[serve] L3 path warmed up") < printed.index("[serve] w1/l2_only")
+    assert not (tmp_path / "work" / "data" / "warm_up").exists()
+    # each pair records the extra config it attached; the quick run turns write_behind on
+    assert pairs[("w1", "kvc_hf3fs")]["extra_config"]["write_behind"] == "64mb"
+    assert pairs[("w1", "sglang_file")]["extra_config"] == {"file_storage_path": str(tmp_path / "work" / "data" /
+                                                                                    "sglang_file")}

@@ -138,3 +138,20 @@ def test_workload_rebuilt_from_recorded_params():
     w = workloads.trace(sample_every=200, block_tokens=32, limit=10)
     again = workloads.from_params("w3", w.params)
     assert [r.prompt for r in again.requests] == [r.prompt for r in w.requests]
+
+
+def test_a_caveat_written_beside_a_run_follows_its_pair_into_the_report(tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "input_tps": 10.0, "failed": 0}
+    rows = [{"event": "start", "workloads": {}},
+            {"workload": "w1", "config": "l2_only", "summary": summary},
+            {"workload": "w1", "config": "kvc_hf3fs", "summary": summary}]
+    (run / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "caveats.json").write_text(json.dumps({"w1:kvc_hf3fs": "ran first: a one-time build"}))
+    _, records = report.merge_runs([run])
+    figs = report.figures_of(records)
+    assert figs["w1"]["kvc_hf3fs"]["caveat"] == "ran first: a one-time build"
+    assert "caveat" not in figs["w1"]["l2_only"]
