@@ -46,6 +46,7 @@ class WriteBehind:
         self._free = list(range(slots - 1, -1, -1))
         self._queue: collections.deque = collections.deque()
         self._busy = 0                       # batches taken by the writer, not yet done
+        self._copying = 0                    # submit calls copying into the buffer right now
         self._cond = threading.Condition()
         self._stopping = False
         self.counts = {"staged": 0, "written": 0, "failed": 0, "shed": 0}
@@ -63,24 +64,28 @@ class WriteBehind:
                 return [False] * len(keys)
             take = min(len(keys), len(self._free))
             slots = [self._free.pop() for _ in range(take)]
+            self._copying += 1               # close() waits for this copy before unmapping
         memmove, pb = ctypes.memmove, self.page_nbytes
         staged_slots: list[int] = []
-        for slot, page in zip(slots, pages):
-            if sum(n for _, n in page) != pb:
-                break                        # another pool's page size: never staged
-            dst = self._base + slot * pb
-            for addr, n in page:
-                memmove(dst, addr, n)        # ctypes releases the GIL while it copies
-                dst += n
-            staged_slots.append(slot)
-        k = len(staged_slots)
-        with self._cond:
-            self._free.extend(slots[k:])
-            if k:
-                self._queue.append((list(keys[:k]), staged_slots))
-                self.counts["staged"] += k
-            self.counts["shed"] += len(keys) - k
-            self._cond.notify_all()
+        try:
+            for slot, page in zip(slots, pages):
+                if sum(n for _, n in page) != pb:
+                    break                    # another pool's page size: never staged
+                dst = self._base + slot * pb
+                for addr, n in page:
+                    memmove(dst, addr, n)    # ctypes releases the GIL while it copies
+                    dst += n
+                staged_slots.append(slot)
+        finally:
+            k = len(staged_slots)
+            with self._cond:                 # one step: the writer never sees no copy and no batch
+                self._copying -= 1
+                self._free.extend(slots[k:])
+                if k:
+                    self._queue.append((list(keys[:k]), staged_slots))
+                    self.counts["staged"] += k
+                self.counts["shed"] += len(keys) - k
+                self._cond.notify_all()
         if k < len(keys):
             self._note_shed(len(keys) - k)
         return [True] * k + [False] * (len(keys) - k)
@@ -97,10 +102,10 @@ class WriteBehind:
         pb = self.page_nbytes
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self._queue and not (self._stopping and not self._copying):
                     self._cond.wait()
                 if not self._queue:
-                    return
+                    return                   # stopping, and no copy left that could queue a batch
                 keys, slots = self._queue.popleft()
                 self._busy += 1
             try:
@@ -135,16 +140,19 @@ class WriteBehind:
         """Write what is staged (at most ``timeout_s``), then stop the writer. Pages still queued
         after that are dropped (counted as shed); the buffer is released once the writer stopped."""
         flushed = self.flush(timeout_s)
+        end = time.monotonic() + timeout_s
         with self._cond:
+            self._stopping = True            # no new copies; a copy under way still queues its batch
+            while self._copying and time.monotonic() < end:
+                self._cond.wait(max(0.0, end - time.monotonic()))
             if not flushed:
                 dropped = sum(len(k) for k, _ in self._queue)
                 self.counts["shed"] += dropped
                 self._queue.clear()
                 log.warning("kvconnect: write-behind closed with %d page(s) unwritten", dropped)
-            self._stopping = True
-            self._cond.notify_all()
+            self._cond.notify_all()          # the writer drains what is queued, then exits
         self._thread.join(timeout_s)
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and not self._copying:
             try:
                 self._buf.close()
             except BufferError:
