@@ -289,9 +289,13 @@ def plot(run_dirs: list[Path], doc: dict, out_png: Path) -> Optional[Path]:
         bx.set_xlabel("input tokens/s (higher is better)")
         bx.set_title(f"{w}: input throughput")
         bx.grid(True, axis="x", alpha=0.3)
-    when = doc.get("when") or ""
+    # each workload's figures come from one run; say which (date of that run)
+    dates = [str(r.get("when") or "")[:10] for r in doc.get("runs", [])]
+    used = {w: sorted({dates[f["run"]] for f in by.values() if f.get("run", 0) < len(dates)})
+            for w, by in doc["figures"].items()}
+    when = "; ".join(f"{w} {', '.join(d)}" for w, d in used.items()) or (doc.get("when") or "")
     gpus = ", ".join((doc.get("machine") or {}).get("gpus", [])[:1])
-    fig.suptitle(f"kvconnect serving benchmark {when} {gpus}  (green: kvconnect, orange: alternatives, grey: "
+    fig.suptitle(f"kvconnect serving benchmark ({when}) {gpus}  (green: kvconnect, orange: alternatives, grey: "
                  f"HiCache L2 only)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
