@@ -22,7 +22,8 @@ def _buffer(n: int, seed: int):
 def _read(store, keys):
     out = ctypes.create_string_buffer(len(keys) * PAGE)
     ok = store.get_into(keys, [[(ctypes.addressof(out) + i * PAGE, PAGE)] for i in range(len(keys))])
-    return ok, [out.raw[i * PAGE:(i + 1) * PAGE] for i in range(len(keys))]
+    raw = out.raw                                        # one copy: .raw copies the whole buffer
+    return ok, [raw[i * PAGE:(i + 1) * PAGE] for i in range(len(keys))]
 
 
 def test_pages_of_two_segments_are_stored_whole_and_a_wrong_size_is_refused():
@@ -53,11 +54,12 @@ def test_close_racing_submits_keeps_every_page_it_accepted():
     def writer(t: int) -> None:
         buf, pages = _buffer(4, t)
         r = 0
-        while not done.is_set():
+        while not done.is_set() and r < 2000:             # bounded: at most 128 MiB accepted
             keys = [f"t{t}-r{r}-{i}" for i in range(4)]
             ok = wb.submit(keys, pages)
+            raw = buf.raw
             with lock:
-                accepted.update({k: buf.raw[i * PAGE:(i + 1) * PAGE] for i, (k, o) in enumerate(zip(keys, ok)) if o})
+                accepted.update({k: raw[i * PAGE:(i + 1) * PAGE] for i, (k, o) in enumerate(zip(keys, ok)) if o})
             r += 1
 
     threads = [threading.Thread(target=writer, args=(t,)) for t in range(4)]
