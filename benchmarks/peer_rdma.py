@@ -14,6 +14,9 @@ the run (Mooncake TE and PeerCache listen on every interface; nothing leaves the
 * raw TE: ``batch_transfer_sync_read`` of the same bytes (the slots the directory points
   at, same batches of 128, same destination), in the bench process, interleaved with our
   reads: the floor our reads are measured against.
+* same host: the ``placement=local`` pass again with ``shared_segment`` on both nodes (their
+  segments are files in /dev/shm): the reader copies the writer's pages out of its file and
+  checksums them, no Transfer Engine transfer; measured against the TCP pass just before.
 * "read after exists": SGLang's pattern (``batch_exists`` then ``batch_get``): the read
   reuses the locations the lookup found; only the read is timed.
 
@@ -190,7 +193,8 @@ def role_ours_local(args) -> None:
 
     page, n = args.page, args.pages
     store = create_store("peer_rdma", {"discovery_addr": args.seed, "control_port": 0, "protocol": "tcp",
-                                       "global_segment_size": 2 * n * page + 64 * MiB, "placement": "local"})
+                                       "global_segment_size": 2 * n * page + 64 * MiB, "placement": "local",
+                                       **_shared(args)})
     src_m, src = _buffer(n * page)
     _fill(src, n * page, 2)
     batches = [list(range(s, min(n, s + BATCH))) for s in range(0, n, BATCH)]
@@ -208,13 +212,18 @@ def role_ours_local(args) -> None:
     store.close()
 
 
+def _shared(args) -> dict:
+    """The same-host pass: segments in shared memory, same-host pages copied."""
+    return {"shared_segment": True, "shared_segment_dir": args.shm} if args.shm else {}
+
+
 def role_ours_reader(args) -> None:
     from kvconnect.connectors.registry import create_store
 
     page, n = args.page, args.pages
     info = json.loads(args.info)
     store = create_store("peer_rdma", {"discovery_addr": args.seed, "control_port": 0, "protocol": "tcp",
-                                       "global_segment_size": 0, "location_cache_ttl": 0})
+                                       "global_segment_size": 0, "location_cache_ttl": 0, **_shared(args)})
     deadline = time.monotonic() + 10
     while len(store.node.view.members) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -228,9 +237,15 @@ def role_ours_reader(args) -> None:
             ok = store.get_into(b, [[(dst + j * page, page)] for j in range(len(b))])
             assert all(ok), f"read missed {ok.count(False)}"
 
+    read_all()  # once untimed: the last batch must be the writer's bytes (role_ours_local fills seed 2)
+    ref_m, ref = _buffer(n * page)
+    _fill(ref, n * page, 2)
+    first = n - len(batches[-1])
+    assert ctypes.string_at(dst, len(batches[-1]) * page) == ctypes.string_at(ref + first * page, len(batches[-1]) * page)
     t_read = _timed(read_all, args.repeats)
+    shared = store.node.metrics()["shared_reads"]
     store.close()
-    _emit({"read_s": t_read, "bytes": n * page})
+    _emit({"read_s": t_read, "bytes": n * page, "shared_reads": shared})
 
 
 def _pc_store(seed: str, node_id: str, seg: int):
@@ -381,6 +396,19 @@ def measure_size(r: Runner, page: int, pages: int, repeats: int, port: int) -> d
     info = _wait_file(ready_l, writer, 300)
     reader = r.result(r.role("ours-reader", page, pages, repeats, seed=seed, info=info))
     local_w = r.result(writer)
+    # the same, both nodes lending from shared memory: the reader copies from the writer's file
+    shm = tempfile.mkdtemp(prefix="kvp-bench-", dir="/dev/shm")
+    try:
+        ready_s = os.path.join(tmp, f"shm{page}")
+        writer = r.role("ours-local", page, pages, repeats, stdin=subprocess.PIPE, seed=seed, ready=ready_s, shm=shm)
+        info = _wait_file(ready_s, writer, 300)
+        same_host = r.result(r.role("ours-reader", page, pages, repeats, seed=seed, info=info, shm=shm))
+        r.result(writer)
+    finally:
+        import shutil
+
+        shutil.rmtree(shm, ignore_errors=True)
+    assert same_host["shared_reads"] > 0, "the same-host pass moved no page through shared memory"
     mem.terminate()
     mem.wait(15)
     # PeerCache
@@ -397,6 +425,7 @@ def measure_size(r: Runner, page: int, pages: int, repeats: int, port: int) -> d
         "ours_remote_write_gib_s": gib_per_s(nbytes, ours["write_s"]),
         "ours_local_placement_write_gib_s": gib_per_s(nbytes, local_w["write_s"]),
         "ours_local_placement_remote_read_gib_s": gib_per_s(nbytes, reader["read_s"]),
+        "ours_same_host_read_gib_s": gib_per_s(nbytes, same_host["read_s"]),
         "peercache_read_gib_s": gib_per_s(nbytes, pcr["read_s"]),
         "peercache_write_gib_s": gib_per_s(nbytes, pc_w["write_s"]),
         "te_batch_read_gib_s": gib_per_s(nbytes, ours["te_read_s"]),
@@ -417,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", default="", help=argparse.SUPPRESS)
     p.add_argument("--ready", default="", help=argparse.SUPPRESS)
     p.add_argument("--info", default="", help=argparse.SUPPRESS)
+    p.add_argument("--shm", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help="results path (default benchmarks/results/peer_rdma.json)")
     args = p.parse_args(argv)
     if args.role:
@@ -452,6 +482,11 @@ def main(argv: list[str] | None = None) -> int:
                       fig["te_batch_write_gib_s"], "Mooncake TE batch_transfer_sync_write, same bytes")
             res.ratio(f"remote_write_gib_s_{label}_vs_peercache_write", fig["ours_remote_write_gib_s"],
                       fig["peercache_write_gib_s"], "PeerCache 0.8.4 batch_set_v1 (local pool + directory)")
+            res.ratio(f"same_host_read_gib_s_{label}_vs_te_read", fig["ours_same_host_read_gib_s"],
+                      fig["ours_local_placement_remote_read_gib_s"],
+                      "kvconnect peer_rdma, the same reads through the Transfer Engine (TCP), same run")
+            res.ratio(f"same_host_read_gib_s_{label}_vs_peercache", fig["ours_same_host_read_gib_s"],
+                      fig["peercache_read_gib_s"], "PeerCache 0.8.4 batch_get_v1 (TCP fallback)")
             res.ratio(f"local_placement_write_gib_s_{label}_vs_peercache_write",
                       fig["ours_local_placement_write_gib_s"], fig["peercache_write_gib_s"],
                       "PeerCache 0.8.4 batch_set_v1 (local pool + directory)")

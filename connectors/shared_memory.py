@@ -1,22 +1,24 @@
 """Segments in shared memory: same-host readers copy pages instead of a TCP transfer.
 
-A standalone store process (``kvconnect mooncake-store``) with ``shared_segment`` lends its
-memory from a file in ``/dev/shm`` (Mooncake's ``mount_segment`` maps it ``MAP_SHARED``)
-and publishes, in ``shared_segment_dir``, which transport endpoint owns that file and at
-which address it is mapped. An engine on the same host that finds a page's replica at a
-published endpoint maps the file read-only and copies the page itself (kvconnect's copy
-threads) instead of moving it through the Transfer Engine's loopback TCP.
+A process that lends memory to a store (a standalone Mooncake store process with
+``shared_segment``, a peer-pool node with ``shared_segment``) lends it from a file in
+``/dev/shm`` mapped ``MAP_SHARED`` and publishes, in ``shared_segment_dir``, which transport
+endpoint owns that file and at which address it is mapped. A process on the same host that
+finds a page at a published endpoint maps the file read-only and copies the page itself
+(kvconnect's copy threads) instead of moving it through the Transfer Engine's loopback TCP.
+Shared by the stores that lend memory; each adds its own proof that the bytes copied are
+the key's (Mooncake: the read lease and the holder alive after the copy; the peer pool:
+the page's published checksum).
 
-Why the bytes are the replica's, never another key's:
+Why the bytes at an address are the holder's, never another process's:
   * the registry entry is keyed by the network namespace *and* the endpoint: an endpoint
     (``host:port``) names one bound socket, so one live process, only within a namespace;
   * the entry names the holder's pid and its start time; after every copy the reader
     checks that this very process is still alive. A live holder still owns its port, so
     every replica the master reported at that endpoint before the check was the holder's,
     at an address inside the published mapping. A dead holder's pages are misses;
-  * the holder publishes only after proving its endpoint with a probe object
-    (``local_copy.find_own_endpoint``) whose replica lies inside the mapped file;
-  * the copy itself runs under Mooncake's read lease, as for the own segment.
+  * the holder publishes the endpoint of its own Transfer Engine (Mooncake: proven with a
+    probe object whose replica lies inside the mapped file) and its own address of the file.
 """
 
 from __future__ import annotations
@@ -31,11 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvconnect.connectors.mooncake.local_copy import mappings
+log = logging.getLogger("kvconnect.shared_memory")
 
-log = logging.getLogger("kvconnect.mooncake")
-
-DEFAULT_DIR = "/dev/shm/kvconnect-mooncake"
 _LIST_EVERY_S = 2.0      # how often a reader looks for newly published segments
 _UNMAP_AFTER_S = 60.0    # a dead holder's mapping is unmapped this long after it was dropped
 
@@ -67,22 +66,14 @@ def _entry_name(netns: int, endpoint: str) -> str:
     return f"{netns}-{endpoint.replace(':', '_').replace('/', '_')}.json"
 
 
-def mapping_base(path: str, nbytes: int) -> int | None:
-    """Start address of this process's mapping of the first ``nbytes`` of ``path`` (one
-    mapping from file offset 0), else None."""
-    for lo, hi, _, offset, mapped in mappings():
-        if mapped == path and offset == 0 and hi - lo >= nbytes:
-            return lo
-    return None
-
 
 class SharedSegmentFile:
     """Holder side: the shared-memory file a segment is mounted from, and its registry entry."""
 
-    def __init__(self, directory: str, nbytes: int):
+    def __init__(self, directory: str, nbytes: int, user: str = "kvconnect"):
         self.directory = Path(directory)
         self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        sweep_dead(self.directory, netns_id())
+        sweep_dead(self.directory, netns_id(), user)
         stat = os.statvfs(self.directory)
         free = stat.f_bavail * stat.f_frsize
         if free < nbytes:
@@ -117,7 +108,7 @@ class SharedSegmentFile:
                     pass
 
 
-def sweep_dead(directory: Path, netns: int) -> None:
+def sweep_dead(directory: Path, netns: int, user: str = "kvconnect") -> None:
     """Remove entries (and their files) of holders in network namespace ``netns`` that died
     without closing (other namespaces' holders may live in another PID namespace)."""
     for entry in directory.glob(f"{netns}-*.json"):
@@ -132,7 +123,7 @@ def sweep_dead(directory: Path, netns: int) -> None:
                         p.unlink()
                 except OSError:
                     pass
-            log.info("mooncake: removed the shared segment of dead holder pid %s", rec.get("pid"))
+            log.info("%s: removed the shared segment of dead holder pid %s", user, rec.get("pid"))
 
 
 @dataclass
@@ -148,8 +139,9 @@ class SameHostSegments:
     """Reader side: published segments of live holders in this network namespace, mapped
     read-only on first use. Thread-safe."""
 
-    def __init__(self, directory: str = DEFAULT_DIR):
+    def __init__(self, directory: str, user: str = "kvconnect"):
         self.directory = Path(directory)
+        self.user = user  # the store, in log lines
         self._netns = netns_id()
         self._lock = threading.Lock()
         self._maps: dict[str, _Mapped] = {}
@@ -224,13 +216,14 @@ class SameHostSegments:
             finally:
                 os.close(fd)
             if local in (None, _MAP_FAILED):
-                log.warning("mooncake: cannot map the shared segment %s: errno %d", rec["path"], ctypes.get_errno())
+                log.warning("%s: cannot map the shared segment %s: errno %d", self.user, rec["path"],
+                            ctypes.get_errno())
                 return None
             m = _Mapped(base=int(rec["base"]), size=int(rec["size"]), local=local, pid=int(rec["pid"]),
                         start=int(rec["start"]))
             self._maps[endpoint] = m
-            log.info("mooncake: reading the pages of same-host store pid %d (%s) from shared memory",
-                     m.pid, endpoint)
+            log.info("%s: reading the pages of same-host pid %d (%s) from shared memory",
+                     self.user, m.pid, endpoint)
             return m
 
     def _drop(self, endpoint: str) -> None:
@@ -239,8 +232,8 @@ class SameHostSegments:
             if m is not None:
                 # a copy of another thread may still read it: unmapped later, not now
                 self._graveyard.append((time.monotonic(), m.local, m.size))
-                log.warning("mooncake: same-host store pid %d (%s) is gone; its pages are no longer "
-                            "read from shared memory", m.pid, endpoint)
+                log.warning("%s: same-host pid %d (%s) is gone; its pages are no longer "
+                            "read from shared memory", self.user, m.pid, endpoint)
 
     def _bury_old(self, now: float) -> None:
         keep = []

@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from . import workloads
 from .configs import BASELINE, CONFIGS
 
-SHARED_KVC = ("kvc_hf3fs", "kvc_peer_rdma", "kvc_mooncake", "kvc_mooncake_shm")
+SHARED_KVC = ("kvc_hf3fs", "kvc_peer_rdma", "kvc_peer_rdma_shm", "kvc_mooncake", "kvc_mooncake_shm")
 
 
 def load_runs(path: Path) -> tuple[dict, list[dict]]:

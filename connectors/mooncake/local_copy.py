@@ -43,6 +43,15 @@ def mappings() -> Iterator[tuple[int, int, str, int, str]]:
             yield lo, hi, fields[1], int(fields[2], 16), fields[5].strip() if len(fields) > 5 else ""
 
 
+def mapping_base(path: str, nbytes: int) -> int | None:
+    """Start address of this process's mapping of the first ``nbytes`` of ``path`` (one
+    mapping from file offset 0), else None."""
+    for lo, hi, _, offset, mapped in mappings():
+        if mapped == path and offset == 0 and hi - lo >= nbytes:
+            return lo
+    return None
+
+
 def _readable(address: int, nbytes: int) -> bool:
     """Whether ``[address, address + nbytes)`` lies in one readable mapping of this process."""
     try:

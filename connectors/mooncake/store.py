@@ -22,7 +22,7 @@ Memory paths
     threads under the read lease of a ``batch_get_replica_desc`` query (Mooncake 0.3.x
     copies local replicas with one thread); see ``kvconnect.connectors.mooncake.local_copy``. The
     same holds for replicas in a same-host store process that lends its segment from
-    shared memory (``shared_segment``; ``kvconnect.connectors.mooncake.shared_segment``). Other
+    shared memory (``shared_segment``; ``kvconnect.connectors.shared_memory``). Other
     pages take the paths above.
 
 Deadlines and failures
@@ -72,8 +72,8 @@ from kvconnect.connectors.config import parse_config
 from kvconnect.connectors.mooncake import errors as mc_errors
 from kvconnect.connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
 from kvconnect.connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
-from kvconnect.connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, memory_replicas
-from kvconnect.connectors.mooncake.shared_segment import SameHostSegments, SharedSegmentFile, mapping_base
+from kvconnect.connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, mapping_base, memory_replicas
+from kvconnect.connectors.shared_memory import SameHostSegments, SharedSegmentFile
 from kvconnect.connectors.transfer_engine import (RegisteredRegions, StagingMemory, apply_engine_defaults,
                                                   apply_inline_timeouts)
 
@@ -204,7 +204,7 @@ class MooncakeStore(PageStore):
                 if (config.local_copy or config.shared_segment) and config.global_segment_size > 0 else None
             if self._shared_file is not None:
                 self._publish_shared_segment()
-            self._same_host = SameHostSegments(config.shared_segment_dir) if config.local_copy else None
+            self._same_host = SameHostSegments(config.shared_segment_dir, "mooncake") if config.local_copy else None
         except BaseException:
             self._close()
             raise
@@ -213,7 +213,7 @@ class MooncakeStore(PageStore):
         """Lend the segment from a shared-memory file (``shared_segment``)."""
         c = self.config
         try:
-            shared = SharedSegmentFile(c.shared_segment_dir, c.global_segment_size)
+            shared = SharedSegmentFile(c.shared_segment_dir, c.global_segment_size, "mooncake")
         except OSError as e:
             raise BackendUnavailable("mooncake", f"shared_segment: {e}") from e
         result = self._call("mount_segment", self._client.mount_segment, shared.path, c.global_segment_size)

@@ -51,6 +51,13 @@ class PeerRdmaConfig(StoreConfig):
     direct_reads: bool = field(default=False, metadata=field_doc(
         "read straight into registered caller pages (zero-copy); off: stage, validate, copy, so "
         "that a transfer that timed out and lands late can never write into caller memory"))
+    shared_segment: bool = field(default=False, metadata=field_doc(
+        "lend global_segment_size from a file in shared memory (shared_segment_dir) and read the "
+        "pages of same-host nodes that do the same by copying from their files instead of a "
+        "Transfer Engine transfer (several engines on one host); needs that much free space in "
+        "/dev/shm"))
+    shared_segment_dir: str = field(default="/dev/shm/kvconnect-peer", metadata=field_doc(
+        "where shared segments and their registry live"))
     location_cache_ttl: float = field(default=2.0, metadata=field_doc(
         "seconds a location found by exists() is reused by the next read (0: off)"))
     join_timeout: float = field(default=5.0, metadata=field_doc("seconds to wait for a seed at start"))

@@ -7,12 +7,12 @@ COUNTERS = ("write_requests", "writes_stored", "write_failures", "bytes_written"
             "read_failures", "read_timeouts", "read_stale", "bytes_read", "exists_requests",
             "exists_hits", "evictions", "promotes", "directory_republishes", "publish_failures",
             "rpc_failures", "bounce_reads", "staged_reads", "write_timeouts", "write_transfer_failures",
-            "write_spills")
+            "write_spills", "shared_reads")
 """Counted by the node as things happen."""
 
 DISK_COUNTERS = ("disk_writes", "disk_evictions")
 """Counted by the disk tier (present only with one)."""
 
 GAUGES = ("members", "pool_keys", "pool_bytes_used", "pool_capacity_bytes", "directory_entries",
-          "disk_keys", "disk_bytes_used")
+          "disk_keys", "disk_bytes_used", "shared_segments_mapped")
 """Read from the node's state at scrape time."""

@@ -16,6 +16,7 @@ share: the configuration, the transport, the counters.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import socket
 import threading
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvconnect.connectors.base import Page
+from kvconnect.connectors.errors import BackendUnavailable
 from kvconnect.connectors.peer_rdma.announce import Announcer
 from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
 from kvconnect.connectors.peer_rdma.counters import COUNTERS
@@ -38,6 +40,7 @@ from kvconnect.connectors.peer_rdma.rpc import Clients, serve
 from kvconnect.connectors.peer_rdma.segment import Segment, Slot
 from kvconnect.connectors.peer_rdma.writes import Writer
 from kvconnect.connectors.rpc import is_loopback, warn_if_open
+from kvconnect.connectors.shared_memory import SameHostSegments, SharedSegmentFile
 from kvconnect.connectors.transfer_engine import EngineClient, StagingMemory, set_rdma_port
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,8 @@ class PeerNode:
         # All or nothing: a start that fails half way (a port, a read-only disk_path) stops
         # what it started (listener, Transfer Engine, threads) before the error goes up.
         self.segment = self.transport = self.staging = self.clients = self.server = self.disk = None
+        self.shared_file: SharedSegmentFile | None = None  # the segment's file (shared_segment)
+        self.same_host: SameHostSegments | None = None  # same-host nodes' files (shared_segment)
         self.membership: Membership | None = None
         self._threads: list[threading.Thread] = []
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-io")
@@ -108,7 +113,14 @@ class PeerNode:
             raise
 
     def _start(self, c: PeerRdmaConfig, bind: str) -> None:
-        self.segment = Segment(c.global_segment_size, on_evict=self.announcer.evicted, populate=c.populate_segment)
+        if c.shared_segment and c.global_segment_size:
+            try:
+                self.shared_file = SharedSegmentFile(c.shared_segment_dir, max(c.global_segment_size, mmap.PAGESIZE),
+                                                     "peer_rdma")
+            except OSError as e:
+                raise BackendUnavailable("peer_rdma", f"shared_segment: {e}") from e
+        self.segment = Segment(c.global_segment_size, on_evict=self.announcer.evicted, populate=c.populate_segment,
+                               path=self.shared_file.path if self.shared_file else "")
         set_rdma_port(c.protocol, c.gid_index, c.ib_port, "peer_rdma")
         self.transport = EngineClient(self.hostname, c.protocol, c.devices, user="peer_rdma", extra="peer",
                                       transfer_timeout_s=c.transfer_timeout)
@@ -120,6 +132,12 @@ class PeerNode:
                                      arena_bytes=chunk, populate=True)
         if c.global_segment_size:
             self.transport.register(self.segment.base, c.global_segment_size)
+        if self.shared_file is not None:
+            # same-host nodes find this segment by the Transfer Engine endpoint the pool
+            # publishes for this node, and translate addresses through this base
+            self.shared_file.publish(self.transport.name, self.segment.base)
+        if c.shared_segment:
+            self.same_host = SameHostSegments(c.shared_segment_dir, "peer_rdma")
         self.clients = Clients(c.token, c.rpc_timeout)
         handlers = {
             "Heartbeat": lambda r: self.membership.handle_heartbeat(r),
@@ -157,8 +175,10 @@ class PeerNode:
             t.start()
         joined = self.membership.join(c.join_timeout)
         self.membership.start()
-        log.info("peer node up: node=%s te=%s segment=%d bytes members=%d%s", self.node_id, self.transport.name,
-                 c.global_segment_size, len(self.membership.view.members),
+        log.info("peer node up: node=%s te=%s segment=%d bytes%s members=%d%s", self.node_id, self.transport.name,
+                 c.global_segment_size,
+                 f" in {self.shared_file.path} (same-host nodes copy from it)" if self.shared_file else "",
+                 len(self.membership.view.members),
                  "" if joined else " (no seed answered yet; retrying in the background)")
 
     # ------------------------------------------------------------------ shared by the parts
@@ -248,6 +268,7 @@ class PeerNode:
         with self._clock:
             m: dict[str, Any] = dict(self.counters)
         m["evictions"] = self.segment.evictions
+        m.update(shared_segments_mapped=self.same_host.mapped if self.same_host else 0)
         m.update(members=len(self.view.members), pool_keys=self.segment.keys,
                  pool_bytes_used=self.segment.bytes_used, pool_capacity_bytes=self.config.global_segment_size,
                  directory_entries=len(self.directory), view_version=self.view.version)
@@ -280,6 +301,6 @@ class PeerNode:
             t.join(5)
         self.io.shutdown(wait=True)
         # (staging memory stays: a transfer given up on may still land in it)
-        for part in (self.clients, self.disk, self.transport, self.segment):
+        for part in (self.clients, self.disk, self.transport, self.same_host, self.segment, self.shared_file):
             if part is not None:
                 part.close()

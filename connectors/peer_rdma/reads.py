@@ -1,7 +1,8 @@
 """Reads: a node's own pages are a local copy (seqlock-checked); others are located on
 their directory owners (one batched ``DirGet`` per owner, recent answers cached) and read
 one-sidedly, one batch per holder, through registered staging chunks (validated, then
-copied out) or, with ``direct_reads``, straight into registered caller pages. A page counts
+copied out) or, with ``direct_reads``, straight into registered caller pages; a holder on
+this host that lends from shared memory (``shared_segment``) is copied from directly. A page counts
 as read only when the xxh3-64 of the bytes received equals the published checksum: an
 evicted, reused, rewritten or torn slot is a miss, never wrong bytes.
 """
@@ -14,7 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvconnect.connectors.base import Page, page_nbytes
-from kvconnect.connectors.buffers import scatter
+from kvconnect.connectors.buffers import scatter, scatter_many
 from kvconnect.connectors.peer_rdma.directory import CSUM, HOLDER, LEN, OFF, RESIDENT, live_holder
 from kvconnect.connectors.peer_rdma.membership import Member
 from kvconnect.connectors.peer_rdma.rpc import RpcError
@@ -226,6 +227,11 @@ class Reader:
         ``direct_reads`` reads straight into registered caller pages instead (zero-copy,
         without that guarantee).
         """
+        same_host = self.node.same_host
+        if same_host is not None and same_host.present():
+            items = self._read_same_host(same_host, member, items, pages, out, why)
+            if not items:
+                return
         if self.node.config.direct_reads:
             reg = self.node.transport.page_registered
             direct = [it for it in items if reg(pages[it[0]])]
@@ -236,6 +242,33 @@ class Reader:
                 return
             self.node.count(bounce_reads=len(items))
         self._read_staged(member, items, pages, out, why)
+
+    def _read_same_host(self, same_host, member: Member, items: list[tuple[int, list]], pages, out: list[bool],
+                        why: dict[int, str]) -> list[tuple[int, list]]:
+        """Copies the pages of a holder whose shared segment this process mapped straight into
+        the caller's pages (copy threads), each then checked against its published checksum
+        (a slot evicted, reused or rewritten during the copy is a miss). Returns the items it
+        could not copy (not in a published segment: the Transfer Engine moves them)."""
+        near, rest, srcs = [], [], []
+        for it in items:
+            src = same_host.source(member.te_name, member.seg_base + it[1][OFF], it[1][LEN])
+            if src is None:
+                rest.append(it)
+            else:
+                near.append(it)
+                srcs.append(src)
+        if not near:
+            return rest
+        scatter_many(srcs, [pages[i] for i, _ in near])
+        stale = 0
+        for i, e in near:
+            ok = checksum_page(pages[i]) == e[CSUM]
+            out[i] = ok
+            if not ok:
+                stale += 1
+                why[i] = "corrupt"
+        self.node.count(shared_reads=len(near), read_stale=stale)
+        return rest
 
     def _read_staged(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool],
                      why: dict[int, str]) -> None:

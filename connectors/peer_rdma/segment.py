@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -128,15 +129,26 @@ class Segment:
     capacity pressure pushed out, so the node can unpublish or demote it to disk.
     """
 
-    def __init__(self, size: int, on_evict: Callable[[str, Slot], None] | None = None, populate: bool = True):
+    def __init__(self, size: int, on_evict: Callable[[str, Slot], None] | None = None, populate: bool = True,
+                 path: str = ""):
+        """``path``: a file of at least ``size`` bytes (in shared memory) to map ``MAP_SHARED``
+        instead of anonymous memory, so same-host processes can map it too."""
         self.size = size
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        flags = mmap.MAP_SHARED if path else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         if populate:
             # Fault the lent memory in now: a remote write into never-touched pages pays a page
             # fault (and zeroing) per 4 KiB on the receiving node, several times the transfer
             # itself. RDMA registration pins it anyway.
             flags |= getattr(mmap, "MAP_POPULATE", 0)
-        self._mem = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=flags)
+        if path:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                self._mem = mmap.mmap(fd, max(size, mmap.PAGESIZE), flags=flags,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        else:
+            self._mem = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=flags)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mem))
         self._alloc = Allocator(size)
         self._slots: OrderedDict[str, Slot] = OrderedDict()
