@@ -21,7 +21,7 @@ from kvconnect.benchmarks import serve  # noqa: E402
 from kvconnect.benchmarks.serving import configs  # noqa: E402
 from kvconnect.benchmarks.serving.configs import KVC_HICACHE, Config  # noqa: E402
 
-PAIRS = ("w1:l2_only,w1:sglang_file,w1:kvc_hf3fs,w1:broken,w1:kvc_peer_rdma,"
+PAIRS = ("w1:l2_only,w1:sglang_file,w1:kvc_hf3fs,w1:broken,w1:kvc_peer_rdma,w1:kvc_peer_rdma_shm,"
          "w3:l2_only,w3:kvc_hf3fs,w2:l2_only,w2:kvc_memory,w1:no_hicache")
 
 
@@ -35,7 +35,7 @@ def broken_config(monkeypatch):
     return cfg
 
 
-@pytest.mark.timeout(600)  # ten pairs and two server launches: ~300 s on a 2-core machine
+@pytest.mark.timeout(660)  # eleven pairs and two server launches: ~330 s on a 2-core machine
 def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     out, results = tmp_path / "out", tmp_path / "results"
     rc = serve.main(["--quick", "--server-module", "kvconnect.connectors.testing.serving_engine", "--pairs", PAIRS,
@@ -45,7 +45,7 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert rows[0]["event"] == "start"
     pairs = {(r["workload"], r["config"]): r for r in rows[1:]}
-    assert len(pairs) == 10
+    assert len(pairs) == 11
 
     broken = pairs[("w1", "broken")]
     assert "attach dynamic on server 0: HTTP 400" in broken["error"] and "file_size" in broken["error"]
@@ -62,7 +62,8 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
         if key[1] != "l2_only":
             assert p["mismatches"] == 0, key
     # pages came back from L3 (read through the adapter into host pages, bytes checked by the output)
-    for key in [("w1", "sglang_file"), ("w1", "kvc_hf3fs"), ("w1", "kvc_peer_rdma"), ("w3", "kvc_hf3fs")]:
+    for key in [("w1", "sglang_file"), ("w1", "kvc_hf3fs"), ("w1", "kvc_peer_rdma"), ("w1", "kvc_peer_rdma_shm"),
+                ("w3", "kvc_hf3fs")]:
         assert pairs[key]["probe"]["storage_tokens"] > 0, key
     assert pairs[("w1", "l2_only")]["probe"]["storage_tokens"] == 0
     assert pairs[("w1", "no_hicache")]["probe"]["storage_tokens"] == 0   # the servers were relaunched without L3
@@ -73,6 +74,12 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
         remote = [v for k, v in peer[server].items() if k.startswith("kvconnect_peer_read_remote_hits_total")]
         written = [v for k, v in peer[server].items() if k.startswith("kvconnect_peer_write_requests_total")]
         assert remote and remote[0] > 0 and written and written[0] > 0, server
+    # with shared segments the same-host servers copied each other's pages instead of transferring them
+    shm = pairs[("w1", "kvc_peer_rdma_shm")]["store_metrics"]
+    for server in ("0", "1"):
+        copied = [v for k, v in shm[server].items() if k.startswith("kvconnect_peer_shared_reads_total")]
+        mapped = [v for k, v in shm[server].items() if k.startswith("kvconnect_peer_shared_segments_mapped")]
+        assert copied and copied[0] > 0 and mapped and mapped[0] >= 1, server
 
     with gzip.open(out / "requests.jsonl.gz", "rt") as f:
         reqs = [json.loads(line) for line in f]
