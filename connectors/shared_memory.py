@@ -148,6 +148,10 @@ class SameHostSegments:
         self._listed_at = -_LIST_EVERY_S
         self._entries: dict[str, Path] = {}
         self._graveyard: list[tuple[float, int, int]] = []  # (dropped at, address, size)
+        # endpoints whose segment could not be mapped, and when: not tried again for a listing
+        # period (each try reads the registry; a reader runs source() for every page)
+        self._refused: dict[str, float] = {}
+        self._warned: set[str] = set()
 
     def present(self) -> bool:
         """Whether any holder published a segment in this namespace (re-listed every 2 s)."""
@@ -202,29 +206,45 @@ class SameHostSegments:
         with self._lock:
             if endpoint in self._maps:
                 return self._maps[endpoint]
+            refused = self._refused.get(endpoint)
+            if refused is not None and time.monotonic() - refused < _LIST_EVERY_S:
+                return None
+            why = ""
             try:
                 rec = json.loads(entry.read_text())
                 if rec["endpoint"] != endpoint or process_start(rec["pid"]) != rec["start"]:
-                    return None
+                    return self._refuse(endpoint, "")
                 fd = os.open(rec["path"], os.O_RDONLY)
-            except (OSError, ValueError, KeyError):
-                return None
+            except (OSError, ValueError, KeyError) as e:
+                # EACCES: the holder runs as another user (its file is 0600); its pages take the transport
+                return self._refuse(endpoint, f"{e}" if isinstance(e, PermissionError) else "")
             try:
                 if os.fstat(fd).st_size < rec["size"]:
-                    return None
+                    return self._refuse(endpoint, "")
                 local = _libc.mmap(None, rec["size"], _PROT_READ, _MAP_SHARED, fd, 0)
+                if local in (None, _MAP_FAILED):
+                    why = f"mmap errno {ctypes.get_errno()}"
             finally:
                 os.close(fd)
-            if local in (None, _MAP_FAILED):
-                log.warning("%s: cannot map the shared segment %s: errno %d", self.user, rec["path"],
-                            ctypes.get_errno())
-                return None
+            if why:
+                return self._refuse(endpoint, f"cannot map {rec['path']}: {why}")
+            self._refused.pop(endpoint, None)
             m = _Mapped(base=int(rec["base"]), size=int(rec["size"]), local=local, pid=int(rec["pid"]),
                         start=int(rec["start"]))
             self._maps[endpoint] = m
             log.info("%s: reading the pages of same-host pid %d (%s) from shared memory",
                      self.user, m.pid, endpoint)
             return m
+
+    def _refuse(self, endpoint: str, why: str) -> None:
+        """Remembers (lock held) that ``endpoint``'s segment cannot be mapped now; ``why``, when
+        an operator should hear it, is logged once per endpoint."""
+        self._refused[endpoint] = time.monotonic()
+        if why and endpoint not in self._warned:
+            self._warned.add(endpoint)
+            log.warning("%s: the pages of same-host %s are not read from shared memory (%s); "
+                        "they take the transport", self.user, endpoint, why)
+        return None
 
     def _drop(self, endpoint: str) -> None:
         with self._lock:
