@@ -79,7 +79,11 @@ class SharedSegmentFile:
         if free < nbytes:
             raise OSError(f"{self.directory} has {free} bytes free, the shared segment needs {nbytes} "
                           f"(a container's /dev/shm is often 64 MB: raise --shm-size)")
-        fd, self.path = tempfile.mkstemp(prefix="segment-", suffix=".mem", dir=self.directory)
+        try:
+            fd, self.path = tempfile.mkstemp(prefix="segment-", suffix=".mem", dir=self.directory)
+        except PermissionError as e:
+            raise PermissionError(f"{e}: the directory is another user's (it is 0700, so neither could read "
+                                  f"the other's segments); give each user its own shared_segment_dir") from e
         self.nbytes = nbytes
         self.entry: Path | None = None
         try:

@@ -103,3 +103,20 @@ def test_too_little_shared_memory_is_a_clear_error_and_leaves_nothing(shm_dir):
     with pytest.raises(OSError, match=r"has \d+ bytes free, the shared segment needs \d+.*--shm-size"):
         SharedSegmentFile(str(shm_dir), free + (1 << 30), "unit")
     assert list(shm_dir.iterdir()) == []
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_users_directory_is_a_clear_error(shm_dir, holder):
+    """A second user's holder on the same directory fails at start, saying what to do (the
+    directory is 0700: neither side could use the other's segments). The other user: this
+    process with its effective ids switched to nobody's for the call."""
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        with pytest.raises(PermissionError, match="give each user its own shared_segment_dir"):
+            SharedSegmentFile(str(shm_dir), 4096, "unit")
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+    assert len(list(shm_dir.glob("segment-*.mem"))) == 1  # the first holder's, untouched
