@@ -121,6 +121,13 @@ def render(run_dirs: list, out: Path, command: str) -> dict:
         print(f"  [{'met' if t['met'] else 'NOT met'}] {t['target']}: {t['value']} (bound {t['bound']})")
     for w, b in doc["bounds"].items():
         print(f"  {w}: what any L3 could do here: " + ", ".join(f"{k} {v}" for k, v in b.items()))
+    for w, by_cfg in doc["figures"].items():
+        for c, f in by_cfg.items():
+            io = f.get("store_io", {})
+            moved = [f"{op} {v['bytes'] / 1e9:.4g} GB in {v['seconds']:.4g} s ({v['gb_per_s']} GB/s, "
+                     f"{v['ms_per_call']} ms a call)" for op, v in io.items() if v.get("bytes") and v.get("gb_per_s")]
+            if moved:
+                print(f"  {w}/{c} store time: " + "; ".join(moved))
     return doc
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -148,6 +149,9 @@ def figures_of(records: Iterable[dict]) -> dict:
         s.update({"probe_prompts": p.get("prompts"), "probe_ok": p.get("ok"),
                   "probe_storage_tokens": p.get("storage_tokens"), "probe_mismatches": p.get("mismatches")})
         s["store_counters"] = _counters(r.get("store_metrics", {}))
+        io = store_io(r.get("store_metrics", {}))
+        if io:
+            s["store_io"] = io
         s["run"] = r.get("run", 0)
         if r.get("caveat"):
             s["caveat"] = r["caveat"]
@@ -163,6 +167,38 @@ def _counters(metrics: dict) -> dict:
         out[server] = {k: v for k, v in series.items()
                        if any(w in k for w in keep) and not k.endswith(("_created", "_bucket")) and "quantile" not in k}
     return out
+
+
+_OP = re.compile(r'[{,]op="([a-z_]+)"')
+
+
+def store_io(metrics: dict) -> dict:
+    """Where a kvconnect configuration's L3 time went, per store operation, summed over the
+    servers (kvconnect's own series): ``calls``, ``seconds`` spent inside those calls, ``bytes``
+    moved (get, put), ``ms_per_call`` and ``gb_per_s`` (bytes / seconds in the calls: the rate
+    an engine's prefetch or write-back thread saw)."""
+    ops: dict = {}
+    for series in metrics.values():
+        for key, value in series.items():
+            name = key.split("{", 1)[0]
+            if name in ("kvconnect_store_latency_seconds_count", "kvconnect_store_latency_seconds_sum"):
+                m = _OP.search(key)
+                if m:
+                    field = "calls" if name.endswith("_count") else "seconds"
+                    op = ops.setdefault(m.group(1), {})
+                    op[field] = op.get(field, 0.0) + value
+            elif name in ("kvconnect_get_bytes_total", "kvconnect_put_bytes_total"):
+                op = ops.setdefault(name.split("_")[1], {})
+                op["bytes"] = op.get("bytes", 0.0) + value
+    def sig(x: float) -> float:
+        return float(f"{x:.4g}")
+    for op in ops.values():
+        calls, secs = op.setdefault("calls", 0.0), op.setdefault("seconds", 0.0)
+        op["ms_per_call"] = sig(1e3 * secs / calls) if calls else None
+        if "bytes" in op:
+            op["gb_per_s"] = sig(op["bytes"] / secs / 1e9) if secs else None
+        op["seconds"] = sig(secs)
+    return {k: ops[k] for k in sorted(ops)}
 
 
 def _requests_by_pair(run_dirs: list[Path]) -> dict:

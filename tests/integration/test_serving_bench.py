@@ -97,8 +97,13 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     assert any(t["target"].startswith("w1: best kvconnect") for t in doc["targets"])
     if (results / "serving.png").exists():
         assert (results / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # where the store time went, from the servers' own series
+    io = doc["figures"]["w1"]["kvc_peer_rdma"]["store_io"]
+    assert io["get"]["bytes"] > 0 and io["get"]["seconds"] > 0 and io["get"]["gb_per_s"] > 0
+    assert io["put"]["calls"] > 0 and io["exists"]["calls"] > 0
     printed = capsys.readouterr().out
     assert "[serve] w1/kvc_hf3fs" in printed
+    assert re.search(r"w1/kvc_peer_rdma_shm store time: get [0-9.e+-]+ GB in [0-9.e+-]+ s", printed)
     # SGLang's first L3 lookup was taken before any pair, by a backend attached for it and gone after
     assert printed.index("[serve] L3 path warmed up") < printed.index("[serve] w1/l2_only")
     assert not (tmp_path / "work" / "data" / "warm_up").exists()

@@ -155,3 +155,23 @@ def test_a_caveat_written_beside_a_run_follows_its_pair_into_the_report(tmp_path
     figs = report.figures_of(records)
     assert figs["w1"]["kvc_hf3fs"]["caveat"] == "ran first: a one-time build"
     assert "caveat" not in figs["w1"]["l2_only"]
+
+
+def test_store_io_sums_each_operation_over_the_servers():
+    """The report's "where the store time went": calls, seconds and bytes of each operation from the
+    servers' scraped kvconnect series, and the rate an engine thread saw."""
+    def server(get_s, get_bytes):
+        lbl = 'engine="sglang",pool="kv",store="peer_rdma",tp_rank="0"'
+        return {f'kvconnect_store_latency_seconds_count{{{lbl},op="get"}}': 10.0,
+                f'kvconnect_store_latency_seconds_sum{{{lbl},op="get"}}': get_s,
+                f'kvconnect_store_latency_seconds_bucket{{{lbl},op="get",le="0.1"}}': 7.0,
+                f'kvconnect_store_latency_seconds_count{{op="exists",{lbl}}}': 4.0,
+                f'kvconnect_store_latency_seconds_sum{{op="exists",{lbl}}}': 0.004,
+                f'kvconnect_get_bytes_total{{{lbl}}}': get_bytes,
+                f'kvconnect_put_bytes_total{{{lbl}}}': 0.0,
+                'kvconnect_peer_bytes_read_total{node="a"}': get_bytes}
+    io = report.store_io({"0": server(1.0, 3e9), "1": server(3.0, 5e9)})
+    assert io["get"] == {"calls": 20.0, "seconds": 4.0, "bytes": 8e9, "ms_per_call": 200.0, "gb_per_s": 2.0}
+    assert io["exists"] == {"calls": 8.0, "seconds": 0.008, "ms_per_call": 1.0}
+    assert io["put"] == {"bytes": 0.0, "calls": 0.0, "seconds": 0.0, "ms_per_call": None, "gb_per_s": None}
+    assert report.store_io({}) == {}
