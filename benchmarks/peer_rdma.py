@@ -32,6 +32,7 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -405,8 +406,6 @@ def measure_size(r: Runner, page: int, pages: int, repeats: int, port: int) -> d
         same_host = r.result(r.role("ours-reader", page, pages, repeats, seed=seed, info=info, shm=shm))
         r.result(writer)
     finally:
-        import shutil
-
         shutil.rmtree(shm, ignore_errors=True)
     assert same_host["shared_reads"] > 0, "the same-host pass moved no page through shared memory"
     mem.terminate()
@@ -498,8 +497,6 @@ def main(argv: list[str] | None = None) -> int:
 
             delete_namespace(ns)
     if ok:  # keep the process logs only when something failed
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     res.finish(args.out)
     return 0

@@ -66,7 +66,6 @@ def _entry_name(netns: int, endpoint: str) -> str:
     return f"{netns}-{endpoint.replace(':', '_').replace('/', '_')}.json"
 
 
-
 class SharedSegmentFile:
     """Holder side: the shared-memory file a segment is mounted from, and its registry entry."""
 

@@ -172,6 +172,11 @@ def _counters(metrics: dict) -> dict:
 _OP = re.compile(r'[{,]op="([a-z_]+)"')
 
 
+def _sig(x: float) -> float:
+    """Four significant digits: small pairs' figures (KB in ms) keep their meaning."""
+    return float(f"{x:.4g}")
+
+
 def store_io(metrics: dict) -> dict:
     """Where a kvconnect configuration's L3 time went, per store operation, summed over the
     servers (kvconnect's own series): ``calls``, ``seconds`` spent inside those calls, ``bytes``
@@ -190,14 +195,12 @@ def store_io(metrics: dict) -> dict:
             elif name in ("kvconnect_get_bytes_total", "kvconnect_put_bytes_total"):
                 op = ops.setdefault(name.split("_")[1], {})
                 op["bytes"] = op.get("bytes", 0.0) + value
-    def sig(x: float) -> float:
-        return float(f"{x:.4g}")
     for op in ops.values():
         calls, secs = op.setdefault("calls", 0.0), op.setdefault("seconds", 0.0)
-        op["ms_per_call"] = sig(1e3 * secs / calls) if calls else None
+        op["ms_per_call"] = _sig(1e3 * secs / calls) if calls else None
         if "bytes" in op:
-            op["gb_per_s"] = sig(op["bytes"] / secs / 1e9) if secs else None
-        op["seconds"] = sig(secs)
+            op["gb_per_s"] = _sig(op["bytes"] / secs / 1e9) if secs else None
+        op["seconds"] = _sig(secs)
     return {k: ops[k] for k in sorted(ops)}
 
 

@@ -260,15 +260,22 @@ class Reader:
         if not near:
             return rest
         scatter_many(srcs, [pages[i] for i, _ in near])
+        self._validate(near, pages, out, why)
+        self.node.count(shared_reads=len(near))
+        return rest
+
+    def _validate(self, items: list[tuple[int, list]], pages, out: list[bool], why: dict[int, str]) -> None:
+        """Checks pages copied straight into caller memory against their published checksums:
+        a page that does not match is a miss ("corrupt", counted in ``read_stale``)."""
         stale = 0
-        for i, e in near:
+        for i, e in items:
             ok = checksum_page(pages[i]) == e[CSUM]
             out[i] = ok
             if not ok:
                 stale += 1
                 why[i] = "corrupt"
-        self.node.count(shared_reads=len(near), read_stale=stale)
-        return rest
+        if stale:
+            self.node.count(read_stale=stale)
 
     def _read_staged(self, member: Member, items: list[tuple[int, list]], pages, out: list[bool],
                      why: dict[int, str]) -> None:
@@ -375,20 +382,9 @@ class Reader:
                     off += n
             return local, remote, lengths
 
-        def validate(chunk) -> None:
-            stale = 0
-            for i, e in chunk:
-                ok = checksum_page(pages[i]) == e[CSUM]
-                out[i] = ok
-                stale += not ok
-                if not ok:
-                    why[i] = "corrupt"
-            if stale:
-                self.node.count(read_stale=stale)
-
         if len(chunks) == 1:
             if self.node.transfer(member, *lists(chunks[0])):
-                validate(chunks[0])
+                self._validate(chunks[0], pages, out, why)
             return
         t0 = time.monotonic()
         ids = []
@@ -400,7 +396,7 @@ class Reader:
         for chunk, bid in zip(chunks, ids):  # wait for every chunk: nothing lands after we return
             rc = self.node.transport.wait(bid) if bid else -1
             if rc == 0:
-                validate(chunk)
+                self._validate(chunk, pages, out, why)
             elif time.monotonic() - t0 >= self.node.config.transfer_timeout * 0.9:
                 self.node.count(read_timeouts=1)
                 why.update({i: "deadline" for i, _ in chunk})
