@@ -28,6 +28,12 @@ pool holds a view of the store under its key space (``PrefixedStore``); MLA KV l
 TP rank out. Pool geometry is ``sglang_pools``; SGLang names that moved between releases
 are ``sglang_shims``.
 
+Legacy calls take pages as tensors (SGLang's flat pages: ``_generic_page_get`` /
+``_generic_page_set``) or, as SGLang's ``MooncakeStore`` does, as addresses and sizes
+(``target_location`` / ``target_sizes``: an int each, or lists of a page's segments), which
+must lie inside a registered host pool's memory. In that form ``get`` answers a bool and
+``batch_get`` the number of leading hits.
+
 Nothing raises into SGLang's threads: data-path methods catch, count and log (rate-limited)
 every exception and answer a miss / failed write. Configuration errors (unknown store, bad
 option, unsupported layout, a store without a needed capability) raise at construction /
@@ -38,11 +44,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
-from kvconnect.connectors.base import Capability, ConfigError, MissingDependency, Unsupported
+from kvconnect.connectors.base import Capability, ConfigError, MissingDependency, Page, Unsupported, page_nbytes
 from kvconnect.connectors.config import parse_size
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import (
@@ -136,8 +143,21 @@ def _needs_store(method: Callable[..., List[bool]]) -> Callable[..., List[bool]]
     return call
 
 
-def _none_per_key(self, keys, *a, **k) -> List[None]:
-    return [None] * len(keys)
+def _none_per_key(self, keys, *a, **k) -> Any:
+    """A failed legacy ``batch_get``: no page per key (tensor form) or 0 leading hits
+    (address form)."""
+    return 0 if _address_form(k.get("target_locations", a[0] if a else None)) else [None] * len(keys)
+
+
+def _address_form(locations: Any) -> bool:
+    """True where a legacy call's locations are addresses (ints, or lists of a page's
+    segment addresses), not tensors."""
+    return bool(locations) and all(isinstance(x, (numbers.Integral, list, tuple)) and not isinstance(x, bool)
+                                   for x in locations)
+
+
+def _mean_nbytes(pages: List[Any]) -> int:
+    return sum(page_nbytes(p) for p in pages) // max(1, len(pages))
 
 
 def _per_pool_misses(self, transfers, *a, **k) -> dict:
@@ -172,6 +192,7 @@ class KVConnectStorage(HiCacheStorage):
         self.kv: Optional[PoolIO] = None
         self.logical_anchor = False
         self._registered: set[tuple[int, int]] = set()
+        self._host_spans: List[tuple[int, int]] = []  # (start, end) of every registered pool buffer
         self._metrics_lock = threading.Lock()
         self._prefetch_pgs: List[int] = []
         self._backup_pgs: List[int] = []
@@ -226,13 +247,14 @@ class KVConnectStorage(HiCacheStorage):
             for n, io in sorted(self._pools.items())) or "none")
 
     def _register_buffers(self, pool: Any) -> None:
-        if not self.store.needs_registered_memory:
-            return
         for t in pool_buffers(pool):
             span = (t.data_ptr(), t.numel() * t.element_size())
-            if span[1] and span not in self._registered:
+            if not span[1] or span in self._registered:
+                continue
+            if self.store.needs_registered_memory:
                 self.store.register_memory(*span)
-                self._registered.add(span)
+            self._registered.add(span)
+            self._host_spans.append((span[0], span[0] + span[1]))
 
 
     def _kv_io(self) -> PoolIO:
@@ -290,18 +312,68 @@ class KVConnectStorage(HiCacheStorage):
         if given is not None and len(given) == n and all(t is not None for t in given):
             return list(given)
         kv = self._kv_io()
+        if not kv.flat:
+            raise Unsupported(f"a legacy read without targets into host pool {type(kv.pool).__name__}, which has "
+                              "no flat page format", ADAPTER, ["target tensors", "target addresses and sizes"])
         return [kv.pool.get_dummy_flat_data_page() if given is None or given[i] is None else given[i]
                 for i in range(n)]
 
+    def _address_pages(self, n: int, locations: Any, sizes: Any) -> Optional[List[Page]]:
+        """The pages of a legacy call given as addresses and sizes (``n`` of each; a page's
+        location an int, or a list of its segments' addresses with a list of sizes), None
+        where the call gives tensors or nothing. Every segment must lie inside a registered
+        host pool buffer: an address elsewhere raises (the call then fails), it is never
+        read or written."""
+        if not _address_form(locations):
+            return None
+        if sizes is None or len(locations) != n or len(sizes) != n:
+            raise ValueError(f"{n} pages given as addresses need {n} addresses and {n} sizes")
+        pages: List[Page] = []
+        for loc, size in zip(locations, sizes):
+            if isinstance(loc, (list, tuple)):
+                if not isinstance(size, (list, tuple)) or len(size) != len(loc):
+                    raise ValueError(f"a page of {len(loc)} segment addresses needs as many sizes, got {size!r}")
+                page = [(int(a), int(b)) for a, b in zip(loc, size)]
+            else:
+                page = [(int(loc), int(size))]
+            for addr, nbytes in page:
+                if nbytes <= 0 or not any(lo <= addr and addr + nbytes <= hi for lo, hi in self._host_spans):
+                    raise ValueError(f"segment ({addr:#x}, {nbytes}) is not inside a registered host pool buffer")
+            pages.append(page)
+        return pages
+
+    def _read_addresses(self, keys: List[str], pages: List[Page]) -> List[bool]:
+        kv = self._kv_io()
+        t0 = time.perf_counter()
+        ok = kv.store.get_into(keys, pages)
+        self._record(True, leading_hits(ok), _mean_nbytes(pages), time.perf_counter() - t0)
+        return ok
+
+    def _write_addresses(self, keys: List[str], pages: List[Page]) -> List[bool]:
+        kv = self._kv_io()
+        if not kv.is_writer:
+            return [True] * len(keys)  # rank-replicated KV: the writer rank stores it
+        t0 = time.perf_counter()
+        ok = kv.store.put_from(keys, pages)
+        self._record(False, sum(ok), _mean_nbytes(pages), time.perf_counter() - t0)
+        return ok
+
     @guarded(lambda self, key, *a, **k: None)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        pages = self._address_pages(1, None if target_location is None else [target_location],
+                                    None if target_sizes is None else [target_sizes])
+        if pages is not None:
+            return self._read_addresses([key], pages)[0]
         target = self._targets(1, None if target_location is None else [target_location])[0]
         return target if self._read_tensors([key], [target])[0] else None
 
     @guarded(_none_per_key)
-    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> List[Any]:
+    def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
         if not keys:
             return []
+        pages = self._address_pages(len(keys), target_locations, target_sizes)
+        if pages is not None:
+            return leading_hits(self._read_addresses(list(keys), pages))
         targets = self._targets(len(keys), target_locations)
         ok = self._read_tensors(list(keys), targets)
         return [t if good else None for t, good in zip(targets, ok)]
@@ -309,7 +381,9 @@ class KVConnectStorage(HiCacheStorage):
     @guarded(lambda self, *a, **k: False)
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         if value is None:
-            return False
+            pages = self._address_pages(1, None if target_location is None else [target_location],
+                                        None if target_sizes is None else [target_sizes])
+            return pages is not None and self._write_addresses([key], pages)[0]
         return self._write_tensors([key], [value])[0]
 
     @guarded(lambda self, *a, **k: False)
@@ -317,7 +391,10 @@ class KVConnectStorage(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         if not keys:
             return True
-        if values is None or len(values) != len(keys) or any(v is None for v in values):
+        if values is None:
+            pages = self._address_pages(len(keys), target_locations, target_sizes)
+            return pages is not None and all(self._write_addresses(list(keys), pages))
+        if len(values) != len(keys) or any(v is None for v in values):
             return False
         return all(self._write_tensors(list(keys), list(values)))
 

@@ -6,6 +6,10 @@ view, the engine context of that pool (side pools may be TP-sharded where the KV
 rank-replicated), and how its pages become ``(address, nbytes)`` segments in the order of
 SGLang's flat page (``get_data_page(flat=True)``) on every path, so pages written through
 the zero-copy v1 path, the legacy tensor path and the v2 pool path are interchangeable.
+
+A pool with no flat page format that offers ``get_page_buffer_meta`` (all SGLang's own
+``MooncakeStore`` needs, with ``get_ksize_per_token`` for its metrics) is stored and loaded
+through those segments, in their order, under a key space of its own class.
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ class PoolIO:
     pages and layers (checked against ``get_page_buffer_meta`` at registration).
     Otherwise pages go through SGLang's flat page tensors (``get_data_page`` /
     ``set_from_flat_data_page``): one copy per page, used for pools whose segment order is
-    not known to match the flat order (Mamba, indexer...).
+    not known to match the flat order (Mamba, indexer...). ``flat``: the pool has that flat
+    page format (the legacy tensor path needs it to make its own page tensors); a pool
+    without it is always ``zero_copy``.
     """
 
     name: str
@@ -74,6 +80,7 @@ class PoolIO:
     segs_per_page: int = 1
     kv_interleaved: bool = False
     table: Optional["SegmentTable"] = None
+    flat: bool = True
 
     @property
     def is_writer(self) -> bool:
@@ -91,7 +98,8 @@ class PoolIO:
         return self.meta_pages(host_indices, n)
 
     def meta_pages(self, host_indices: Any, n: int) -> List[Page]:
-        """Pages from SGLang's ``get_page_buffer_meta``, in flat byte order."""
+        """Pages from SGLang's ``get_page_buffer_meta``: in flat byte order, or (a pool
+        without flat pages) in the pool's own segment order."""
         ptrs, sizes = self.pool.get_page_buffer_meta(host_indices)
         per = self.segs_per_page
         if len(ptrs) != n * per or len(sizes) != len(ptrs):
@@ -140,6 +148,25 @@ def _flat_page_nbytes(pool: Any) -> int:
     return int(t.numel() * t.element_size())
 
 
+def _flat_page_error(pool: Any) -> Optional[Exception]:
+    """Why ``pool`` cannot hand out SGLang's flat pages, or None if it can."""
+    try:
+        _flat_page_nbytes(pool)
+        pool.get_data_page(0, flat=True)
+    except Exception as e:  # noqa: BLE001 - the pool has no flat page format
+        return e
+    return None
+
+
+def _page_segments(pool: Any, stride: int) -> tuple[List[int], List[int]]:
+    """``get_page_buffer_meta`` of the pool's first page: its segments' addresses and sizes."""
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(stride, dtype=torch.int64))
+    ptrs, sizes = [int(p) for p in ptrs], [int(n) for n in sizes]
+    if not ptrs or len(ptrs) != len(sizes) or min(sizes) <= 0:
+        raise ValueError(f"get_page_buffer_meta gave {len(ptrs)} addresses and sizes {sizes} for one page")
+    return ptrs, sizes
+
+
 def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, store: PageStore) -> PoolIO:
     """The ``PoolIO`` of one host pool of the engine process ``context`` describes, or
     ``Unsupported``."""
@@ -150,6 +177,8 @@ def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, 
     what = f"host pool {name!r} ({type(pool).__name__}, layout {layout!r})"
     replicated = context.rank_replicated and name not in RANK_SHARDED_POOLS
     dcp_size = context.dcp_size
+    if getattr(pool, "kv_buffer", 0) is None:
+        raise Unsupported(f"{what}: it has no host buffer", ADAPTER)
 
     if _uses_page_methods_of(pool, mha_cls):
         if layout not in MHA_LAYOUTS:
@@ -158,48 +187,56 @@ def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, 
         if v_head_dim != pool.head_dim:
             raise Unsupported(f"{what}: head_dim {pool.head_dim} != v_head_dim {v_head_dim}", ADAPTER)
         geometry = f"mha:L{pool.layer_num}:H{pool.head_num}:D{pool.head_dim}"
-        zero_copy = True
+        zero_copy, flat = True, True
     elif _uses_page_methods_of(pool, mla_cls):
         if layout not in MLA_LAYOUTS:
             raise Unsupported(f"{what}: layout {layout!r}", ADAPTER, MLA_LAYOUTS)
         geometry = f"mla:L{pool.layer_num}:D{pool.kv_cache_dim}"
-        zero_copy = True
+        zero_copy, flat = True, True
     else:
         # Any other pool (Mamba state, DSA indexer, a subclass with its own page format):
-        # through SGLang's flat pages, under its class name so formats never mix.
-        try:
-            _flat_page_nbytes(pool)
-            pool.get_data_page(0, flat=True)
-        except Exception as e:  # noqa: BLE001 - the pool cannot hand out pages at all
-            raise Unsupported(f"{what}: it has no storage page format ({type(e).__name__}: {e})",
-                              ADAPTER, [f"MHA: {', '.join(MHA_LAYOUTS)}", f"MLA: {', '.join(MLA_LAYOUTS)}",
-                                        "pools with flat data pages"]) from e
+        # through SGLang's flat pages where it has them, else through its own page
+        # segments; under its class name so formats never mix.
+        flat_error = _flat_page_error(pool)
         geometry = f"{type(pool).__module__}.{type(pool).__name__}"
-        zero_copy = False
+        flat = flat_error is None
+        zero_copy = not flat
+        if not flat:
+            try:
+                _page_segments(pool, stride)
+            except Exception as e:  # noqa: BLE001 - the pool cannot hand out pages at all
+                raise Unsupported(
+                    f"{what}: it has no storage page format (flat pages: {type(flat_error).__name__}: "
+                    f"{flat_error}; get_page_buffer_meta: {type(e).__name__}: {e})",
+                    ADAPTER, [f"MHA: {', '.join(MHA_LAYOUTS)}", f"MLA: {', '.join(MLA_LAYOUTS)}",
+                              "pools with flat data pages", "pools with get_page_buffer_meta"]) from e
+            geometry += ":segments"
 
-    if getattr(pool, "kv_buffer", 0) is None:
-        raise Unsupported(f"{what}: it has no host buffer", ADAPTER)
-    page_nbytes = _flat_page_nbytes(pool)
     segs_per_page, interleaved = 1, False
     if zero_copy:
-        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(stride, dtype=torch.int64))
-        if sum(sizes) != page_nbytes:
-            raise Unsupported(f"{what}: its {len(sizes)} page segments hold {sum(sizes)} bytes, "
-                              f"its flat page {page_nbytes}", ADAPTER)
+        ptrs, sizes = _page_segments(pool, stride)
+        page_nbytes = sum(sizes)
+        if flat and page_nbytes != _flat_page_nbytes(pool):
+            raise Unsupported(f"{what}: its {len(sizes)} page segments hold {page_nbytes} bytes, "
+                              f"its flat page {_flat_page_nbytes(pool)}", ADAPTER)
         segs_per_page = len(ptrs)
         # MHA layer_first segments come as k0, v0, k1, v1, ...; the flat page is all K
         # layers, then all V layers.
         interleaved = geometry.startswith("mha") and layout == "layer_first"
+        if not flat:
+            geometry += f":S{segs_per_page}"
+    else:
+        page_nbytes = _flat_page_nbytes(pool)
     geometry += f":B{page_nbytes}"
     if dcp_size > 1:
         geometry += f":dcp{context.dcp_rank}of{dcp_size}:tp{context.tp_size}:lp{stride}"
     ks = dataclasses.replace(
         base, pool=name, layout=str(layout or "none"), page_size=page_size,
-        dtype=_dtype_name(getattr(pool, "dtype", None)), geometry=geometry,
-        rank_replicated=replicated)
+        dtype=_dtype_name(getattr(pool, "dtype", None) or getattr(getattr(pool, "kv_buffer", None), "dtype", None)),
+        geometry=geometry, rank_replicated=replicated)
     io = PoolIO(name=name, pool=pool, keyspace=ks, context=context.for_pool(name, rank_replicated=replicated),
                 store=PrefixedStore.for_keyspace(store, ks), stride=stride, page_nbytes=page_nbytes,
-                zero_copy=zero_copy, segs_per_page=segs_per_page, kv_interleaved=interleaved)
+                zero_copy=zero_copy, segs_per_page=segs_per_page, kv_interleaved=interleaved, flat=flat)
     if zero_copy and dcp_size == 1 and segs_per_page > 2:
         # With one or two segments a page SGLang's loop is as cheap as numpy.
         io.table = SegmentTable.checked(io, geometry.split(":")[0])

@@ -3,6 +3,12 @@
 The pools are SGLang's own classes (``kvconnect.connectors.engines.sglang_host_pools``);
 ``fill_pages`` / ``page_bytes`` / ``zero_pages`` move recognisable bytes through their
 flat pages, so a test compares exactly what a GPU server would hold.
+
+Pools with no flat page format, only ``get_page_buffer_meta`` (and ``get_ksize_per_token``),
+which is all SGLang's own ``MooncakeStore`` asks of a pool: ``MinimalHostPool`` (the mock
+pool of SGLang 0.5.23's ``mooncake_store/test_mooncake_store.py``) and ``SegmentsOnlyPool``
+(a real pool seen through those two methods only); ``segment_bytes`` reads a page of either
+through its segments.
 """
 
 from __future__ import annotations
@@ -93,3 +99,64 @@ def _prod(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+class MinimalHostPool:
+    """The host pool of SGLang 0.5.23's ``mooncake_store/test_mooncake_store.py``
+    (``create_mock_host_kv_cache``): ``kv_buffer`` (a 1-D tensor), ``layout`` "page_first",
+    ``page_size`` 1, and only ``get_page_buffer_meta`` / ``get_ksize_per_token``. Page ``p``
+    is ``entries_per_page`` segments of ``page_elements`` elements each, the first at element
+    ``p * entries_per_page * page_elements``; no flat page format."""
+
+    def __init__(self, buffer: Any, entries_per_page: int = 2, page_elements: int = 1):
+        self.kv_buffer = buffer
+        self.layout = "page_first"
+        self.page_size = 1
+        self.entries_per_page = entries_per_page
+        self.page_elements = page_elements
+
+    def get_page_buffer_meta(self, indices):
+        ptr_list, element_size_list = [], []
+        for idx in indices:
+            page_offset = int(idx) * self.entries_per_page * self.page_elements
+            for entry_idx in range(self.entries_per_page):
+                offset = page_offset + entry_idx * self.page_elements
+                ptr_list.append(self.kv_buffer[offset:].data_ptr())
+                element_size_list.append(self.page_elements * self.kv_buffer.element_size())
+        return ptr_list, element_size_list
+
+    def get_ksize_per_token(self):
+        return self.entries_per_page * self.page_elements * self.kv_buffer.element_size()
+
+
+class SegmentsOnlyPool:
+    """A real SGLang host pool seen only through ``get_page_buffer_meta`` and
+    ``get_ksize_per_token`` (plus ``kv_buffer``, ``layout``, ``page_size``, ``size`` and
+    ``alloc``): a pool class the adapter does not know, without SGLang's flat pages."""
+
+    def __init__(self, pool: Any):
+        self._pool = pool
+        self.kv_buffer = pool.kv_buffer
+        self.layout = pool.layout
+        self.page_size = pool.page_size
+        self.size = pool.size
+
+    def get_page_buffer_meta(self, indices):
+        return self._pool.get_page_buffer_meta(indices)
+
+    def get_ksize_per_token(self):
+        return self._pool.get_ksize_per_token()
+
+    def alloc(self, need_size: int):
+        return self._pool.alloc(need_size)
+
+
+def segment_bytes(pool: Any, index: int) -> bytes:
+    """The bytes of the page that starts at token slot ``index``, read through
+    ``get_page_buffer_meta`` (its segments in their order)."""
+    import ctypes
+
+    import torch
+
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(int(index), int(index) + pool.page_size))
+    return b"".join(ctypes.string_at(int(a), int(n)) for a, n in zip(ptrs, sizes))

@@ -40,10 +40,13 @@ from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage  # noqa
 from kvconnect.connectors.testing.sglang import (  # noqa: E402
     SUPPORTED_LAYOUTS_MHA,
     SUPPORTED_LAYOUTS_MLA,
+    MinimalHostPool,
+    SegmentsOnlyPool,
     fill_pages,
     make_cpu_host_pool,
     make_cpu_mamba_pool,
     page_bytes,
+    segment_bytes,
 )
 from kvconnect.connectors.testing.stores import SharedMemoryConfig, SharedMemoryStore, clear_spaces  # noqa: E402
 
@@ -546,6 +549,134 @@ def test_v2_pool_without_zero_copy_goes_through_flat_pages():
     assert pages_of(fresh, fidx) == pages_of(mamba, idx)
     b.close()
     b2.close()
+
+
+# -- pools that offer only get_page_buffer_meta ----------------------------------------
+
+
+def _meta_page(pool, start):
+    """(addresses, sizes) of the page at token slot ``start``: an address-form legacy target."""
+    ptrs, sizes = pool.get_page_buffer_meta(torch.arange(start, start + pool.page_size))
+    return list(ptrs), list(sizes)
+
+
+@pytest.mark.parametrize("entries", [1, 2], ids=["one-segment", "two-segments"])
+def test_the_minimal_pool_of_sglangs_mooncake_test_moves_pages_on_every_path(entries):
+    """The host pool of SGLang 0.5.23's ``test_mooncake_store.py``: only ``get_page_buffer_meta``
+    and ``get_ksize_per_token``, no flat pages. Zero-copy v1 both ways, the address-form legacy
+    calls (SGLang's ``MooncakeStore`` form) both ways and across paths, byte-exact; an address
+    outside the registered buffer is refused without reading or writing it; a legacy read that
+    would need the flat format answers misses. Mocked: the pool (upstream's mock, the thing under
+    test); the store is the in-process memory store."""
+    buf = torch.randint(-1000, 1000, (64 * entries * 32,), dtype=torch.int32).float()
+    pool = MinimalHostPool(buf, entries_per_page=entries, page_elements=32)
+    b = backend(pool, store="memory")
+    try:
+        io = b.kv
+        assert io.zero_copy and not io.flat and io.segs_per_page == entries and io.page_nbytes == entries * 128
+        assert io.keyspace.geometry == f"kvconnect.connectors.testing.sglang.MinimalHostPool:segments:S{entries}:B{entries * 128}"
+        assert io.keyspace.dtype == "float32"
+        keys = hashes(6, f"minimal{entries}")
+        src = [segment_bytes(pool, i) for i in range(6)]
+        assert len(set(src)) == 6
+        assert b.batch_set_v1(keys[:4], torch.arange(4)) == [True] * 4
+        assert b.batch_exists(keys) == 4
+        assert b.batch_get_v1(keys[:4], torch.arange(20, 24)) == [True] * 4
+        assert [segment_bytes(pool, i) for i in range(20, 24)] == src[:4]
+        # address form: pages 4, 5 written as (addresses, sizes), read back by v1 and by address
+        metas = [_meta_page(pool, i) for i in (4, 5)]
+        assert b.batch_set(keys[4:], target_locations=[m[0] for m in metas], target_sizes=[m[1] for m in metas])
+        assert b.batch_get_v1(keys[4:], torch.arange(30, 32)) == [True] * 2
+        assert [segment_bytes(pool, i) for i in (30, 31)] == src[4:]
+        dst = [_meta_page(pool, i) for i in range(40, 46)]
+        assert b.batch_get(keys, target_locations=[m[0] for m in dst], target_sizes=[m[1] for m in dst]) == 6
+        assert [segment_bytes(pool, i) for i in range(40, 46)] == src
+        # single-key address form with one segment of the page: what upstream's test_single_operation does
+        seg_addr, seg_size = _meta_page(pool, 7)[0][0], _meta_page(pool, 7)[1][0]
+        assert b.set("one", target_location=seg_addr, target_sizes=seg_size) is True
+        assert b.get("one", target_location=_meta_page(pool, 50)[0][0], target_sizes=seg_size) is True
+        assert segment_bytes(pool, 50)[:seg_size] == segment_bytes(pool, 7)[:seg_size]
+        # an address outside every registered pool buffer: refused, nothing stored or read
+        outside = torch.zeros(32)
+        assert b.set("outside", target_location=outside.data_ptr(), target_sizes=128) is False
+        assert not b.exists("outside")
+        before = bytes(outside.numpy().tobytes())
+        assert b.get(keys[0], target_location=outside.data_ptr(), target_sizes=128) is None
+        assert b.batch_get(keys[:1], target_locations=[outside.data_ptr()], target_sizes=[128]) == 0
+        assert outside.numpy().tobytes() == before
+        # the legacy tensor path without targets needs the flat format: misses, no exception
+        assert b.batch_get(keys[:2]) == [None, None]
+        assert b.get(keys[0]) is None
+        assert b.kvconnect_stats()["adapter_errors"]["batch_get"] >= 2
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=pool_id)
+def test_a_real_pool_seen_only_through_its_page_segments_round_trips_byte_exact(case):
+    """A real SGLang MHA / MLA host pool behind ``SegmentsOnlyPool`` (only
+    ``get_page_buffer_meta`` / ``get_ksize_per_token``): v1 written, read into a fresh pool at
+    other slots, read again through the address-form legacy call, and as a v2 side pool; the
+    real pools' flat bytes match. Such a pool is keyed apart from the same pool class's own
+    format (the adapter does not know the segment order of a class it does not know), so a
+    backend on the unwrapped pool finds none of its pages. Mocked: only the view hiding the
+    flat page methods; two backends share pages through ``SharedMemoryStore`` (one process)."""
+    mla, layout = case
+    src = make_cpu_host_pool(layout, mla=mla)
+    w = backend(SegmentsOnlyPool(src), space="segments", mla=mla)
+    dst = make_cpu_host_pool(layout, mla=mla)
+    r = backend(SegmentsOnlyPool(dst), space="segments", mla=mla)
+    own = backend(make_cpu_host_pool(layout, mla=mla), space="segments", mla=mla)
+    try:
+        assert w.kv.zero_copy and not w.kv.flat and w.kv.page_nbytes == own.kv.page_nbytes
+        assert w.kv.keyspace.geometry.startswith("kvconnect.connectors.testing.sglang.SegmentsOnlyPool:segments:S")
+        idx = alloc_pages(src, 5)
+        fill_pages(src, idx, seed=21)
+        want = pages_of(src, idx)
+        keys = hashes(5, f"segments-{layout}")
+        assert w.batch_set_v1(keys, idx) == [True] * 5
+        assert r.batch_exists(keys) == 5 and own.batch_exists(keys) == 0
+        didx = alloc_pages(dst, 5, skip=3)
+        assert r.batch_get_v1(keys, didx) == [True] * 5
+        assert pages_of(dst, didx) == want
+        ps = dst.page_size
+        didx2 = alloc_pages(dst, 5)
+        metas = [_meta_page(dst, int(didx2[i * ps])) for i in range(5)]
+        assert r.batch_get(keys, target_locations=[m[0] for m in metas], target_sizes=[m[1] for m in metas]) == 5
+        assert pages_of(dst, didx2) == want
+        # v2: the same view as a side pool
+        w.register_mem_host_pool_v2(SegmentsOnlyPool(src), PoolName.SWA)
+        r.register_mem_host_pool_v2(SegmentsOnlyPool(dst), PoolName.SWA)
+        assert w._pools["swa"].zero_copy and not w._pools["swa"].flat
+        skeys = hashes(2, f"swa-{layout}")
+        assert w.batch_set_v2([PoolTransfer(PoolName.SWA, idx[: 2 * ps], keys=skeys)]) == {PoolName.SWA: [True] * 2}
+        didx3 = alloc_pages(dst, 2)
+        assert r.batch_get_v2([PoolTransfer(PoolName.SWA, didx3, keys=skeys)]) == {PoolName.SWA: [True] * 2}
+        assert pages_of(dst, didx3) == want[:2]
+    finally:
+        for b in (w, r, own):
+            b.close()
+
+
+def test_a_pool_with_neither_page_format_is_refused_naming_both():
+    """A pool with a host buffer but neither SGLang's flat pages nor ``get_page_buffer_meta``:
+    refused at registration, naming what each lacks and what is accepted. Mocked: the pool
+    (a class with only ``kv_buffer``, ``layout``, ``page_size``: nothing real is that bare)."""
+
+    class BarePool:
+        kv_buffer = torch.zeros(64)
+        layout = "page_first"
+        page_size = 1
+
+    b = _create({"store": "memory"}, make_cpu_host_pool("page_first"))
+    try:
+        with pytest.raises(Unsupported) as e:
+            b.register_mem_pool_host(BarePool())
+        msg = str(e.value)
+        assert "no storage page format" in msg and "get_page_buffer_meta: AttributeError" in msg
+        assert "pools with flat data pages" in msg and "pools with get_page_buffer_meta" in msg
+    finally:
+        b.close()
 
 
 # -- configuration errors -------------------------------------------------------------

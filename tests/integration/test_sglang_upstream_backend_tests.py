@@ -1,0 +1,239 @@
+"""SGLang 0.5.23's own HiCache storage-backend tests, pointed at kvconnect.
+
+Upstream files (the ``sglang==0.5.23`` wheel, ``sglang/srt/mem_cache/storage/``), adapted here:
+
+* ``mooncake_store/test_mooncake_store.py``: ``test_single_operation`` and
+  ``test_batch_operation`` with the four configs of its ``__main__`` (MHA TP 1, MLA TP 1,
+  MHA rank 1 of TP 4, MLA rank 3 of TP 8). Its host pool offers only
+  ``get_page_buffer_meta`` and ``get_ksize_per_token``; its single test moves bytes given as
+  addresses and sizes (``set`` / ``get`` with ``target_location`` / ``target_sizes``).
+* ``aibrix_kvcache/unit_test.py``: ``AIBrixKVCacheStorageTest.test_with_page_size`` (page
+  sizes 1 and 2): the legacy tensor ``batch_set`` / ``batch_get`` / ``batch_exists`` over a
+  real ``layer_first`` MHA host pool, including the prefix count of a partial key list.
+
+Each runs against two kvconnect stores: ``memory`` in this process, and ``mooncake`` against a
+real ``mooncake_master``: the module re-runs itself inside a loopback-only network namespace
+(``outer_test``), where the ``mooncake_cluster`` fixture starts the master.
+
+What was changed, and why:
+
+* The backend is kvconnect, built the way SGLang builds ``--hicache-storage-backend dynamic``
+  (``StorageBackendFactory.create_backend("dynamic", config, pool)``), instead of
+  ``MooncakeStore(config)`` / ``AibrixKVCacheStorage(config, pool)``; the storage config's
+  ``extra_config`` names kvconnect and the store (upstream passes none).
+* Upstream runs its cases from ``__main__`` (``test_batch_operation(config)`` takes its
+  config as an argument pytest cannot supply); here they are parametrized pytest cases.
+* ``torch.allclose(..., atol=1e-6)`` / ``torch.equal`` become byte comparisons (stricter).
+* Upstream never closes its backends; here each is closed after its case (several Mooncake
+  clients share this process).
+* MLA on TP rank 3 of 8: SGLang's cache controller never writes from that rank
+  (``backup_skip``: for MLA, ``HiCacheStorageConfig.is_storage_writer`` is TP rank 0 only);
+  kvconnect's non-writer answers ``batch_set_v1`` with success and writes nothing (asserted).
+  The case sends the same ``batch_set_v1`` through a rank-0 backend over the same store too,
+  as SGLang's writer rank does, then runs upstream's exists / get checks on rank 3. With the
+  ``memory`` store (one process's memory) that config is refused at construction
+  (``MissingCapability`` 'shared': rank 3, its own process in SGLang, could never read what rank
+  0 wrote), and the memory cases of both MLA TP>1 configs assert that refusal instead.
+* The AIBrix test's ``HiCacheStorageConfig(...)`` lacks fields 0.5.23 requires (``pp_rank``,
+  ``pp_size``, ``attn_cp_*``, ``enable_storage_metrics``): given their single-rank values. Its
+  positional ``MHATokenToKVPool(...)`` / ``MHATokenToKVPoolHost(...)`` calls no longer match
+  0.5.23 (``ValueError: Invalid MHA geometry: ... head_num=64``): the same pool
+  (``layer_first``, float16, 1 head of 128, 64 layers) comes from ``make_cpu_host_pool``. Its
+  ``torch.distributed`` environment and AIBrix metrics summary are AIBrix's own: dropped.
+* Upstream's mock pool is ``MinimalHostPool`` (``kvconnect.connectors.testing.sglang``), the
+  same class, kept once for these tests and the adapter's own.
+
+Not adapted, and why: ``simm/test_simm.py`` (its single test is the Mooncake one; its batch
+test passes pool *data* as host indices and its mock pool hands out offsets, not addresses:
+it cannot run against any backend); ``eic/test_unit.py`` (the EIC client alone, no
+``HiCacheStorage``); ``tensorcast_store/test_*.py`` (Tensorcast internals over a fake session);
+``hf3fs/test_hf3fs_utils.py`` (HF3FS's C++ copy helpers).
+
+Mocked: only upstream's own mock host pool (the Mooncake test's; a real pool needs model
+geometry upstream did not give). Everything else is real: SGLang's storage factory and config,
+SGLang's MHA host pool, kvconnect's stores, Mooncake's master and client.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (installed by scripts/install.sh)")
+pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvconnect.connectors.errors import MissingCapability  # noqa: E402
+from kvconnect.connectors.testing.mooncake import INNER, outer_test  # noqa: E402
+from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: E402,F401 - fixture
+from kvconnect.connectors.testing.sglang import HICACHE_EXTRA_CONFIG, MinimalHostPool, make_cpu_host_pool  # noqa: E402
+
+STORE = "mooncake" if INNER else "memory"
+
+
+@pytest.fixture
+def store_extra(request) -> dict:
+    """kvconnect's keys of the extra config for this run's store."""
+    if STORE == "mooncake":
+        cluster = request.getfixturevalue("mooncake_cluster")
+        return {**HICACHE_EXTRA_CONFIG, "store": "mooncake", **store_options(cluster)}
+    return {**HICACHE_EXTRA_CONFIG, "store": "memory", "capacity": "256mb"}
+
+
+@pytest.fixture
+def make_backend(store_extra):
+    """SGLang's factory for ``dynamic``; every backend made is closed after the test."""
+    made = []
+
+    def make(config: HiCacheStorageConfig, host):
+        config.extra_config = dict(store_extra)
+        b = StorageBackendFactory.create_backend("dynamic", config, host)
+        made.append(b)
+        b.register_mem_pool_host(host)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def _bytes(t) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+# ---------------------------------------------------------------------------------
+# mooncake_store/test_mooncake_store.py
+# ---------------------------------------------------------------------------------
+
+
+def make_hicache_storage_config(*, is_mla_model: bool, tp_rank: int, tp_size: int) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=is_mla_model, enable_storage_metrics=False, is_page_first_layout=True, model_name=None)
+
+
+def generate_batch_query_keys(kv_num: int):
+    return ["test_" + str(uuid.uuid4()) for _ in range(kv_num)]
+
+
+def create_mock_host_kv_cache(buffer_size, entries_per_page=2, page_elements=1, dtype=torch.float32):
+    buffer = torch.randn(buffer_size, dtype=dtype)
+    return MinimalHostPool(buffer, entries_per_page, page_elements), buffer
+
+
+def test_single_operation(make_backend):
+    """Upstream: set / exists / get of one key given as an address and a size in the mock
+    pool's buffer. Mocked: the host pool (upstream's own mock)."""
+    buffer_size = 1024 * 1024 * 16
+    value_elements = 1024
+    mock_host_kv_cache, buffer = create_mock_host_kv_cache(buffer_size, entries_per_page=2,
+                                                           page_elements=value_elements)
+    store = make_backend(make_hicache_storage_config(is_mla_model=False, tp_rank=0, tp_size=1), mock_host_kv_cache)
+
+    value_size = value_elements * buffer.element_size()
+    key = str(uuid.uuid4())
+    set_slice = buffer[:value_elements]
+    get_slice = buffer[value_elements: 2 * value_elements]
+    assert _bytes(set_slice) != _bytes(get_slice)
+
+    assert store.set(key, target_location=set_slice.data_ptr(), target_sizes=value_size) is True
+    assert store.exists(key)
+    assert store.get(key, target_location=get_slice.data_ptr(), target_sizes=value_size) is True
+    assert _bytes(get_slice) == _bytes(set_slice)
+
+
+BATCH_CONFIGS = [(False, 0, 1), (True, 0, 1), (False, 1, 4), (True, 3, 8)]
+
+
+@pytest.mark.parametrize("mla,tp_rank,tp_size", BATCH_CONFIGS,
+                         ids=[f"{'mla' if m else 'mha'}-rank{r}of{s}" for m, r, s in BATCH_CONFIGS])
+def test_batch_operation(make_backend, mla, tp_rank, tp_size):
+    """Upstream: batch_set_v1 of 13 pages, batch_exists, batch_get_v1 into 13 other pages,
+    byte-exact. MLA on a rank that is not SGLang's storage writer: the writer rank's backend
+    (same store) writes too, as in SGLang; on the process-local ``memory`` store that config is
+    refused (see the module docstring). Mocked: the host pool (upstream's own mock)."""
+    config = make_hicache_storage_config(is_mla_model=mla, tp_rank=tp_rank, tp_size=tp_size)
+    buffer_size = 1024 * 1024 * 16
+    value_elements = 256
+    kv_num = 13
+    entries_per_page = 1 if mla else 2
+    mock_host_kv_cache, buffer = create_mock_host_kv_cache(buffer_size, entries_per_page=entries_per_page,
+                                                           page_elements=value_elements)
+    if STORE == "memory" and mla and tp_size > 1:
+        with pytest.raises(MissingCapability) as e:
+            make_backend(config, mock_host_kv_cache)
+        assert e.value.store == "memory" and e.value.capability == "shared"
+        assert f"all {tp_size} TP ranks, each its own process, read it" in str(e.value)
+        return
+    store = make_backend(config, mock_host_kv_cache)
+
+    keys = generate_batch_query_keys(kv_num)
+    set_slices = [buffer[i * value_elements: (i + 1) * value_elements] for i in range(kv_num * entries_per_page)]
+    set_indices = torch.arange(kv_num)
+
+    assert all(store.batch_set_v1(keys, set_indices))
+    if not config.is_storage_writer:
+        assert store.batch_exists(keys) == 0  # a non-writer rank wrote nothing
+        writer = make_backend(make_hicache_storage_config(is_mla_model=mla, tp_rank=0, tp_size=tp_size),
+                              mock_host_kv_cache)
+        assert all(writer.batch_set_v1(keys, set_indices))
+
+    assert store.batch_exists(keys) == kv_num
+
+    n = kv_num * entries_per_page
+    get_slices = [buffer[(n + i) * value_elements: (n + i + 1) * value_elements] for i in range(n)]
+    assert all(_bytes(a) != _bytes(b) for a, b in zip(set_slices, get_slices))
+    get_indices = torch.arange(kv_num, 2 * kv_num)
+    assert all(store.batch_get_v1(keys, get_indices))
+    for i in range(n):
+        assert _bytes(get_slices[i]) == _bytes(set_slices[i]), f"page {i // entries_per_page}, segment {i}"
+
+
+# ---------------------------------------------------------------------------------
+# aibrix_kvcache/unit_test.py
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_with_page_size(make_backend, page_size):
+    """Upstream: legacy tensor batch_set / batch_get of 4 pages of a real layer_first MHA host
+    pool's flat page shape, batch_exists of all keys and of the last two, byte-exact. Nothing
+    mocked (upstream's own pool construction no longer runs on 0.5.23: see the docstring)."""
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name="test")
+    batch_size = 2
+    head_num = 1
+    layer_num = 64
+    head_dim = 128
+    mem_pool = make_cpu_host_pool("layer_first", page_size=page_size, layer_num=layer_num, head_num=head_num,
+                                  head_dim=head_dim, dtype="float16")
+    query_length = batch_size * 2
+    partial = batch_size
+    kv = make_backend(config, mem_pool)
+    target_shape = (2, layer_num, page_size, head_num, head_dim)
+    assert mem_pool.get_dummy_flat_data_page().numel() == torch.Size(target_shape).numel()  # the flat page
+    rand_tensor = [torch.rand(target_shape, dtype=torch.float16) for _ in range(query_length)]
+    keys = ["hash" + str(i) for i in range(query_length)]
+    partial_keys = keys[batch_size:query_length]
+    assert kv.batch_exists(keys) == 0
+    assert kv.batch_set(keys, rand_tensor)
+    get_tensor = [torch.rand(target_shape, dtype=torch.float16).flatten() for _ in range(query_length)]
+    kv.batch_get(keys, get_tensor)
+    for i in range(query_length):
+        assert _bytes(get_tensor[i]) == _bytes(rand_tensor[i])
+    assert kv.batch_exists(keys) == query_length
+    assert kv.batch_exists(partial_keys) == partial
+    partial_get_tensor = [torch.rand(target_shape, dtype=torch.float16).flatten() for _ in range(partial)]
+    kv.batch_get(partial_keys, partial_get_tensor)
+    for i in range(partial):
+        assert _bytes(partial_get_tensor[i]) == _bytes(rand_tensor[i + partial])
+
+
+if not INNER:
+    # The same tests against the mooncake store: this module again, inside a loopback-only
+    # namespace with a real mooncake_master.
+    test_mooncake_store_in_loopback_namespace = outer_test(__file__)
