@@ -40,6 +40,20 @@ def storage_config(*, extra_config: dict[str, Any] | None = None, model_name: st
     return HiCacheStorageConfig(**values)
 
 
+def storage_page_keys(tokens, page_size: int, *, extra_key: str | None = None, cache_salt: str | None = None,
+                      last_hash: str | None = None) -> list[str]:
+    """SGLang's own L3 page keys of a request's tokens: ``get_storage_hash_str`` over a
+    ``RadixKey`` carrying ``extra_key`` / ``cache_salt`` (the chain is seeded by
+    ``storage_namespace_seed`` unless it continues from ``last_hash``), one key per full page."""
+    from array import array
+
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    key = RadixKey(array("l", list(tokens)), extra_key=extra_key, cache_salt=cache_salt)
+    return list(get_storage_hash_str(key, last_hash, page_size=page_size))
+
+
 def fill_pages(host, host_indices, seed: int = 0) -> None:
     """Fill every page starting at ``host_indices[i * page_size]`` with distinct bytes.
 

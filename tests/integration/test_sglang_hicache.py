@@ -47,6 +47,7 @@ from kvconnect.connectors.testing.sglang import (  # noqa: E402
     make_cpu_mamba_pool,
     page_bytes,
     segment_bytes,
+    storage_page_keys,
 )
 from kvconnect.connectors.testing.stores import SharedMemoryConfig, SharedMemoryStore, clear_spaces  # noqa: E402
 
@@ -677,6 +678,52 @@ def test_a_pool_with_neither_page_format_is_refused_naming_both():
         assert "pools with flat data pages" in msg and "pools with get_page_buffer_meta" in msg
     finally:
         b.close()
+
+
+# -- salted keys (SGLang's extra_key / cache_salt) -------------------------------------
+
+
+def test_requests_share_pages_only_under_the_same_extra_key_and_cache_salt():
+    """Page keys come from SGLang's own derivation (``storage_page_keys``:
+    ``get_storage_hash_str`` over a ``RadixKey``, seeded by ``storage_namespace_seed``). Server 1
+    writes a prompt's pages under ``cache_salt`` A; server 2 (its own host pool and adapter, same
+    store) finds and loads them byte-exact under A, and a longer prompt under A hits their
+    prefix; under every other namespace (salt B, no salt, the same string as ``extra_key``, an
+    added ``extra_key``, an empty ``extra_key``) it finds none and loads none, its pool bytes
+    untouched. Mocked: nothing; the two servers are two adapters in one process over
+    ``SharedMemoryStore`` (memory stores sharing a space), standing in for a shared store."""
+    src, dst = make_cpu_host_pool("page_first"), make_cpu_host_pool("page_first")
+    ps = src.page_size
+    tokens = list(range(1000, 1000 + 6 * ps))
+    one, two = backend(src, space="salted"), backend(dst, space="salted")
+    try:
+        keys = storage_page_keys(tokens, ps, cache_salt="tenant-a")
+        idx = alloc_pages(src, 6)
+        fill_pages(src, idx, seed=31)
+        assert one.batch_set_v1(keys, idx) == [True] * 6
+
+        same = storage_page_keys(tokens, ps, cache_salt="tenant-a")
+        assert two.batch_exists(same) == 6
+        didx = alloc_pages(dst, 6)
+        assert two.batch_get_v1(same, didx) == [True] * 6
+        assert pages_of(dst, didx) == pages_of(src, idx)
+        longer = storage_page_keys(tokens + list(range(7, 7 + 2 * ps)), ps, cache_salt="tenant-a")
+        assert longer[:6] == keys and two.batch_exists(longer) == 6
+
+        others = {"salt B": dict(cache_salt="tenant-b"), "no salt": {}, "as extra_key": dict(extra_key="tenant-a"),
+                  "extra_key added": dict(extra_key="lora-1", cache_salt="tenant-a"), "empty extra_key": dict(extra_key="")}
+        oidx = alloc_pages(dst, 6)
+        zeros = pages_of(dst, oidx)
+        assert len(set(zeros)) == 1
+        for what, ns in others.items():
+            other = storage_page_keys(tokens, ps, **ns)
+            assert not set(other) & set(keys), what
+            assert two.batch_exists(other) == 0, what
+            assert two.batch_get_v1(other, oidx) == [False] * 6, what
+            assert pages_of(dst, oidx) == zeros, what
+    finally:
+        one.close()
+        two.close()
 
 
 # -- configuration errors -------------------------------------------------------------
