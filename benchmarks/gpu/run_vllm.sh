@@ -12,7 +12,7 @@
 #      examples/vllm/native.sh and examples/vllm/lmcache_server.sh + lmcache_vllm.sh.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
-: "${VLLM_SPEC:?set VLLM_SPEC to a vLLM release built for this host's torch}"
+: "${VLLM_SPEC:?set VLLM_SPEC to a vLLM release built for the torch of this host}"
 VENV="$ROOT/.gpu/vllm-venv"
 [[ -x "$VENV/bin/python" ]] || python3 -m venv --system-site-packages "$VENV"
 "$VENV/bin/pip" install "$VLLM_SPEC" msgpack xxhash prometheus-client tqdm grpcio sortedcontainers \
