@@ -29,7 +29,7 @@ set -u
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 REPO=$(pwd)
-G=$REPO/.gpu                         # the install recipe folder (hicache_client.py; benchmarks/gpu/README.md)
+G=$REPO/.gpu                         # the install recipe folder (benchmarks/gpu/README.md), on PYTHONPATH
 B=$REPO/benchmarks/gpu
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 LOGD=/tmp/sglogs; mkdir -p "$LOGD"
@@ -151,9 +151,31 @@ os.execvp(sys.argv[1], sys.argv[1:])' python3 -m sglang.launch_server --model-pa
     "${args[@]}" > "$LOGD/$name.log" 2>&1 < /dev/null &
   echo $! > "$LOGD/$name.pid"; echo "$name" >> "$LOGD/running"
 }
-wait_up() {  # name port timeout
-  local t=$(date +%s)
-  if SGL_URL=http://127.0.0.1:$2 python3 "$G/hicache_client.py" wait --timeout "$3" --pid "$(cat "$LOGD/$1.pid")" --out "$RES"; then
+wait_up() {  # name port timeout: until the server answers GET /health with 200 (or its process is gone)
+  local t; t=$(date +%s)
+  if python3 - "http://127.0.0.1:$2/health" "$3" "$(cat "$LOGD/$1.pid")" "$RES" <<'PY'
+import json, sys, time, urllib.request
+url, timeout, pid, res = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4]
+t0, ok = time.time(), False
+def alive():
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+while not ok and time.time() - t0 < timeout and alive():
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            ok = r.status == 200
+    except Exception:  # not listening yet, or 503 while it starts
+        pass
+    if not ok:
+        time.sleep(0.5)
+with open(res, "a") as f:
+    f.write(json.dumps({"event": "wait", "ok": ok, "after_s": round(time.time() - t0, 1)}) + "\n")
+sys.exit(0 if ok else 1)
+PY
+  then
     say "server $1 ready after $(( $(date +%s) - t ))s"; return 0
   fi
   say "server $1 NOT ready; log tail:"; tail -n 40 "$LOGD/$1.log" | cut -c1-300; return 1
