@@ -119,6 +119,10 @@ def port_open(port: int) -> bool:
         return False
 
 
+# What SGLang 0.5.17-0.5.23 answers (HTTP 400) to an attach or detach while its scheduler is not fully idle.
+BUSY_REFUSAL = "scheduler is not idle"
+
+
 class SGLangServer:
     """One ``sglang.launch_server`` with an admin key, so its L3 backend can be switched."""
 
@@ -143,25 +147,43 @@ class SGLangServer:
     def admin(self, method: str, path: str, body: Optional[dict] = None, timeout: float = 120.0) -> tuple[int, str]:
         return http(method, f"{self.url}{path}", body, {"Authorization": f"Bearer {self.admin_key}"}, timeout)
 
-    def flush(self, timeout_s: float = 60.0) -> None:
-        """Empty the GPU radix tree and the host pool (L2); L3 is untouched. Retries while busy."""
-        wait_until(lambda: self.admin("POST", "/flush_cache")[0] == 200, timeout_s, f"flush server {self.index}",
-                   self.proc, every_s=1.0)
+    def flush(self, timeout_s: float = 60.0) -> int:
+        """Empty the GPU radix tree and the host pool (L2); L3 is untouched. Retried while busy (the
+        only reason SGLang gives for a failed flush is pending requests)."""
+        return self.admin_until_accepted("flush", "POST", "/flush_cache", None, timeout_s, retry_on=("",))
+
+    def admin_until_accepted(self, what: str, method: str, path: str, body: Optional[dict] = None,
+                             timeout_s: float = 120.0, retry_on: tuple = (BUSY_REFUSAL,)) -> int:
+        """An admin call SGLang may refuse while busy, retried until it is accepted; returns the refusals.
+
+        SGLang rejects an attach or detach until ``Scheduler.is_fully_idle()`` holds, which lags the last
+        response by a scheduler loop or more: "Reject detach: scheduler is not idle. #queue-req=0
+        #running-req=0" can come with nothing queued or running. Only that refusal (and a connection
+        that failed while the server lives) is retried; any other answer is the engine's verdict and
+        raised at once with its own message, as is the last refusal after ``timeout_s``.
+        """
+        t0, refusals = time.time(), 0
+        while True:
+            status, text = self.admin(method, path, body, timeout=300)
+            if status == 200:
+                return refusals
+            busy = (status == 400 and any(m in text for m in retry_on)) or (status == 0 and self.proc.alive())
+            if not busy or time.time() - t0 >= timeout_s or not self.proc.alive():
+                waited = f" after {refusals + 1} tries in {time.time() - t0:.1f} s" if refusals else ""
+                raise RuntimeError(f"{what} on server {self.index}: HTTP {status}{waited}: {text.strip()[:500]}")
+            refusals += 1
+            time.sleep(min(0.1 * 2 ** min(refusals, 4), 1.0))
 
     def attach(self, backend: str, extra: dict, write_policy: str = "write_through",
-               prefetch_policy: Optional[str] = None) -> None:
+               prefetch_policy: Optional[str] = None, timeout_s: float = 120.0) -> int:
         body = {"hicache_storage_backend": backend, "hicache_storage_backend_extra_config_json": json.dumps(extra),
                 "hicache_write_policy": write_policy}
         if prefetch_policy:
             body["hicache_storage_prefetch_policy"] = prefetch_policy
-        status, text = self.admin("PUT", "/hicache/storage-backend", body, timeout=300)
-        if status != 200:
-            raise RuntimeError(f"attach {backend} on server {self.index}: HTTP {status}: {text.strip()[:500]}")
+        return self.admin_until_accepted(f"attach {backend}", "PUT", "/hicache/storage-backend", body, timeout_s)
 
-    def detach(self) -> None:
-        status, text = self.admin("DELETE", "/hicache/storage-backend", timeout=300)
-        if status != 200:
-            raise RuntimeError(f"detach on server {self.index}: HTTP {status}: {text.strip()[:500]}")
+    def detach(self, timeout_s: float = 120.0) -> int:
+        return self.admin_until_accepted("detach", "DELETE", "/hicache/storage-backend", None, timeout_s)
 
     def stop(self) -> None:
         self.proc.stop()

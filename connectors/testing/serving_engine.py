@@ -4,7 +4,10 @@ Mocked because no GPU exists in CI: the model. Real: SGLang 0.5.23's storage fac
 (``StorageBackendFactory.create_backend`` + ``register_mem_pool_host``, what SGLang's runtime attach
 does), kvconnect's HiCache adapter and the store behind it, and the HTTP surface the benchmark and
 ``sglang_router`` use (``/generate`` streaming, ``/health``, ``/flush_cache``, the admin-key-guarded
-``PUT/DELETE /hicache/storage-backend``).
+``PUT/DELETE /hicache/storage-backend``), including SGLang's refusals: an attach, detach or flush is
+answered HTTP 400 ("Reject detach: scheduler is not idle. #queue-req=0 #running-req=0") while a
+request runs and for ``--idle-lag-s`` after the last response, as SGLang's ``is_fully_idle()`` lags
+the last response by a scheduler loop or more.
 
 A request's pages are keyed like SGLang's (chained hashes of page tokens). Leading pages found in
 the local "GPU" cache are device hits; the next ones found in the attached store are read into host
@@ -52,6 +55,17 @@ class Engine:
         self.lock = threading.Lock()
         self.us_per_token = a.us_per_token
         self.served = 0
+        self.running = 0
+        self.idle_lag_s = a.idle_lag_s
+        self.busy_until = 0.0          # monotonic time before which the "scheduler" is not fully idle
+        self.refusals = 0
+
+    def not_idle(self, action: str) -> str:
+        """SGLang's refusal text while a request runs or the last one ended under ``idle_lag_s`` ago."""
+        if self.running or time.monotonic() < self.busy_until:
+            self.refusals += 1
+            return f"Reject {action}: scheduler is not idle. #queue-req=0 #running-req={self.running}"
+        return ""
 
     # -- storage ---------------------------------------------------------------------
     def attach(self, backend: str, extra: dict) -> None:
@@ -150,11 +164,13 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
 
     async def info(request):
         return web.json_response({"model_path": "serving-test", "is_generation": True, "page_size": engine.page,
-                                  "requests_served": engine.served})
+                                  "requests_served": engine.served, "admin_refusals": engine.refusals})
 
     async def flush(request):
         if not authorized(request):
             return web.Response(status=401)
+        if engine.not_idle("flush"):
+            return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
         with engine.lock:
             engine.device.clear()
         return web.Response(text="Cache flushed.\n")
@@ -162,6 +178,9 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
     async def storage(request):
         if not authorized(request):
             return web.Response(status=401)
+        refusal = engine.not_idle("attach" if request.method == "PUT" else "detach")
+        if refusal:
+            return web.Response(status=400, text=refusal + "\n")
         try:
             if request.method == "PUT":
                 body = await request.json()
@@ -177,6 +196,14 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
         body = await request.json()
         ids = [int(w[1:]) for w in body["text"].split()]
         n = int(body.get("sampling_params", {}).get("max_new_tokens", 16))
+        engine.running += 1
+        try:
+            return await respond(request, body, ids, n)
+        finally:
+            engine.running -= 1
+            engine.busy_until = time.monotonic() + engine.idle_lag_s
+
+    async def respond(request, body, ids, n):
         counts, digest = await asyncio.to_thread(engine.prefill, ids)
         engine.served += 1
         out = [int.from_bytes(hashlib.sha256(digest + j.to_bytes(4, "little")).digest()[:4], "little") % VOCAB + 1
@@ -217,6 +244,8 @@ def main() -> None:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=4096)
     p.add_argument("--us-per-token", type=float, default=50.0, help="simulated prefill time per computed token")
+    p.add_argument("--idle-lag-s", type=float, default=0.5,
+                   help="attach/detach/flush refused this long after the last response (SGLang's idle lag)")
     a, _sglang_args = p.parse_known_args()
     web.run_app(make_app(Engine(a), a.admin_api_key), host=a.host, port=a.port, print=None)
 
