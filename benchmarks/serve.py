@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .serving import report, workloads
-from .serving.configs import BASELINE, CONFIGS, default_ports, parse_names
+from .serving.configs import BASELINE, CONFIGS, by_information, default_ports, parse_names
 from .serving.run import Plan, ServerSpec, execute
 
 from kvconnect.connectors.config import parse_size
@@ -32,9 +32,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOAD_KNOBS = {
     "w1": (workloads.shared_prefix, [("groups", int, 64, None), ("per_group", int, 16, None),
                                      ("system_len", int, 2048, None), ("question_len", int, 128, None),
-                                     ("output_len", int, 256, None), ("rate", float, 8.0, "requests/s (Poisson)")]),
-    "w2": (workloads.multi_turn, [("clients", int, 32, None), ("rounds", int, 5, None), ("request_len", int, 2048, None),
-                                  ("output_len", int, 64, None), ("max_parallel", int, 8, None)]),
+                                     ("output_len", int, 256, None),
+                                     ("rate", float, 8.0, "requests/s (Poisson); replaced by --load-fraction"),
+                                     ("prefetch_policy", str, "", "SGLang prefetch policy at attach (default: "
+                                      "the server's)")]),
+    "w2": (workloads.multi_turn, [("clients", int, 20, None), ("rounds", int, 10, None),
+                                  ("request_len", int, 2048, None), ("output_len", int, 16, None),
+                                  ("max_parallel", int, 4, None),
+                                  ("rate", float, 20.0, "turns/s (Poisson); replaced by --load-fraction"),
+                                  ("prefetch_policy", str, "wait_complete", "SGLang prefetch policy at attach")]),
     "w3": (workloads.trace, [("sample_every", int, 80, "keep conversations with crc32(id) %% N == 0"),
                              ("block_tokens", int, 128, "tokens per 512-token trace block"),
                              ("time_scale", float, 60.0, "trace time / replay time"), ("max_output", int, 64, None),
@@ -80,6 +86,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--list-configs", action="store_true", help="describe the configurations and exit")
     g.add_argument("--quick", action="store_true", help="tiny workloads (a smoke run)")
     g.add_argument("--deadline-s", type=float, default=0, help="start no pair after this many seconds (0: none)")
+    g.add_argument("--budget-s", type=float, default=0,
+                   help="like --deadline-s, and the pairs reordered so the most informative finish first: each "
+                        "workload's baseline, then every kvconnect store next to the alternative it replaces")
+    g.add_argument("--resume", action="store_true",
+                   help="keep the pairs OUT/runs.jsonl already measured (and its capacity probes), run the rest")
+    g.add_argument("--load-fraction", type=float, default=0.7,
+                   help="offer W1/W2 at this share of the capacity a probe measures on the baseline first "
+                        "(0: the --wN-rate as given); pairs above 0.9 are flagged overloaded")
+    g.add_argument("--capacity-requests", type=int, default=128, help="requests (chat turns) in the capacity probe")
     g.add_argument("--report", metavar="DIR", nargs="+",
                    help="only rebuild serving.json/png from DIR/runs.jsonl (several DIRs: the latest run of each "
                         "pair wins) into --out")
@@ -151,15 +166,19 @@ def main(argv=None) -> int:
         return 0
     loads = build_workloads(a)
     pairs = plan_pairs(a, loads)
+    if a.budget_s:
+        pairs = by_information(pairs)
     spec = ServerSpec(servers=a.servers, gpus=tuple(x for x in a.gpus.split(",") if x), shape=a.shape,
                       model_path=a.model_path, mem_fraction=a.mem_fraction, max_total_tokens=a.max_total_tokens,
                       hicache_ratio=a.hicache_ratio, router_policy=a.router_policy,
                       extra_args=tuple(a.server_arg), server_module=a.server_module)
     out = Path(a.out or Path(a.workdir) / "out")
     l3_per_server, l3_file = ("256mb", "1gb") if a.quick else (a.l3_per_server, a.l3_file_size)
+    limit_s = min(x for x in (a.deadline_s, a.budget_s, float("inf")) if x)
     plan = Plan(pairs, spec, Path(a.workdir), out, default_ports(a.port_base), a.probe,
-                deadline=time.time() + a.deadline_s if a.deadline_s else 0.0, l3_bytes_per_server=l3_per_server,
-                l3_file_bytes=parse_size(l3_file), write_behind="64mb" if a.quick else a.write_behind)
+                deadline=time.time() + limit_s if limit_s != float("inf") else 0.0, l3_bytes_per_server=l3_per_server,
+                l3_file_bytes=parse_size(l3_file), write_behind="64mb" if a.quick else a.write_behind,
+                load_fraction=a.load_fraction, capacity_requests=a.capacity_requests, resume=a.resume)
     print(f"[serve] {len(pairs)} pairs on {a.servers} servers: " + ", ".join(f"{w.name}:{c}" for w, c in pairs),
           flush=True)
     _stop_on_sigterm()

@@ -124,6 +124,9 @@ async def _drive(url: str, workload: Workload, progress: Optional[Callable[[], N
             async with gate:
                 for k, turn in enumerate(s.turns):
                     prompt = history + turn
+                    delay = start + next(arrivals, 0.0) - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
                     t = loop.time()
                     res = await sent(await generate(session, url, prompt, s.max_new_tokens, f"{s.sid}-t{k}",
                                                     timeout_s), t)
@@ -134,6 +137,9 @@ async def _drive(url: str, workload: Workload, progress: Optional[Callable[[], N
         if workload.requests:
             return list(await asyncio.gather(*(one(r) for r in workload.requests)))
         gate = asyncio.Semaphore(max(1, workload.max_parallel))
+        # a rate on a chat load paces its turns: turn i of the whole load goes no earlier than the
+        # i-th arrival of a Poisson stream at ``rate``, and never before its chat's previous answer
+        arrivals = iter(workload.turn_arrivals())
         chats = await asyncio.gather(*(chat(s, gate) for s in workload.sessions))
         return [r for c in chats for r in c]
 
@@ -185,6 +191,38 @@ def offered(results) -> dict:
     return {"arrival_span_s": span, "offered_input_tps": tokens / span if span > 0 else 0.0}
 
 
+# Where a request's prefix came from, by SGLang's own per-request counts (``cached_tokens_details``):
+# any page from L3 makes it an L3 hit, else any from the host pool a host (L2) hit, else any on the GPU.
+SOURCES = ("gpu", "host", "l3", "recomputed")
+
+
+def source_of(cached_from: dict) -> str:
+    if cached_from.get("storage", 0) > 0:
+        return "l3"
+    if cached_from.get("host", 0) > 0:
+        return "host"
+    return "gpu" if cached_from.get("device", 0) > 0 else "recomputed"
+
+
+def ttft_by_source(results) -> dict:
+    """TTFT of the successful requests split by where their prefix came from (``SOURCES``)."""
+    rows = [r if isinstance(r, dict) else asdict(r) for r in results]
+    groups: dict = {}
+    for r in rows:
+        if r["ok"]:
+            groups.setdefault(source_of(r.get("cached_from") or {}), []).append(r)
+    out = {}
+    for src in SOURCES:
+        g = groups.get(src, [])
+        if g:
+            t = [r["ttft"] for r in g]
+            out[src] = {"requests": len(g), "ttft_p50_s": percentile(t, 50), "ttft_p90_s": percentile(t, 90),
+                        "ttft_mean_s": statistics.fmean(t),
+                        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in g),
+                        "cached_tokens_mean": statistics.fmean(r["cached_tokens"] for r in g)}
+    return out
+
+
 def summarize(results: list[Result], wall_s: float) -> dict:
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok]
@@ -202,4 +240,5 @@ def summarize(results: list[Result], wall_s: float) -> dict:
         "output_tps": sum(r.completion_tokens for r in ok) / span if span > 0 else 0.0,
         "cached_tokens": sum(r.cached_tokens for r in ok), "cached_from": cached,
         "storage_hit_share": cached["storage"] / prompt if prompt else 0.0,
+        "ttft_by_source": ttft_by_source(results),
     }

@@ -64,6 +64,7 @@ class Config:
     profile: str = "hicache"
     metrics_url: Callable[[Setup, int], Optional[str]] = lambda s, i: None
     prepare: Callable[[Setup], None] = lambda s: None
+    counterpart: Optional[str] = None          # kvconnect: the alternative it replaces (run next to it)
 
 
 def _kvc(store: str, **options) -> Callable[[Setup, int], dict]:
@@ -110,7 +111,8 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
            backend="dynamic", services=("kvc_meta",), metrics_url=_kvc_metrics,
            extra=_kvc("hf3fs", file_path_prefix=lambda s, i: str(s.data("kvc_hf3fs") / "hicache"),
                       file_size=lambda s, i: s.l3_file_bytes, numjobs=16, entries=16,
-                      metadata_server_url=lambda s, i: f"http://127.0.0.1:{s.ports['kvc_meta']}")),
+                      metadata_server_url=lambda s, i: f"http://127.0.0.1:{s.ports['kvc_meta']}"),
+           counterpart="sglang_hf3fs"),
     Config("kvc_hf3fs_wt", "reference",
            "kvc_hf3fs with write_behind off whatever --write-behind says (SGLang waits for every file write)",
            backend="dynamic", services=("kvc_meta",), metrics_url=_kvc_metrics,
@@ -119,27 +121,51 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
            backend="dynamic", services=("peer_seed",), metrics_url=_kvc_metrics,
            extra=_kvc("peer_rdma", discovery_addr=lambda s, i: f"127.0.0.1:{s.ports['peer_seed']}", protocol="tcp",
                       local_hostname="127.0.0.1", control_port=0,
-                      global_segment_size=lambda s, i: s.l3_bytes_per_server)),
+                      global_segment_size=lambda s, i: s.l3_bytes_per_server), counterpart="peercache"),
     Config("kvc_peer_rdma_shm", "kvconnect",
            "kvconnect peer pool, each server lends memory from shared memory (same-host pages are copied)",
            backend="dynamic", services=("peer_seed",), metrics_url=_kvc_metrics,
-           extra=lambda s, i: {**CONFIGS["kvc_peer_rdma"].extra(s, i), "shared_segment": True}),
+           extra=lambda s, i: {**CONFIGS["kvc_peer_rdma"].extra(s, i), "shared_segment": True},
+           counterpart="peercache"),
     Config("kvc_mooncake", "kvconnect", "kvconnect mooncake store + a standalone store process (Transfer Engine, TCP)",
            backend="dynamic", services=("mooncake_store",), metrics_url=_kvc_metrics,
            extra=_kvc("mooncake", master_server_address=lambda s, i: f"127.0.0.1:{s.ports['mooncake_master']}",
-                      protocol="tcp", local_hostname="127.0.0.1", global_segment_size=0)),
+                      protocol="tcp", local_hostname="127.0.0.1", global_segment_size=0),
+           counterpart="sglang_mooncake"),
     Config("kvc_mooncake_shm", "kvconnect",
            "kvconnect mooncake store, the store process lends its segment from shared memory (same host)",
            backend="dynamic", services=("mooncake_store_shm",), metrics_url=_kvc_metrics,
            extra=_kvc("mooncake", master_server_address=lambda s, i: f"127.0.0.1:{s.ports['mooncake_master']}",
-                      protocol="tcp", local_hostname="127.0.0.1", global_segment_size=0)),
+                      protocol="tcp", local_hostname="127.0.0.1", global_segment_size=0),
+           counterpart="sglang_mooncake"),
     Config("kvc_memory", "kvconnect", "kvconnect in-process memory store (not shared between servers)",
            backend="dynamic", metrics_url=_kvc_metrics,
-           extra=_kvc("memory", capacity=lambda s, i: s.l3_bytes_per_server)),
+           extra=_kvc("memory", capacity=lambda s, i: s.l3_bytes_per_server), counterpart="sglang_file"),
 ]}
 
 ANCHORS = [n for n, c in CONFIGS.items() if c.kind == "anchor"]
 BASELINE = "l2_only"
+
+
+def by_information(pairs: list) -> list:
+    """Pairs reordered so the most informative finish first when time runs out: every workload's
+    baseline, then each kvconnect store followed at once by the alternative it replaces (in the
+    order the stores were given, workload by workload), then the rest in their given order."""
+    names = [c for _, c in pairs]
+    tiers: list = [[c for c in names if c == BASELINE]]
+    for c in dict.fromkeys(names):
+        if CONFIGS[c].kind == "kvconnect":
+            tiers.append([c] + ([CONFIGS[c].counterpart] if CONFIGS[c].counterpart in names else []))
+    rank: dict = {}
+    for t, tier in enumerate(tiers):
+        for k, c in enumerate(tier):
+            rank.setdefault(c, (t, k))
+    order = {name: i for i, name in enumerate(dict.fromkeys(w.name for w, _ in pairs))}
+
+    def key(pair):
+        tier, k = rank.get(pair[1], (len(tiers), names.index(pair[1])))
+        return tier, order[pair[0].name], k
+    return sorted(pairs, key=key)
 
 
 def parse_names(text: str) -> list[str]:

@@ -20,15 +20,24 @@ SHARED_KVC = ("kvc_hf3fs", "kvc_peer_rdma", "kvc_peer_rdma_shm", "kvc_mooncake",
 
 
 def load_runs(path: Path) -> tuple[dict, list[dict]]:
-    """The last start header of ``path`` (a runs.jsonl) and the pair records written after it."""
+    """The last start header of ``path`` (a runs.jsonl) and the pair records written after it.
+
+    A capacity event lands in the header (``capacity``, and the rescaled load's ``workloads``
+    params); a resume event only says which pairs an earlier call had measured.
+    """
     header, records = {}, []
     for line in Path(path).read_text().splitlines():
         if not line.strip():
             continue
         row = json.loads(line)
-        if row.get("event") == "start":
+        event = row.get("event")
+        if event == "start":
             header, records = row, []
-        else:
+        elif event == "capacity":
+            header.setdefault("capacity", {})[row["workload"]] = row
+            if "params" in row:
+                header.setdefault("workloads", {})[row["workload"]] = row["params"]
+        elif event is None:
             records.append(row)
     return header, records
 
@@ -96,46 +105,114 @@ def _get(rows: list[dict], metric: str) -> Optional[float]:
     return None
 
 
-def targets(figures: dict, rows: list[dict]) -> list[dict]:
+# Per workload: best kvconnect TTFT p50 / baseline (<=), every shared kvconnect store's p50 vs each
+# SGLang/PeerCache counterpart (>=), every kvconnect store's p99 / baseline (<=).
+SPEED_TARGETS = {"w1": (0.5, 1.2, 1.0), "w2": (0.5, None, 1.0)}
+W3_CEILING_PP = 2.0          # W3: every shared store's hit rate within this many points of the trace's ceiling
+L3_OVER_L2, L3_OVER_RECOMPUTED = 1.5, 0.5   # TTFT of L3-hit requests, best kvconnect store (W1)
+
+
+def targets(figures: dict, rows: list[dict], bounds_: Optional[dict] = None, l3: Optional[dict] = None) -> list[dict]:
     """The serving targets, each with the measured value and whether it is met."""
     out = []
+    bounds_, l3 = bounds_ or {}, l3 or {}
 
     def add(name, value, bound, cmp):
         if value is not None:
             out.append({"target": name, "value": round(value, 4), "bound": bound,
                         "met": value <= bound if cmp == "<=" else value >= bound})
 
-    for w, (p50_bound, tps_bound, anchor_bound, every_bound) in {"w1": (0.35, 1.5, 1.5, 1.2),
-                                                                "w3": (0.5, 1.25, 1.25, None)}.items():
-        by_cfg = figures.get(w, {})
+    for w, by_cfg in figures.items():
         kvc = [c for c in by_cfg if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect"]
         anchors = [a for a in by_cfg if CONFIGS.get(a) and CONFIGS[a].kind == "anchor"]
+        for c, f in by_cfg.items():   # below capacity, or the pair compares queues
+            if f.get("offered_over_capacity") is not None:
+                add(f"{w}: {c} offered load / capacity", f["offered_over_capacity"], 0.9, "<=")
         if not kvc or BASELINE not in by_cfg:
             continue
         best = min(kvc, key=lambda c: by_cfg[c]["ttft_p50_s"])
-        add(f"{w}: best kvconnect ({best}) TTFT p50 / baseline", _get(rows, f"{w}_{best}_ttft_p50_over_baseline"),
-            p50_bound, "<=")
-        tps_name = f"{w}_{best}_input_tps_over_baseline" if w == "w1" else None
-        if tps_name:
-            add(f"{w}: best kvconnect ({best}) input tok/s / baseline", _get(rows, tps_name), tps_bound, ">=")
-        for a in anchors:
-            add(f"{w}: best kvconnect ({best}) TTFT p50 vs {a}", _get(rows, f"{w}_{best}_ttft_p50_vs_{a}"),
-                anchor_bound, ">=")
-            if w == "w3":
-                add(f"{w}: best kvconnect ({best}) input tok/s vs {a}", _get(rows, f"{w}_{best}_input_tps_vs_{a}"),
-                    anchor_bound, ">=")
-            if every_bound:
-                for c in kvc:
-                    if c in SHARED_KVC:
+        if w in SPEED_TARGETS:
+            p50_bound, every_bound, p99_bound = SPEED_TARGETS[w]
+            add(f"{w}: best kvconnect ({best}) TTFT p50 / baseline",
+                _get(rows, f"{w}_{best}_ttft_p50_over_baseline"), p50_bound, "<=")
+            for c in kvc:
+                if every_bound and c in SHARED_KVC:
+                    for a in anchors:
                         add(f"{w}: {c} TTFT p50 vs {a}", _get(rows, f"{w}_{c}_ttft_p50_vs_{a}"), every_bound, ">=")
-        for c in kvc:
-            add(f"{w}: {c} TTFT p99 / baseline", _get(rows, f"{w}_{c}_ttft_p99_over_baseline"), 1.0, "<=")
+                add(f"{w}: {c} TTFT p99 / baseline", _get(rows, f"{w}_{c}_ttft_p99_over_baseline"), p99_bound, "<=")
+        if w == "w3" and bounds_.get(w, {}).get("reuse_ceiling") is not None:
+            ceiling = bounds_[w]["reuse_ceiling"]
+            for c in kvc:
+                if c in SHARED_KVC and by_cfg[c].get("input_tokens"):
+                    hit = by_cfg[c]["cached_tokens"] / by_cfg[c]["input_tokens"]
+                    add(f"{w}: {c} hit rate points below the trace's ceiling ({ceiling:.3f})",
+                        100.0 * (ceiling - hit), W3_CEILING_PP, "<=")
+        path = l3.get(w, {})
+        with_l3 = [c for c in kvc if path.get(c, {}).get("l3_over_l2_hit") is not None]
+        if with_l3:
+            fastest = min(with_l3, key=lambda c: path[c]["l3_hit_ttft_p50_s"])
+            add(f"{w}: L3-hit TTFT p50 / L2-hit, best kvconnect ({fastest})", path[fastest]["l3_over_l2_hit"],
+                L3_OVER_L2, "<=")
+            add(f"{w}: L3-hit TTFT p50 / recomputed, best kvconnect ({fastest})",
+                path[fastest].get("l3_over_recomputed"), L3_OVER_RECOMPUTED, "<=")
     for w, by_cfg in figures.items():
         for c, f in by_cfg.items():
             if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect":
                 add(f"{w}: {c} failed requests", f["failed"], 0, "<=")
                 if f.get("probe_mismatches") is not None:
                     add(f"{w}: {c} output mismatches on the sample", f["probe_mismatches"], 0, "<=")
+    return out
+
+
+def l3_path(figs: dict, reqs: dict) -> dict:
+    """Where an L3 hit's time goes, per pair: TTFT by prefix source (GPU, host, L3, recomputed;
+    SGLang's own per-request counts) and, for the L3-hit requests, the store's share of it.
+
+    ``l3_over_l2_hit``: L3-hit TTFT p50 / that of requests served from GPU or host memory, same
+    pair; ``l3_over_recomputed``: over the baseline's recomputed requests (same run), else the
+    pair's own. ``store_s_per_l3_hit``: seconds inside the store's get and exists calls (all
+    servers) per L3-hit request; ``outside_store_s``: the L3-hit TTFT above the L2-hit one that the
+    store's calls do not account for (SGLang's prefetch scheduling, host-to-device load, the
+    scheduler's wait for the prefetch).
+    """
+    from .client import percentile, source_of
+
+    out: dict = {}
+    for w, by_cfg in figs.items():
+        def rows_of(c):
+            f = by_cfg.get(c)
+            return [r for r in reqs.get((f["run"], w, c), []) if r.get("ok")] if f else []
+
+        base_recomputed = [r["ttft"] for r in rows_of(BASELINE) if source_of(r.get("cached_from") or {}) ==
+                           "recomputed"]
+        for c, f in by_cfg.items():
+            rows = rows_of(c)
+            by = f.get("ttft_by_source") or {}
+            if not by and rows:
+                from .client import ttft_by_source
+                by = ttft_by_source(rows)
+            entry: dict = {"by_source": by}
+            l3_rows = [r["ttft"] for r in rows if source_of(r.get("cached_from") or {}) == "l3"]
+            l2_rows = [r["ttft"] for r in rows if source_of(r.get("cached_from") or {}) in ("gpu", "host")]
+            own_recomputed = [r["ttft"] for r in rows if source_of(r.get("cached_from") or {}) == "recomputed"]
+            if l3_rows:
+                l3 = percentile(l3_rows, 50)
+                entry["l3_hit_ttft_p50_s"] = round(l3, 4)
+                if l2_rows:
+                    l2 = percentile(l2_rows, 50)
+                    entry["l2_hit_ttft_p50_s"] = round(l2, 4)
+                    entry["l3_over_l2_hit"] = round(l3 / l2, 4)
+                recomputed = base_recomputed or own_recomputed
+                if recomputed:
+                    entry["recomputed_ttft_p50_s"] = round(percentile(recomputed, 50), 4)
+                    entry["l3_over_recomputed"] = round(l3 / percentile(recomputed, 50), 4)
+                io = f.get("store_io") or {}
+                store_s = sum((io.get(op) or {}).get("seconds", 0.0) for op in ("get", "exists"))
+                if store_s:
+                    entry["store_s_per_l3_hit"] = _sig(store_s / len(l3_rows))
+                    if l2_rows:
+                        entry["outside_store_s"] = _sig(max(0.0, l3 - percentile(l2_rows, 50) - store_s / len(l3_rows)))
+            out.setdefault(w, {})[c] = entry
     return out
 
 
@@ -153,6 +230,14 @@ def figures_of(records: Iterable[dict]) -> dict:
         if io:
             s["store_io"] = io
         s["run"] = r.get("run", 0)
+        load = r.get("load") or {}
+        if load:
+            s["capacity_input_tps"] = load["capacity_input_tps"]
+            s["offered_over_capacity"] = round(load["offered_over_capacity"], 4)
+            s["overloaded"] = load["overloaded"]
+        if r.get("prefetch_policy"):
+            s["prefetch_policy"] = r["prefetch_policy"]
+        s["admin_refusals"] = r.get("admin_refusals", 0)
         if r.get("caveat"):
             s["caveat"] = r["caveat"]
         figs.setdefault(r["workload"], {})[r["config"]] = s
@@ -247,6 +332,12 @@ def bounds(figs: dict, headers: list[dict]) -> dict:
                 if f.get("offered_input_tps") and f.get("input_tps")}
         if load:
             b["offered_over_served"] = load
+        cap = [h.get("capacity", {}).get(w) for h in headers if h.get("capacity", {}).get(w)]
+        if cap and "served_input_tps" in cap[-1]:
+            b["capacity_input_tps"] = round(cap[-1]["served_input_tps"], 1)
+            b["offered_input_tps"] = round(cap[-1].get("offered_input_tps", 0.0), 1)
+            over = {c: f["offered_over_capacity"] for c, f in by_cfg.items() if f.get("overloaded")}
+            b["overloaded_pairs"] = over
         out[w] = b
     return out
 
@@ -261,11 +352,13 @@ def build(run_dirs: list[Path], out_json: Path, command: str = "") -> dict:
             r["summary"].update(offered(reqs.get((r["run"], r["workload"], r["config"]), [])))
     figs = figures_of(records)
     rows = ratios(figs)
+    bounds_, path = bounds(figs, headers), l3_path(figs, reqs)
     first = headers[0] if headers else {}
     doc = {"name": "serving", "when": first.get("when"), "machine": first.get("machine"), "command": command,
            "runs": [{"dir": str(d), "when": h.get("when"), "spec": h.get("spec"), "workloads": h.get("workloads")}
                     for d, h in zip(run_dirs, headers)],
-           "figures": figs, "ratios": rows, "targets": targets(figs, rows), "bounds": bounds(figs, headers),
+           "figures": figs, "ratios": rows, "targets": targets(figs, rows, bounds_, path), "bounds": bounds_,
+           "l3_path": path,
            "failed_pairs": [{k: r.get(k) for k in ("workload", "config", "error", "skipped")}
                             for r in records if "summary" not in r],
            "caveats": [{"pair": f"{r['workload']}:{r['config']}", "run": r["run"], "caveat": r["caveat"]}

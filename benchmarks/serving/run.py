@@ -22,11 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from . import client
+from . import client, workloads
 from .cluster import Router, SGLangServer, Services, http
 from .configs import BASELINE, CONFIGS, Config, Setup
 from .model import PROMPT_VOCAB, write_model_dir
 from .workloads import Workload
+
+# Loads whose offered rate is set from the measured capacity (W3 keeps the trace's own timing).
+RATED = ("w1", "w2")
+# A pair offered more than this share of the capacity measures a queue as much as a cache.
+OVERLOAD_FRACTION = 0.9
 
 
 @dataclass
@@ -74,6 +79,9 @@ class Plan:
     l3_file_bytes: int = 32 << 30
     write_behind: str = "0"
     request_timeout_s: float = 600.0
+    load_fraction: float = 0.7                 # W1/W2 offered at this share of the measured capacity (0: as given)
+    capacity_requests: int = 128               # requests (or chat turns) in the capacity probe
+    resume: bool = False                       # skip pairs already measured in out/runs.jsonl
 
 
 class Cluster:
@@ -187,31 +195,40 @@ def scrape(url: Optional[str]) -> dict:
 
 
 def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Config, plan: Plan,
-             reference: dict) -> tuple[dict, list]:
+             reference: dict, capacity: float = 0.0) -> tuple[dict, list]:
     setup = cluster.setup
     cluster.ensure(cfg.profile)
     record = {"workload": workload.name, "config": cfg.name, "kind": cfg.kind, "description": cfg.description,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     attached = []
+    refusals = 0   # admin calls SGLang refused while not idle, retried (cluster.SGLangServer.admin_until_accepted)
+    policy = workload.params.get("prefetch_policy") or None
     try:
         cfg.prepare(setup)
         for name in cfg.services:
             services.start(name)
         for s in cluster.servers:
-            s.flush()
+            refusals += s.flush()
             if cfg.backend:
                 extra = cfg.extra(setup, s.index)
                 record.setdefault("extra_config", {k: v for k, v in extra.items() if "token" not in k})
-                s.attach(cfg.backend, extra)
+                if policy:
+                    record["prefetch_policy"] = policy
+                refusals += s.attach(cfg.backend, extra, prefetch_policy=policy)
                 attached.append(s)
         results, wall = client.run(cluster.router.url, workload, desc=f"{workload.name}/{cfg.name}",
                                    timeout_s=plan.request_timeout_s)
         record["summary"] = client.summarize(results, wall)
+        if capacity:
+            offered = record["summary"]["offered_input_tps"]
+            record["load"] = {"capacity_input_tps": capacity, "offered_input_tps": offered,
+                              "offered_over_capacity": offered / capacity,
+                              "overloaded": offered / capacity > OVERLOAD_FRACTION}
         record["store_metrics"] = {s.index: scrape(cfg.metrics_url(setup, s.index)) for s in cluster.servers}
         # the output check: idle servers, empty GPU and host caches, a sample of the prompts
         time.sleep(2.0)   # let write-through reach L3
         for s in cluster.servers:
-            s.flush()
+            refusals += s.flush()
         probes = client.probe([s.url for s in cluster.servers], workload.sample(plan.probe_prompts),
                               plan.probe_tokens)
         record["probe"] = {
@@ -236,9 +253,10 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
     finally:
         for s in attached:
             try:
-                s.detach()
+                refusals += s.detach()
             except Exception as e:  # noqa: BLE001
                 record.setdefault("cleanup_errors", []).append(str(e)[:300])
+        record["admin_refusals"] = refusals
         services.stop_all()
         record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
 
@@ -257,8 +275,55 @@ def machine() -> dict:
     return info
 
 
+def measure_capacity(cluster: Cluster, workload: Workload, plan: Plan) -> dict:
+    """The prompt tokens/s the baseline's servers sustain on ``workload``: a saturating sample of it
+    (``workloads.capacity_sample``) through the router, caches emptied before and after. A burst
+    recomputes a little more than steady state would, so this errs low: the pairs then run further
+    below capacity, never above it."""
+    cluster.ensure(CONFIGS[BASELINE].profile)
+    for s in cluster.servers:
+        s.flush()
+    sample = workloads.capacity_sample(workload, plan.capacity_requests)
+    results, wall = client.run(cluster.router.url, sample, desc=f"{workload.name}/capacity",
+                               timeout_s=plan.request_timeout_s)
+    for s in cluster.servers:
+        s.flush()
+    summary = client.summarize(results, wall)
+    row = {"event": "capacity", "workload": workload.name, "requests": summary["requests"],
+           "failed": summary["failed"], "served_input_tps": summary["input_tps"], "duration_s": summary["duration_s"],
+           "fraction": plan.load_fraction, "params_before": workload.params}
+    if summary["failed"] or summary["input_tps"] <= 0:
+        row["error"] = f"{summary['failed']} of {summary['requests']} failed: {summary['errors'][:2]}"
+    return row
+
+
+def previous_runs(path: Path) -> tuple[dict, dict, list]:
+    """What a resumed run keeps from ``path`` (a runs.jsonl): the capacity events by workload, the
+    baseline's probe outputs by workload, and the measured pair records (all since the last start)."""
+    if not path.exists():
+        return {}, {}, []
+    capacity, reference, records = {}, {}, []
+    for line in path.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if row.get("event") == "start":
+            capacity, reference, records = {}, {}, []
+        elif row.get("event") == "capacity":
+            capacity[row["workload"]] = row
+        elif "summary" in row:
+            records.append(row)
+            if row["config"] == BASELINE and "probe" in row:
+                reference[row["workload"]] = row["probe"]["outputs"]
+    return capacity, reference, records
+
+
 def execute(plan: Plan) -> list[dict]:
-    """Run every pair of ``plan``; returns the pair records (also in ``plan.out/runs.jsonl``)."""
+    """Run every pair of ``plan``; returns the pair records (also in ``plan.out/runs.jsonl``).
+
+    Before the first pair of W1 or W2 (with ``load_fraction`` > 0) the capacity probe runs on the
+    baseline and the load is rebuilt to offer ``load_fraction`` of it; the probe's event is written
+    to runs.jsonl, so a resumed run offers the same load. With ``resume``, pairs already measured
+    in ``plan.out/runs.jsonl`` are kept and skipped.
+    """
     plan.out.mkdir(parents=True, exist_ok=True)
     setup = Setup(plan.workdir, plan.ports, plan.spec.servers, plan.l3_bytes_per_server, plan.l3_file_bytes,
                   plan.write_behind)
@@ -268,23 +333,51 @@ def execute(plan: Plan) -> list[dict]:
     services = Services(plan.workdir, plan.ports)
     cluster = Cluster(plan, setup, model_dir)
     runs_path, reqs_path = plan.out / "runs.jsonl", plan.out / "requests.jsonl.gz"
-    header = {"event": "start", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
-              "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(plan.spec).items()},
-              "workloads": {w.name: w.params for w, _ in plan.pairs},
-              "pairs": [[w.name, c] for w, c in plan.pairs]}
-    with open(runs_path, "a") as f:
-        f.write(json.dumps(header) + "\n")
-    reference: dict = {}
-    records = []
+    capacity, reference, done = previous_runs(runs_path) if plan.resume else ({}, {}, [])
+    measured = {(r["workload"], r["config"]) for r in done}
+
+    def append(row: dict) -> None:
+        with open(runs_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    if plan.resume and runs_path.exists():
+        append({"event": "resume", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "kept": sorted(f"{w}:{c}" for w, c in measured)})
+    else:
+        append({"event": "start", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
+                "spec": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(plan.spec).items()},
+                "workloads": {w.name: w.params for w, _ in plan.pairs},
+                "pairs": [[w.name, c] for w, c in plan.pairs]})
+    loads: dict = {}        # workload name -> the load its pairs run (rescaled once its capacity is known)
+    records = list(done)
     try:
         for workload, name in plan.pairs:
+            if (workload.name, name) in measured:
+                print(f"[serve] {workload.name}/{name}: measured in an earlier run, kept", flush=True)
+                continue
+            if workload.name not in loads:
+                loads[workload.name] = workload
+                if plan.load_fraction > 0 and workload.name in RATED:
+                    cap = capacity.get(workload.name)
+                    if cap is None:
+                        cap = measure_capacity(cluster, workload, plan)
+                        if "error" not in cap:
+                            cap["offered_input_tps"] = cap["served_input_tps"] * plan.load_fraction
+                            cap["params"] = workloads.at_load(workload, cap["offered_input_tps"]).params
+                        append(cap)
+                        capacity[workload.name] = cap
+                        _print_capacity(cap)
+                    if "params" in cap:
+                        loads[workload.name] = workloads.from_params(workload.name, cap["params"])
+            load = loads[workload.name]
             cfg = CONFIGS[name]
-            need = (workload.requests[-1].at if workload.requests else 60.0) + 45.0
+            cap_tps = (capacity.get(workload.name) or {}).get("served_input_tps", 0.0)
+            need = (load.requests[-1].at if load.requests else 60.0) + 45.0
             if plan.deadline and time.time() + need > plan.deadline:
                 rec = {"workload": workload.name, "config": name, "skipped": f"deadline ({need:.0f} s needed)"}
                 print(f"[serve] skip {workload.name}/{name}: deadline", flush=True)
             else:
-                rec, results = run_pair(cluster, services, workload, cfg, plan, reference)
+                rec, results = run_pair(cluster, services, load, cfg, plan, reference, cap_tps)
                 if name == BASELINE and "probe" in rec:
                     reference[workload.name] = rec["probe"]["outputs"]
                 with gzip.open(reqs_path, "at") as f:
@@ -292,12 +385,20 @@ def execute(plan: Plan) -> list[dict]:
                         f.write(json.dumps({"workload": workload.name, "config": name, **r.row()}) + "\n")
                 _print_pair(rec)
             records.append(rec)
-            with open(runs_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            append(rec)
     finally:
         cluster.stop()
         services.stop_all()
     return records
+
+
+def _print_capacity(cap: dict) -> None:
+    if "error" in cap:
+        print(f"[serve] {cap['workload']}: capacity probe FAILED ({cap['error']}); the load runs as given", flush=True)
+        return
+    print(f"[serve] {cap['workload']}: capacity {cap['served_input_tps']:.0f} prompt tok/s ({cap['requests']} requests "
+          f"in {cap['duration_s']:.0f} s); offering {cap['fraction']:.2f} of it: {cap['offered_input_tps']:.0f} tok/s, "
+          f"rate {cap['params']['rate']} req/s", flush=True)
 
 
 def _print_pair(rec: dict) -> None:
@@ -305,7 +406,12 @@ def _print_pair(rec: dict) -> None:
         print(f"[serve] {rec['workload']}/{rec['config']}: FAILED {rec['error']}", flush=True)
         return
     s, p = rec["summary"], rec["probe"]
+    load = rec.get("load")
+    at = f", {load['offered_over_capacity']:.2f} of capacity{' (OVERLOADED)' if load['overloaded'] else ''}" \
+        if load else ""
+    by = s.get("ttft_by_source", {})
+    split = ", ".join(f"{k} {v['requests']} at {v['ttft_p50_s']:.3f} s" for k, v in by.items())
     print(f"[serve] {rec['workload']}/{rec['config']}: {s['ok']}/{s['requests']} ok, TTFT p50 {s['ttft_p50_s']:.3f} s "
-          f"p99 {s['ttft_p99_s']:.3f} s, input {s['input_tps']:.0f} tok/s, storage-hit share "
-          f"{s['storage_hit_share']:.2f}; probe {p['ok']}/{p['prompts']} ok, "
+          f"p99 {s['ttft_p99_s']:.3f} s, input {s['input_tps']:.0f} tok/s{at}, storage-hit share "
+          f"{s['storage_hit_share']:.2f}; TTFT p50 by prefix source: {split}; probe {p['ok']}/{p['prompts']} ok, "
           f"{p.get('mismatches', '-')} mismatches, {p['storage_tokens']} tokens from L3", flush=True)

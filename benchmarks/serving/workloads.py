@@ -55,6 +55,27 @@ class Workload:
     requests: list[Request] = field(default_factory=list)   # open loop (W1, W3)
     sessions: list[Session] = field(default_factory=list)   # closed loop (W2)
     max_parallel: int = 0                                    # sessions in flight (W2)
+    rate: float = 0.0                                        # W2: turns/s across the load (0: unpaced)
+
+    def turn_arrivals(self) -> list[float]:
+        """Earliest send times of a chat load's turns, in the order turns become ready (Poisson)."""
+        if not self.rate:
+            return []
+        return _poisson_times(random.Random(self.params.get("seed", 0) + 17), self.size, self.rate)
+
+    @property
+    def prompt_tokens_mean(self) -> float:
+        """Mean prompt length a request of this load sends (a chat turn carries its history and answers)."""
+        if self.requests:
+            return sum(len(r.prompt) for r in self.requests) / len(self.requests)
+        lens = []
+        for s in self.sessions:
+            history = 0
+            for turn in s.turns:
+                history += len(turn)
+                lens.append(history)
+                history += s.max_new_tokens
+        return sum(lens) / len(lens) if lens else 0.0
 
     @property
     def size(self) -> int:
@@ -83,7 +104,7 @@ def _poisson_times(rng: random.Random, n: int, rate: float) -> list[float]:
 
 
 def shared_prefix(groups: int = 64, per_group: int = 16, system_len: int = 2048, question_len: int = 128,
-                  output_len: int = 256, rate: float = 8.0, seed: int = 1) -> Workload:
+                  output_len: int = 256, rate: float = 8.0, prefetch_policy: str = "", seed: int = 1) -> Workload:
     rng = random.Random(seed)
     systems = [_tokens(rng, system_len) for _ in range(groups)]
     rows = [(g, p, systems[g] + _tokens(rng, question_len)) for g in range(groups) for p in range(per_group)]
@@ -92,18 +113,23 @@ def shared_prefix(groups: int = 64, per_group: int = 16, system_len: int = 2048,
     reqs = [Request(f"w1-g{g:03d}-p{p:03d}", at, prompt, output_len, group=f"g{g}")
             for (g, p, prompt), at in zip(rows, times)]
     return Workload("w1", dict(groups=groups, per_group=per_group, system_len=system_len,
-                               question_len=question_len, output_len=output_len, rate=rate, seed=seed),
+                               question_len=question_len, output_len=output_len, rate=rate,
+                               prefetch_policy=prefetch_policy, seed=seed),
                     requests=reqs)
 
 
-def multi_turn(clients: int = 64, rounds: int = 5, request_len: int = 2048, output_len: int = 64,
-               max_parallel: int = 8, seed: int = 2) -> Workload:
+def multi_turn(clients: int = 20, rounds: int = 10, request_len: int = 2048, output_len: int = 16,
+               max_parallel: int = 4, rate: float = 20.0, prefetch_policy: str = "wait_complete",
+               seed: int = 2) -> Workload:
+    """Defaults: Mooncake's published ``bench_multiturn`` flags for the HF3FS guide's load
+    (``--output-length 16 --request-length 2048 --num-clients 20 --num-rounds 10 --max-parallel 4
+    --request-rate 20``), servers prefetching with ``wait_complete``."""
     rng = random.Random(seed)
     sessions = [Session(f"w2-c{c:03d}", [_tokens(rng, request_len) for _ in range(rounds)], output_len)
                 for c in range(clients)]
     return Workload("w2", dict(clients=clients, rounds=rounds, request_len=request_len, output_len=output_len,
-                               max_parallel=max_parallel, seed=seed),
-                    sessions=sessions, max_parallel=max_parallel)
+                               max_parallel=max_parallel, rate=rate, prefetch_policy=prefetch_policy, seed=seed),
+                    sessions=sessions, max_parallel=max_parallel, rate=rate)
 
 
 def read_trace(path: Path = TRACE_PATH) -> Iterator[dict]:
@@ -165,6 +191,29 @@ def prefix_reuse(workload: Workload, page: int = 64) -> float:
         hit += h
         total += len(r.prompt) // page
     return hit / total if total else 0.0
+
+
+def capacity_sample(workload: Workload, requests: int) -> Workload:
+    """What the capacity probe sends: the first ``requests`` requests of an open-loop load all at
+    once (a saturating burst), or the first chats of a chat load unpaced (closed loop at its own
+    ``max_parallel``); the servers' served prompt tokens/s under it is their capacity for this load."""
+    if workload.requests:
+        reqs = [Request(r.rid, 0.0, r.prompt, r.max_new_tokens, r.group) for r in workload.requests[:requests]]
+        return Workload(workload.name, {**workload.params, "capacity_probe": True}, requests=reqs)
+    sessions, turns = [], 0
+    for s in workload.sessions:
+        if turns >= requests and len(sessions) >= workload.max_parallel:
+            break
+        sessions.append(s)
+        turns += len(s.turns)
+    return Workload(workload.name, {**workload.params, "capacity_probe": True}, sessions=sessions,
+                    max_parallel=workload.max_parallel)
+
+
+def at_load(workload: Workload, input_tps: float) -> Workload:
+    """The same load (same prompts, same order) offered at ``input_tps`` prompt tokens/s."""
+    rate = input_tps / workload.prompt_tokens_mean
+    return from_params(workload.name, {**workload.params, "rate": round(rate, 4)})
 
 
 def from_params(name: str, params: dict) -> Workload:

@@ -2,7 +2,8 @@
 
 Mocked because CI has no GPU: the SGLang server itself (``kvconnect.connectors.testing.serving_engine``: SGLang's real storage
 factory, host pool and HTTP admin surface, kvconnect's real adapter and stores, a model made of
-hashes whose output depends on every KV byte it reads). Real: the router (round-robin), the
+hashes whose output depends on every KV byte it reads; it refuses attach, detach and flush for
+0.5 s after each response, as SGLang does until its scheduler is fully idle). Real: the router (round-robin), the
 kvconnect metadata service, peer pool seed node and stores, SGLang's built-in ``file`` backend, the
 load driver, the output check and the report.
 """
@@ -18,7 +19,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("sglang.srt.mem_cache.storage.backend_factory")
 
 from kvconnect.benchmarks import serve  # noqa: E402
-from kvconnect.benchmarks.serving import configs  # noqa: E402
+from kvconnect.benchmarks.serving import configs, workloads  # noqa: E402
 from kvconnect.benchmarks.serving.configs import KVC_HICACHE, Config  # noqa: E402
 
 PAIRS = ("w1:l2_only,w1:sglang_file,w1:kvc_hf3fs,w1:broken,w1:kvc_peer_rdma,w1:kvc_peer_rdma_shm,"
@@ -35,17 +36,29 @@ def broken_config(monkeypatch):
     return cfg
 
 
-@pytest.mark.timeout(660)  # eleven pairs and two server launches: ~330 s on a 2-core machine
+@pytest.mark.timeout(900)  # eleven pairs, two capacity probes, three server launches: ~400 s on a 2-core machine
 def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     out, results = tmp_path / "out", tmp_path / "results"
-    rc = serve.main(["--quick", "--server-module", "kvconnect.connectors.testing.serving_engine", "--pairs", PAIRS,
-                     "--workdir", str(tmp_path / "work"), "--out", str(out), "--results-dir", str(results),
-                     "--port-base", "1500"])
+    argv = ["--quick", "--server-module", "kvconnect.connectors.testing.serving_engine", "--workdir",
+            str(tmp_path / "work"), "--out", str(out), "--results-dir", str(results), "--port-base", "1500"]
+    rc = serve.main([*argv, "--pairs", PAIRS])
     assert rc == 1  # one pair failed on purpose
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert rows[0]["event"] == "start"
-    pairs = {(r["workload"], r["config"]): r for r in rows[1:]}
+    # W1 and W2 are offered 0.7 of what a capacity probe on the baseline measured (W3 keeps its trace timing)
+    capacity = {r["workload"]: r for r in rows if r.get("event") == "capacity"}
+    assert set(capacity) == {"w1", "w2"}
+    for w, cap in capacity.items():
+        assert cap["failed"] == 0 and cap["served_input_tps"] > 0
+        assert cap["offered_input_tps"] == pytest.approx(0.7 * cap["served_input_tps"])
+        load = workloads.from_params(w, cap["params"])
+        assert cap["params"]["rate"] == pytest.approx(cap["offered_input_tps"] / load.prompt_tokens_mean, rel=1e-3)
+    pairs = {(r["workload"], r["config"]): r for r in rows[1:] if "event" not in r}
     assert len(pairs) == 11
+    # the stand-in refused admin calls while "not idle"; every pair waited them out
+    assert sum(r.get("admin_refusals", 0) for r in pairs.values()) > 0
+    assert pairs[("w1", "kvc_hf3fs")]["load"]["capacity_input_tps"] == capacity["w1"]["served_input_tps"]
+    assert pairs[("w2", "kvc_memory")]["prefetch_policy"] == "wait_complete"
 
     broken = pairs[("w1", "broken")]
     assert "attach dynamic on server 0: HTTP 400" in broken["error"] and "file_size" in broken["error"]
@@ -111,3 +124,22 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     assert pairs[("w1", "kvc_hf3fs")]["extra_config"]["write_behind"] == "64mb"
     assert pairs[("w1", "sglang_file")]["extra_config"] == {"file_storage_path": str(tmp_path / "work" / "data" /
                                                                                     "sglang_file")}
+    # TTFT by where each request's prefix came from, and the store's share of an L3 hit
+    by = pairs[("w1", "kvc_hf3fs")]["summary"]["ttft_by_source"]
+    assert by["l3"]["requests"] > 0 and by["recomputed"]["requests"] > 0
+    assert sum(v["requests"] for v in by.values()) == pairs[("w1", "kvc_hf3fs")]["summary"]["ok"]
+    path = doc["l3_path"]["w1"]["kvc_hf3fs"]
+    assert path["l3_hit_ttft_p50_s"] > 0 and path["store_s_per_l3_hit"] > 0 and path["l3_over_recomputed"] > 0
+    assert doc["bounds"]["w1"]["capacity_input_tps"] == round(capacity["w1"]["served_input_tps"], 1)
+    assert any(t["target"] == "w1: kvc_hf3fs offered load / capacity" for t in doc["targets"])
+
+    # a resumed run keeps what was measured (and the capacity it measured) and runs only the rest
+    rc = serve.main([*argv, "--resume", "--pairs", "w1:l2_only,w1:kvc_hf3fs,w1:kvc_memory"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    assert [r.get("event") for r in rows].count("capacity") == 2 and rows[-2]["event"] == "resume"
+    assert (rows[-1]["workload"], rows[-1]["config"]) == ("w1", "kvc_memory") and "summary" in rows[-1]
+    assert rows[-1]["probe"]["mismatches"] == 0    # compared with the first call's baseline outputs
+    assert rows[-1]["load"]["capacity_input_tps"] == capacity["w1"]["served_input_tps"]
+    doc = json.loads((results / "serving.json").read_text())
+    assert {"l2_only", "kvc_hf3fs", "kvc_memory"} <= set(doc["figures"]["w1"])
