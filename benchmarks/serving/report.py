@@ -320,7 +320,16 @@ def bounds(figs: dict, headers: list[dict]) -> dict:
         base = by_cfg.get(BASELINE)
         b: dict = {}
         if w in params:
-            b["reuse_ceiling"] = round(workloads.prefix_reuse(workloads.from_params(w, params[w])), 4)
+            load = workloads.from_params(w, params[w])
+            spec = next((h.get("spec") for h in headers if h.get("spec")), {}) or {}
+            cache = int(spec.get("max_total_tokens", 0) * (1 + spec.get("hicache_ratio", 0)))
+            ceiling, kept = workloads.prefix_hits(load, int(spec.get("page_size", 64)), int(spec.get("servers", 1)),
+                                                  cache)
+            b["reuse_ceiling"] = round(ceiling, 4)
+            if load.requests and cache:
+                # what the baseline's GPU + host caches could keep (LRU model): the room left to L3
+                b["modelled_baseline_share"] = round(kept, 4)
+                b["modelled_l3_room_share"] = round(max(0.0, ceiling - kept), 4)
         if base:
             share = base["cached_tokens"] / base["input_tokens"] if base["input_tokens"] else 0.0
             b["baseline_cached_share"] = round(share, 4)

@@ -177,20 +177,37 @@ def trace(sample_every: int = 80, block_tokens: int = 128, time_scale: float = 6
 
 def prefix_reuse(workload: Workload, page: int = 64) -> float:
     """Share of prompt pages an unbounded prefix cache could serve (the most any cache can save)."""
+    return prefix_hits(workload, page)[0]
+
+
+def prefix_hits(workload: Workload, page: int = 64, servers: int = 1, cache_tokens: int = 0) -> tuple:
+    """(ceiling, kept): the share of prompt pages an unbounded shared cache could serve, and the share
+    that ``servers`` caches of ``cache_tokens`` each (LRU, requests round-robin in arrival order, as
+    the router sends them) would keep: a model of the baseline's GPU + host caches, so ``ceiling -
+    kept`` is the room a shared L3 has on this load. Open-loop loads only (a chat's prompts depend on
+    its answers)."""
+    from collections import OrderedDict
+
     seen: set = set()
-    hit = total = 0
-    for r in sorted(workload.requests, key=lambda r: r.at):
-        h, leading, key = 0, True, 0
+    caches = [OrderedDict() for _ in range(max(1, servers))]
+    limit = cache_tokens // page if cache_tokens else 0
+    hit = kept = total = 0
+    for n, r in enumerate(sorted(workload.requests, key=lambda r: r.at)):
+        cache = caches[n % len(caches)]
+        key, shared, local = 0, True, True
         for i in range(len(r.prompt) // page):
             key = hash((key, tuple(r.prompt[i * page: (i + 1) * page])))  # chained, like SGLang's page keys
-            if leading and key in seen:
-                h += 1
-            else:
-                leading = False
+            shared = shared and key in seen
+            local = local and key in cache
+            hit += shared
+            kept += local
             seen.add(key)
-        hit += h
+            cache[key] = True
+            cache.move_to_end(key)
+        while limit and len(cache) > limit:
+            cache.popitem(last=False)
         total += len(r.prompt) // page
-    return hit / total if total else 0.0
+    return (hit / total, kept / total) if total else (0.0, 0.0)
 
 
 def capacity_sample(workload: Workload, requests: int) -> Workload:

@@ -261,3 +261,15 @@ def test_admin_calls_retry_only_sglangs_not_idle_refusal(tmp_path):
     answers[:] = [busy] * 100
     with pytest.raises(RuntimeError, match="scheduler is not idle"):
         server.detach(timeout_s=0.3)
+
+
+def test_prefix_hits_models_the_baselines_caches_against_the_ceiling():
+    # 4 groups x 4 prompts of 2 shared pages + 1 own page; round-robin over 2 servers
+    w = workloads.shared_prefix(groups=4, per_group=4, system_len=128, question_len=64, rate=100.0)
+    ceiling, kept = workloads.prefix_hits(w, page=64)
+    assert ceiling == pytest.approx((16 - 4) * 2 / 48)        # every group's first prompt misses its 2 pages
+    assert kept == pytest.approx(ceiling)                      # one unbounded cache keeps all of it
+    _, two = workloads.prefix_hits(w, page=64, servers=2)
+    assert two < ceiling                                       # a group's first prompt on each server misses
+    _, tiny = workloads.prefix_hits(w, page=64, servers=2, cache_tokens=64)
+    assert tiny == 0.0                                         # a one-page cache keeps no 2-page prefix
