@@ -7,8 +7,9 @@
 #              an earlier run's JIT cache (.gpujitcache/jitcache.tgz, optional) into /tmp/jitcache
 #   start      start `kvconnect bench serve $SERVE_ARGS` detached (it outlives this call; results in /tmp/serve/out)
 #   wait       wait for it up to DEADLINE_S seconds after this script started, then copy what it wrote to $OUT
-#   stop       stop it and every server it started
+#   stop       stop it and every process it started (they carry KVC_SERVE_DIR in their environment)
 # benchmarks/gpu/README.md lists the commands of each phase and how the carried folders are made.
+# Env: STOP_GRACE_S (default 15: how long stop lets the benchmark stop its servers before it kills what is left).
 set -u
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
@@ -49,7 +50,7 @@ phase_install2() {
 phase_start() {
   [ -f "$SERVE/pid" ] && kill -0 "$(cat "$SERVE/pid")" 2>/dev/null && { say "already running"; return 0; }
   # shellcheck disable=SC2086
-  python3 -c 'import os, sys
+  KVC_SERVE_DIR=$SERVE python3 -c 'import os, sys
 os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m kvconnect.connectors.cli bench serve --workdir "$SERVE/work" \
     --out "$SERVE/out" --results-dir "$SERVE/out" ${SERVE_ARGS:-} > "$SERVE/bench.log" 2>&1 < /dev/null &
   echo $! > "$SERVE/pid"
@@ -72,9 +73,21 @@ phase_wait() {
   kill -0 "$pid" 2>/dev/null && say "still running (results so far copied)" || say "benchmark finished"
   collect
 }
+started_here() {  # pids of the processes that carry this run's KVC_SERVE_DIR (the benchmark and its children)
+  local f p
+  for f in /proc/[0-9]*/environ; do
+    p=${f#/proc/}; p=${p%/environ}
+    [ "$p" = $$ ] && continue
+    { tr '\0' '\n' < "$f"; } 2>/dev/null | grep -qxF "KVC_SERVE_DIR=$SERVE" && echo "$p"
+  done
+}
 phase_stop() {
-  local pid; pid=$(cat "$SERVE/pid" 2>/dev/null) && kill -TERM -- "-$pid" 2>/dev/null
-  sleep 5; pkill -9 -f sglang 2>/dev/null; pkill -9 -f mooncake_master 2>/dev/null; collect
+  # SIGTERM makes the benchmark stop its servers and services; whatever is left after the grace is killed
+  local pid left=""; pid=$(cat "$SERVE/pid" 2>/dev/null) && kill -TERM -- "-$pid" 2>/dev/null
+  for _ in $(seq 1 "${STOP_GRACE_S:-15}"); do left=$(started_here); [ -z "$left" ] && break; sleep 1; done
+  # shellcheck disable=SC2086
+  [ -n "$left" ] && { say "killing what is left: ${left//$'\n'/ }"; kill -KILL $left 2>/dev/null; sleep 1; }
+  collect
 }
 
 for ph in "$@"; do
