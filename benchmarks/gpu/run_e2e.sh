@@ -24,28 +24,37 @@
 #                  (kvconnect backend, KVCONNECT_PD_CONFIG transport direct over TCP / relay through the mooncake store)
 # Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384),
 #      HICACHE_LAYOUT (--hicache-mem-layout for every server; default: SGLang's),
-#      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES.
+#      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES,
+#      GPU_TMP (default /tmp: where site1-3, sglogs, l3, the model configs and jitcache go), PORT_OFFSET (default 0,
+#      added to every port), SGLANG_SERVER_MODULE (default sglang.launch_server) -- the CPU tests run the script
+#      with a stand-in server, a scratch GPU_TMP and free ports.
 set -u
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 REPO=$(pwd)
 G=$REPO/.gpu                         # the install recipe folder (benchmarks/gpu/README.md), on PYTHONPATH
-B=$REPO/benchmarks/gpu
+B=$(cd "$(dirname "$0")" && pwd)    # the drivers, next to this script
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
-LOGD=/tmp/sglogs; mkdir -p "$LOGD"
+TMPD=${GPU_TMP:-/tmp}
+LOGD=$TMPD/sglogs; mkdir -p "$LOGD"
+L3=$TMPD/l3
+SGLANG_SERVER=${SGLANG_SERVER_MODULE:-sglang.launch_server}
+PO=${PORT_OFFSET:-0}
+P_SRV=$((30000 + PO)) P_MET=$((9400 + PO)) P_META=$((18000 + PO)) P_MC=$((50051 + PO)) P_MCM=$((9003 + PO))
+P_MCS=$((9310 + PO)) P_PEER=$((31998 + PO)) P_BOOT=$((8998 + PO))
 RES=$OUTD/results.jsonl
 PLAN=${PLAN:-w8192,8192,16384}
-export PYTHONPATH=/tmp/site3:/tmp/site2:/tmp/site1:$REPO:$G
+export PYTHONPATH=$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO:$G
 # Mooncake's .so files need libibverbs.so.1 (install3 carries it for images that lack it); the CUDA build
 # (install4) also needs libcudart.so.12 and libmlx5.so.1, carried in the same folder
-if [ -f /tmp/site3/ibv/libcudart.so.12 ] || ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
-  export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if [ -f "$TMPD/site3/ibv/libcudart.so.12" ] || ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
+  export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
 export LMCACHE_TRACK_USAGE=false
-export TVM_FFI_CACHE_DIR=/tmp/jitcache/tvm-ffi TRITON_CACHE_DIR=/tmp/jitcache/triton FLASHINFER_WORKSPACE_BASE=/tmp/jitcache
+export TVM_FFI_CACHE_DIR=$TMPD/jitcache/tvm-ffi TRITON_CACHE_DIR=$TMPD/jitcache/triton FLASHINFER_WORKSPACE_BASE=$TMPD/jitcache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo
-export SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/tmp/l3/file
+export SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=$L3/file
 command -v nvcc >/dev/null 2>&1 || export PATH=$PATH:/usr/local/cuda/bin
 [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 && export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
 
@@ -53,10 +62,10 @@ el() { echo $(( $(date +%s) - T0 )); }
 say() { echo "[$(el)s] $*"; }
 left() { echo $(( DEADLINE_S - $(el) )); }
 need() { if [ "$(left)" -lt "$1" ]; then say "SKIP $2: only $(left)s left (< $1)"; echo "{\"event\":\"skip\",\"phase\":\"$2\",\"t\":$(el)}" >> "$RES"; return 1; fi; }
-done_mark() { echo "$1" >> /tmp/sglogs/phases_done; }
-is_done() { grep -qxF "$1" /tmp/sglogs/phases_done 2>/dev/null; }
+done_mark() { echo "$1" >> "$LOGD/phases_done"; }
+is_done() { grep -qxF "$1" "$LOGD/phases_done" 2>/dev/null; }
 
-model_dir() { echo "/tmp/model-$1"; }
+model_dir() { echo "$TMPD/model-$1"; }
 make_model() {  # arch
   local m; m=$(model_dir "$1"); mkdir -p "$m"
   if [ "$1" = qwen3 ]; then
@@ -82,8 +91,8 @@ JSON
 kv_half_page_bytes() { if [ "$1" = qwen3 ]; then echo $((64*64*8*128*2)); else echo $((32*64*8*128*2)); fi; }
 
 load_jitcache() {
-  if [ ! -d /tmp/jitcache ] && [ -f "$REPO/.gpujitcache/jitcache.tgz" ]; then
-    tar xzf "$REPO/.gpujitcache/jitcache.tgz" -C /tmp && say "restored /tmp/jitcache"
+  if [ ! -d "$TMPD/jitcache" ] && [ -f "$REPO/.gpujitcache/jitcache.tgz" ]; then
+    tar xzf "$REPO/.gpujitcache/jitcache.tgz" -C "$TMPD" && say "restored $TMPD/jitcache"
   fi
 }
 
@@ -93,39 +102,39 @@ KVC="$KVC_BASE,\"interface_v1\":1"   # SGLang's zero-copy v1 batch interface
 store_args() {  # store, port-suffix -> prints backend args (one per line)
   local s=$1 k=${2:-0}
   case $s in
-    file) printf '%s\n' --hicache-storage-backend file --hicache-storage-backend-extra-config '{"file_storage_path":"/tmp/l3/file"}' ;;
+    file) printf '%s\n' --hicache-storage-backend file --hicache-storage-backend-extra-config "{\"file_storage_path\":\"$L3/file\"}" ;;
     hf3fsref)
-      mkdir -p /tmp/l3/hf3fsref
-      echo '{"file_path_prefix":"/tmp/l3/hf3fsref/hicache","file_size":34359738368,"numjobs":16,"entries":8}' > /tmp/l3/hf3fsref.json
+      mkdir -p "$L3/hf3fsref"
+      echo "{\"file_path_prefix\":\"$L3/hf3fsref/hicache\",\"file_size\":34359738368,\"numjobs\":16,\"entries\":8}" > "$L3/hf3fsref.json"
       printf '%s\n' --hicache-storage-backend hf3fs --hicache-storage-backend-extra-config '{"use_mock_hf3fs_client":true}' ;;
     kvc_hf3fs)
-      mkdir -p /tmp/l3/kvc
-      local meta=""; [ -f /tmp/sglogs/meta.pid ] && meta=',"metadata_server_url":"http://127.0.0.1:18000"'
+      mkdir -p "$L3/kvc"
+      local meta=""; [ -f "$LOGD/meta.pid" ] && meta=",\"metadata_server_url\":\"http://127.0.0.1:$P_META\""
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-        "{$KVC,\"store\":\"hf3fs\",\"file_path_prefix\":\"/tmp/l3/kvc/hicache\",\"file_size\":\"32gb\",\"numjobs\":${KVC_JOBS:-16},\"entries\":${KVC_ENTRIES:-16}$meta,\"metrics_port\":$((9400+k))}" ;;
+        "{$KVC,\"store\":\"hf3fs\",\"file_path_prefix\":\"$L3/kvc/hicache\",\"file_size\":\"32gb\",\"numjobs\":${KVC_JOBS:-16},\"entries\":${KVC_ENTRIES:-16}$meta,\"metrics_port\":$((P_MET+k))}" ;;
     kvc_mooncake|kvc_mooncake_shm)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-        "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:50051\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":0,\"metrics_port\":$((9400+k))}" ;;
+        "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:$P_MC\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":0,\"metrics_port\":$((P_MET+k))}" ;;
     kvc_mooncake_local)  # SGLang lends memory too and keeps its own pages there (prefer_local_segment)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-        "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:50051\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":\"${KVC_PEER_SEGMENT:-24gb}\",\"prefer_local_segment\":true,\"metrics_port\":$((9400+k))}" ;;
+        "{$KVC,\"store\":\"mooncake\",\"master_server_address\":\"127.0.0.1:$P_MC\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"global_segment_size\":\"${KVC_PEER_SEGMENT:-24gb}\",\"prefer_local_segment\":true,\"metrics_port\":$((P_MET+k))}" ;;
     kvc_peer_rdma)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-        "{$KVC,\"store\":\"peer_rdma\",\"discovery_addr\":\"127.0.0.1:31998\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"control_port\":0,\"global_segment_size\":\"${KVC_PEER_SEGMENT:-24gb}\",\"metrics_port\":$((9400+k))}" ;;
+        "{$KVC,\"store\":\"peer_rdma\",\"discovery_addr\":\"127.0.0.1:$P_PEER\",\"protocol\":\"tcp\",\"local_hostname\":\"127.0.0.1\",\"control_port\":0,\"global_segment_size\":\"${KVC_PEER_SEGMENT:-24gb}\",\"metrics_port\":$((P_MET+k))}" ;;
     kvc_memory)
       printf '%s\n' --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-        "{$KVC,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((9400+k))}" ;;
+        "{$KVC,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((P_MET+k))}" ;;
     kvc_memory_legacy)  # SGLang's legacy (tensor) interface, layer-first host pool: the adapter's other path
       printf '%s\n' --hicache-mem-layout layer_first --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
-        "{$KVC_BASE,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((9400+k))}" ;;
+        "{$KVC_BASE,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((P_MET+k))}" ;;
     *) say "unknown store $s"; return 1 ;;
   esac
 }
 store_wait() {  # arch store port-suffix -> driver wait args
   case $2 in
-    file) echo "--wait files:/tmp/l3/file" ;;
-    hf3fsref) echo "--wait blocks:/tmp/l3/hf3fsref/hicache* --page-bytes $(kv_half_page_bytes "$1") --objects-per-page 2" ;;
-    kvc_*) echo "--wait metrics:http://127.0.0.1:$((9400+${3:-0}))/metrics --metrics http://127.0.0.1:$((9400+${3:-0}))/metrics" ;;
+    file) echo "--wait files:$L3/file" ;;
+    hf3fsref) echo "--wait blocks:$L3/hf3fsref/hicache* --page-bytes $(kv_half_page_bytes "$1") --objects-per-page 2" ;;
+    kvc_*) echo "--wait metrics:http://127.0.0.1:$((P_MET+${3:-0}))/metrics --metrics http://127.0.0.1:$((P_MET+${3:-0}))/metrics" ;;
   esac
 }
 
@@ -138,13 +147,13 @@ launch() {  # name arch port store [suffix]
   local args=(); mapfile -t args < <(store_args "$store" "$k")
   [ -n "${HICACHE_LAYOUT:-}" ] && args=(--hicache-mem-layout "$HICACHE_LAYOUT" "${args[@]}")
   local env=()
-  [ "$store" = hf3fsref ] && env=(SGLANG_HICACHE_HF3FS_CONFIG_PATH=/tmp/l3/hf3fsref.json)
+  [ "$store" = hf3fsref ] && env=("SGLANG_HICACHE_HF3FS_CONFIG_PATH=$L3/hf3fsref.json")
   say "launch $name: $arch store=$store port=$port"
   echo "{\"event\":\"launch\",\"name\":\"$name\",\"arch\":\"$arch\",\"store\":\"$store\",\"t\":$(el),\"wall\":$(date +%s)}" >> "$RES"
   env "${env[@]}" python3 -c 'import os, sys
 try: os.setsid()
 except OSError: pass
-os.execvp(sys.argv[1], sys.argv[1:])' python3 -m sglang.launch_server --model-path "$(model_dir "$arch")" --load-format dummy \
+os.execvp(sys.argv[1], sys.argv[1:])' python3 -m "$SGLANG_SERVER" --model-path "$(model_dir "$arch")" --load-format dummy \
     --skip-tokenizer-init --host 127.0.0.1 --port "$port" --page-size 64 --enable-hierarchical-cache --hicache-ratio 2 \
     --hicache-write-policy write_through --mem-fraction-static "$memfrac" --max-total-tokens "$maxtok" --disable-cuda-graph \
     --attention-backend triton --sampling-backend pytorch --grammar-backend none --log-level info \
@@ -191,21 +200,21 @@ stop_all() {
   rm -f "$LOGD/running"; sleep 2
 }
 meta_start() {
-  [ -f /tmp/sglogs/meta.pid ] && return 0
-  mkdir -p /tmp/l3/meta
+  [ -f "$LOGD/meta.pid" ] && return 0
+  mkdir -p "$L3/meta"
   python3 -c 'import os, sys
-os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m kvconnect hf3fs-meta serve --host 127.0.0.1 --port 18000 \
-    --data-dir /tmp/l3/meta > "$LOGD/meta.log" 2>&1 < /dev/null &
-  echo $! > /tmp/sglogs/meta.pid; sleep 3; say "metadata service pid $(cat /tmp/sglogs/meta.pid)"
+os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m kvconnect hf3fs-meta serve --host 127.0.0.1 --port "$P_META" \
+    --data-dir "$L3/meta" > "$LOGD/meta.log" 2>&1 < /dev/null &
+  echo $! > "$LOGD/meta.pid"; sleep 3; say "metadata service pid $(cat "$LOGD/meta.pid")"
 }
 svc_start() {  # name cmd...: a detached service process, logs in $LOGD/name.log
   local name=$1; shift
   python3 -c 'import os, sys
 os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" > "$LOGD/$name.log" 2>&1 < /dev/null &
-  echo $! > "/tmp/sglogs/svc_$name.pid"
+  echo $! > "$LOGD/svc_$name.pid"
 }
 svc_stop_all() {
-  local f; for f in /tmp/sglogs/svc_*.pid; do [ -f "$f" ] || continue; kill -- "-$(cat "$f")" 2>/dev/null; rm -f "$f"; done
+  local f; for f in "$LOGD"/svc_*.pid; do [ -f "$f" ] || continue; kill -- "-$(cat "$f")" 2>/dev/null; rm -f "$f"; done
   sleep 1
 }
 wait_port() { python3 - "$1" "$2" <<'PY'
@@ -224,29 +233,29 @@ store_services() {  # store: start what the store needs next to SGLang (all on 1
     kvc_hf3fs) meta_start ;;
     kvc_mooncake|kvc_mooncake_local|kvc_mooncake_shm)
       local shared=false; [ "$1" = kvc_mooncake_shm ] && shared=true
-      if [ -f /tmp/sglogs/svc_mc_master.pid ]; then
-        [ "$(cat /tmp/sglogs/mc_store.shared 2>/dev/null)" = "$shared" ] && return 0
+      if [ -f "$LOGD/svc_mc_master.pid" ]; then
+        [ "$(cat "$LOGD/mc_store.shared" 2>/dev/null)" = "$shared" ] && return 0
         svc_stop_all  # the running store lends its segment the other way: start both afresh
       fi
-      echo "$shared" > /tmp/sglogs/mc_store.shared
-      svc_start mc_master /tmp/site3/mooncake/mooncake_master --rpc_address=127.0.0.1 --rpc_port=50051 \
-        --metrics_host=127.0.0.1 --metrics_port=9003
-      wait_port 50051 20 || { say "mooncake_master did not start"; tail -5 "$LOGD/mc_master.log"; return 1; }
-      svc_start mc_store python3 -m kvconnect mooncake-store --master 127.0.0.1:50051 --segment ${KVC_MC_SEGMENT:-40gb} \
-        -o protocol=tcp -o local_hostname=127.0.0.1 -o shared_segment=$shared --metrics-port 9310
-      wait_port 9310 60 || { say "mooncake-store did not start"; tail -5 "$LOGD/mc_store.log"; return 1; }
+      echo "$shared" > "$LOGD/mc_store.shared"
+      svc_start mc_master "$TMPD/site3/mooncake/mooncake_master" --rpc_address=127.0.0.1 --rpc_port="$P_MC" \
+        --metrics_host=127.0.0.1 --metrics_port="$P_MCM"
+      wait_port "$P_MC" 20 || { say "mooncake_master did not start"; tail -5 "$LOGD/mc_master.log"; return 1; }
+      svc_start mc_store python3 -m kvconnect mooncake-store --master "127.0.0.1:$P_MC" --segment "${KVC_MC_SEGMENT:-40gb}" \
+        -o protocol=tcp -o local_hostname=127.0.0.1 -o shared_segment=$shared --metrics-port "$P_MCS"
+      wait_port "$P_MCS" 60 || { say "mooncake-store did not start"; tail -5 "$LOGD/mc_store.log"; return 1; }
       say "mooncake_master + store (${KVC_MC_SEGMENT:-40gb}, shared_segment=$shared) up" ;;
     kvc_peer_rdma)
-      [ -f /tmp/sglogs/svc_peer_seed.pid ] && return 0
-      rm -f /tmp/sglogs/peer.ready
-      svc_start peer_seed python3 -m kvconnect peer serve --discovery-addr 127.0.0.1:31998 --bind-host 127.0.0.1 \
-        --local-hostname 127.0.0.1 --protocol tcp --global-segment-size 1gb --ready-file /tmp/sglogs/peer.ready
-      for _ in $(seq 1 60); do [ -s /tmp/sglogs/peer.ready ] && break; sleep 0.5; done
-      [ -s /tmp/sglogs/peer.ready ] || { say "peer seed did not start"; tail -5 "$LOGD/peer_seed.log"; return 1; }
+      [ -f "$LOGD/svc_peer_seed.pid" ] && return 0
+      rm -f "$LOGD/peer.ready"
+      svc_start peer_seed python3 -m kvconnect peer serve --discovery-addr "127.0.0.1:$P_PEER" --bind-host 127.0.0.1 \
+        --local-hostname 127.0.0.1 --protocol tcp --global-segment-size 1gb --ready-file "$LOGD/peer.ready"
+      for _ in $(seq 1 60); do [ -s "$LOGD/peer.ready" ] && break; sleep 0.5; done
+      [ -s "$LOGD/peer.ready" ] || { say "peer seed did not start"; tail -5 "$LOGD/peer_seed.log"; return 1; }
       say "peer seed node up" ;;
   esac
 }
-meta_stop() { [ -f /tmp/sglogs/meta.pid ] && kill -- "-$(cat /tmp/sglogs/meta.pid)" 2>/dev/null; rm -f /tmp/sglogs/meta.pid; }
+meta_stop() { [ -f "$LOGD/meta.pid" ] && kill -- "-$(cat "$LOGD/meta.pid")" 2>/dev/null; rm -f "$LOGD/meta.pid"; }
 
 drive() {  # arch store tag port k extra...
   local arch=$1 store=$2 tag=$3 port=$4 k=$5; shift 5
@@ -262,26 +271,26 @@ pipi() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -5
   say "installed $(ls "$1"/*.whl | wc -l) wheels from $1 into $2 in $(( $(date +%s) - t ))s"
 }
-phase_install1() { pipi .gpuwheels1 /tmp/site1; load_jitcache; }
-phase_install2() { pipi .gpuwheels2 /tmp/site2; load_jitcache; find /tmp/site1 /tmp/site2 -exec touch -h -d 2000-01-01 {} + 2>/dev/null; }
+phase_install1() { pipi .gpuwheels1 "$TMPD/site1"; load_jitcache; }
+phase_install2() { pipi .gpuwheels2 "$TMPD/site2"; load_jitcache; find "$TMPD/site1" "$TMPD/site2" -exec touch -h -d 2000-01-01 {} + 2>/dev/null; }
 phase_install3() {  # Mooncake (non-CUDA wheel, cp312) unpacked: mooncake/, its .libs, libibverbs for bare images
-  local t=$(date +%s); mkdir -p /tmp/site3
-  tar xJf .gpumc/mc312.tar.xz -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
+  local t=$(date +%s); mkdir -p "$TMPD/site3"
+  tar xJf .gpumc/mc312.tar.xz -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
   python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake import failed"; return 1; }
-  say "installed mooncake into /tmp/site3 in $(( $(date +%s) - t ))s"
+  say "installed mooncake into $TMPD/site3 in $(( $(date +%s) - t ))s"
 }
 phase_install4() {  # Mooncake CUDA build (registers GPU memory: PD) replaces install3's; kvconnect's PD plugin
   # is found through an entry point, so give the repository on PYTHONPATH a dist-info that declares it
-  local t=$(date +%s); rm -rf /tmp/site3; mkdir -p /tmp/site3
-  tar xJf .gpumccuda/mccuda312.tar.xz -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
-  export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  local d=/tmp/site3/kvconnect-0.0.0+gpu.dist-info; mkdir -p "$d"
+  local t=$(date +%s); rm -rf "$TMPD/site3"; mkdir -p "$TMPD/site3"
+  tar xJf .gpumccuda/mccuda312.tar.xz -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
+  export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  local d=$TMPD/site3/kvconnect-0.0.0+gpu.dist-info; mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: kvconnect\nVersion: 0.0.0+gpu\n' > "$d/METADATA"
   printf '[sglang.srt.plugins]\nkvconnect = kvconnect.connectors.engines.sglang_pd_plugin:register\n' > "$d/entry_points.txt"
   python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake (CUDA) import failed"; return 1; }
   python3 -c 'from importlib.metadata import entry_points as e; assert "kvconnect" in [x.name for x in e(group="sglang.srt.plugins")]' \
     || { say "kvconnect entry point not found"; return 1; }
-  say "installed mooncake (CUDA) + kvconnect entry point into /tmp/site3 in $(( $(date +%s) - t ))s"
+  say "installed mooncake (CUDA) + kvconnect entry point into $TMPD/site3 in $(( $(date +%s) - t ))s"
 }
 phase_stop() { stop_all; meta_stop; svc_stop_all; }
 
@@ -293,11 +302,11 @@ launch_pd() {  # name mode gpu port backend: one PD half of the Llama-3-8B shape
   python3 -c 'import os, sys
 try: os.setsid()
 except OSError: pass
-os.execvp(sys.argv[1], sys.argv[1:])' python3 -m sglang.launch_server --model-path "$(model_dir llama)" --load-format dummy \
+os.execvp(sys.argv[1], sys.argv[1:])' python3 -m "$SGLANG_SERVER" --model-path "$(model_dir llama)" --load-format dummy \
     --skip-tokenizer-init --host 127.0.0.1 --port "$port" --page-size 64 --base-gpu-id "$gpu" --mem-fraction-static 0.6 \
     --max-total-tokens 327680 --disable-cuda-graph --attention-backend triton --sampling-backend pytorch \
     --grammar-backend none --log-level info --disaggregation-mode "$mode" --disaggregation-transfer-backend "$backend" \
-    --disaggregation-bootstrap-port 8998 > "$LOGD/$name.log" 2>&1 < /dev/null &
+    --disaggregation-bootstrap-port "$P_BOOT" > "$LOGD/$name.log" 2>&1 < /dev/null &
   echo $! > "$LOGD/$name.pid"; echo "$name" >> "$LOGD/running"
 }
 run_pd() {  # transport
@@ -310,15 +319,15 @@ run_pd() {  # transport
     kvc_peer_rdma) unset MC_FORCE_TCP
       export KVCONNECT_PD_CONFIG='{"transport":"direct","protocol":"tcp","timeout_s":120,"workers":4}' ;;
     kvc_mooncake) unset MC_FORCE_TCP; store_services kvc_mooncake || return 1
-      export KVCONNECT_PD_CONFIG='{"transport":"relay","timeout_s":120,"workers":4,"store":{"store":"mooncake","master_server_address":"127.0.0.1:50051","metadata_server":"P2PHANDSHAKE","local_hostname":"127.0.0.1","protocol":"tcp","global_segment_size":0,"local_buffer_size":0}}' ;;
+      export KVCONNECT_PD_CONFIG='{"transport":"relay","timeout_s":120,"workers":4,"store":{"store":"mooncake","master_server_address":"127.0.0.1:'"$P_MC"'","metadata_server":"P2PHANDSHAKE","local_hostname":"127.0.0.1","protocol":"tcp","global_segment_size":0,"local_buffer_size":0}}' ;;
     *) say "unknown PD transport $tr"; return 1 ;;
   esac
   export SGLANG_HOST_IP=127.0.0.1
-  launch_pd "pd_${tr}_prefill" prefill 0 30000 "$backend"
-  launch_pd "pd_${tr}_decode" decode 1 30001 "$backend"
-  wait_up "pd_${tr}_prefill" 30000 "$(( $(left) - 90 ))" || return 1
-  wait_up "pd_${tr}_decode" 30001 "$(( $(left) - 60 ))" || return 1
-  python3 "$B/pd_driver.py" --prefill http://127.0.0.1:30000 --decode http://127.0.0.1:30001 --bootstrap-port 8998 \
+  launch_pd "pd_${tr}_prefill" prefill 0 "$P_SRV" "$backend"
+  launch_pd "pd_${tr}_decode" decode 1 "$((P_SRV + 1))" "$backend"
+  wait_up "pd_${tr}_prefill" "$P_SRV" "$(( $(left) - 90 ))" || return 1
+  wait_up "pd_${tr}_decode" "$((P_SRV + 1))" "$(( $(left) - 60 ))" || return 1
+  python3 "$B/pd_driver.py" --prefill "http://127.0.0.1:$P_SRV" --decode "http://127.0.0.1:$((P_SRV + 1))" --bootstrap-port "$P_BOOT" \
     --tokens 8192 --levels "${PD_LEVELS:-1,8,32}" --new-tokens 8 --timeout 150 --out "$RES" --tag "pd:$tr" \
     --deadline $(( T0 + DEADLINE_S - 40 )); local rc=$?
   stop_all; svc_stop_all; return $rc
@@ -327,39 +336,39 @@ run_pd() {  # transport
 run_store() {  # arch store
   local arch=$1 store=$2
   need 150 "$arch:$store" || return 1
-  stop_all; meta_stop; svc_stop_all; rm -rf /tmp/l3/file /tmp/l3/hf3fsref /tmp/l3/kvc /tmp/l3/meta; mkdir -p /tmp/l3/file
+  stop_all; meta_stop; svc_stop_all; rm -rf "$L3/file" "$L3/hf3fsref" "$L3/kvc" "$L3/meta"; mkdir -p "$L3/file"
   store_services "$store" || return 1   # they outlive the server: the restart phase finds the pages
-  launch "${arch}_$store" "$arch" 30000 "$store" || return 1
-  wait_up "${arch}_$store" 30000 "$(( $(left) - 60 ))" || return 1
-  rm -f "/tmp/l3/prompts_${arch}_$store.jsonl"
-  drive "$arch" "$store" "${arch}:${store}" 30000 0 --record "/tmp/l3/prompts_${arch}_$store.jsonl"
+  launch "${arch}_$store" "$arch" "$P_SRV" "$store" || return 1
+  wait_up "${arch}_$store" "$P_SRV" "$(( $(left) - 60 ))" || return 1
+  rm -f "$L3/prompts_${arch}_$store.jsonl"
+  drive "$arch" "$store" "${arch}:${store}" "$P_SRV" 0 --record "$L3/prompts_${arch}_$store.jsonl"
 }
 run_restart() {  # arch store: relaunch with the store's data kept, replay recorded prompts
   local arch=$1 store=$2
   need 110 "$arch:restart_$store" || return 1
   stop_all
-  launch "${arch}_${store}_restart" "$arch" 30000 "$store" || return 1
-  wait_up "${arch}_${store}_restart" 30000 "$(( $(left) - 40 ))" || return 1
-  local m=""; case $store in kvc_*) m="--metrics http://127.0.0.1:9400/metrics";; esac
+  launch "${arch}_${store}_restart" "$arch" "$P_SRV" "$store" || return 1
+  wait_up "${arch}_${store}_restart" "$P_SRV" "$(( $(left) - 40 ))" || return 1
+  local m=""; case $store in kvc_*) m="--metrics http://127.0.0.1:$P_MET/metrics";; esac
   # shellcheck disable=SC2086
-  python3 "$B/e2e_driver.py" replay --url http://127.0.0.1:30000 --out "$RES" --tag "${arch}:restart_${store}" \
-    --ids-from "/tmp/l3/prompts_${arch}_$store.jsonl" --label L3_after_restart --deadline $(( T0 + DEADLINE_S - 15 )) $m
+  python3 "$B/e2e_driver.py" replay --url "http://127.0.0.1:$P_SRV" --out "$RES" --tag "${arch}:restart_${store}" \
+    --ids-from "$L3/prompts_${arch}_$store.jsonl" --label L3_after_restart --deadline $(( T0 + DEADLINE_S - 15 )) $m
 }
 run_cross() {  # arch store: A prefills, B (another server process) hits through the shared store
   local arch=$1 store=$2
   need 200 "$arch:cross_$store" || return 1
-  stop_all; meta_stop; svc_stop_all; rm -rf /tmp/l3/kvc /tmp/l3/meta; store_services "$store" || return 1
-  launch "${arch}_${store}_A" "$arch" 30000 "$store" 0 || return 1
-  launch "${arch}_${store}_B" "$arch" 30001 "$store" 1 || return 1
-  wait_up "${arch}_${store}_A" 30000 "$(( $(left) - 90 ))" || return 1
-  wait_up "${arch}_${store}_B" 30001 "$(( $(left) - 60 ))" || return 1
-  rm -f /tmp/l3/cross.jsonl
-  PLAN=$(echo "$PLAN" | sed 's/w[0-9]*,\?//') drive "$arch" "$store" "${arch}:cross_${store}_A" 30000 0 --record /tmp/l3/cross.jsonl
-  python3 "$B/e2e_driver.py" run --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_Bwarm" --plan w4096 \
+  stop_all; meta_stop; svc_stop_all; rm -rf "$L3/kvc" "$L3/meta"; store_services "$store" || return 1
+  launch "${arch}_${store}_A" "$arch" "$P_SRV" "$store" 0 || return 1
+  launch "${arch}_${store}_B" "$arch" "$((P_SRV + 1))" "$store" 1 || return 1
+  wait_up "${arch}_${store}_A" "$P_SRV" "$(( $(left) - 90 ))" || return 1
+  wait_up "${arch}_${store}_B" "$((P_SRV + 1))" "$(( $(left) - 60 ))" || return 1
+  rm -f "$L3/cross.jsonl"
+  PLAN=$(echo "$PLAN" | sed 's/w[0-9]*,\?//') drive "$arch" "$store" "${arch}:cross_${store}_A" "$P_SRV" 0 --record "$L3/cross.jsonl"
+  python3 "$B/e2e_driver.py" run --url "http://127.0.0.1:$((P_SRV + 1))" --out "$RES" --tag "${arch}:cross_${store}_Bwarm" --plan w4096 \
     --deadline $(( T0 + DEADLINE_S - 15 ))
-  python3 "$B/e2e_driver.py" replay --url http://127.0.0.1:30001 --out "$RES" --tag "${arch}:cross_${store}_B" \
-    --ids-from /tmp/l3/cross.jsonl --label L3_cross_instance --deadline $(( T0 + DEADLINE_S - 10 )) \
-    --metrics http://127.0.0.1:9401/metrics
+  python3 "$B/e2e_driver.py" replay --url "http://127.0.0.1:$((P_SRV + 1))" --out "$RES" --tag "${arch}:cross_${store}_B" \
+    --ids-from "$L3/cross.jsonl" --label L3_cross_instance --deadline $(( T0 + DEADLINE_S - 10 )) \
+    --metrics "http://127.0.0.1:$((P_MET + 1))/metrics"
   stop_all; meta_stop; svc_stop_all
 }
 
@@ -380,5 +389,5 @@ for ph in "$@"; do
 done
 stop_all
 ( cd "$LOGD" && tar czf "$OUTD/logs.tgz" ./*.log 2>/dev/null )
-[ -d /tmp/jitcache ] && [ ! -f "$REPO/.gpujitcache/jitcache.tgz" ] && tar czf "$OUTD/jitcache.tgz" -C /tmp jitcache 2>/dev/null
+[ -d "$TMPD/jitcache" ] && [ ! -f "$REPO/.gpujitcache/jitcache.tgz" ] && tar czf "$OUTD/jitcache.tgz" -C "$TMPD" jitcache 2>/dev/null
 say "end"
