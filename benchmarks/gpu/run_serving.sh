@@ -1,27 +1,30 @@
 #!/bin/bash
 # The serving benchmark (`kvconnect bench serve`) on a GPU machine without network, from the repository root.
 # Phases (any order, each once per machine):
-#   install1   SGLang 0.5.17 wheels (.gpuwheels1/) + PeerCache 0.8.4 (.gpuserve1/*.whl) into /tmp/site1
+#   install1   SGLang 0.5.17 wheels (.gpuwheels1/) + PeerCache 0.8.4 (.gpuserve1/*.whl) into $GPU_TMP/site1
 #   install2   the rest of SGLang's wheel set + sglang-router 0.3.2, unpacked (.gpuserve2/site2.tar.xz) into
-#              /tmp/site2; Mooncake 0.3.13 (.gpumc/mc312.tar.xz, with libibverbs/librdmacm) into /tmp/site3;
-#              an earlier run's JIT cache (.gpujitcache/jitcache.tgz, optional) into /tmp/jitcache
-#   start      start `kvconnect bench serve $SERVE_ARGS` detached (it outlives this call; results in /tmp/serve/out)
+#              $GPU_TMP/site2; Mooncake 0.3.13 (.gpumc/mc312.tar.xz, with libibverbs/librdmacm) into $GPU_TMP/site3;
+#              an earlier run's JIT cache (.gpujitcache/jitcache.tgz, optional) into $GPU_TMP/jitcache
+#   start      start `kvconnect bench serve $SERVE_ARGS` detached (it outlives this call; results in $SERVE_DIR/out)
 #   wait       wait for it up to DEADLINE_S seconds after this script started, then copy what it wrote to $OUT
 #   stop       stop it and every process it started (they carry KVC_SERVE_DIR in their environment)
 # benchmarks/gpu/README.md lists the commands of each phase and how the carried folders are made.
-# Env: STOP_GRACE_S (default 15: how long stop lets the benchmark stop its servers before it kills what is left).
+# Env: DEADLINE_S, OUT, SERVE_ARGS (above); GPU_TMP (default /tmp: site1-3 and jitcache go there), SERVE_DIR
+# (default $GPU_TMP/serve), WRITE_PROBE_MB (install1's write probe per medium, default 2048), STOP_GRACE_S
+# (default 15: how long stop lets the benchmark stop its servers before it kills what is left).
 set -u
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
 REPO=$(pwd)
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
-SERVE=/tmp/serve; mkdir -p "$SERVE"
-export PYTHONPATH=/tmp/site3:/tmp/site2:/tmp/site1:$REPO
-export LD_LIBRARY_PATH=/tmp/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+TMPD=${GPU_TMP:-/tmp}
+SERVE=${SERVE_DIR:-$TMPD/serve}; mkdir -p "$SERVE"
+export PYTHONPATH=$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO
+export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
 export LMCACHE_TRACK_USAGE=false
-export TVM_FFI_CACHE_DIR=/tmp/jitcache/tvm-ffi TRITON_CACHE_DIR=/tmp/jitcache/triton FLASHINFER_WORKSPACE_BASE=/tmp/jitcache
-export TORCH_EXTENSIONS_DIR=/tmp/jitcache/torch_extensions   # SGLang's native page hash, built at the first L3 lookup
+export TVM_FFI_CACHE_DIR=$TMPD/jitcache/tvm-ffi TRITON_CACHE_DIR=$TMPD/jitcache/triton FLASHINFER_WORKSPACE_BASE=$TMPD/jitcache
+export TORCH_EXTENSIONS_DIR=$TMPD/jitcache/torch_extensions   # SGLang's native page hash, built at the first L3 lookup
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo
 command -v nvcc >/dev/null 2>&1 || export PATH=$PATH:/usr/local/cuda/bin
 [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 && export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
@@ -29,21 +32,22 @@ command -v nvcc >/dev/null 2>&1 || export PATH=$PATH:/usr/local/cuda/bin
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
 phase_install1() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site1 \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMPD/site1" \
     .gpuwheels1/*.whl .gpuserve1/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -3
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V; nproc; free -g | head -2;
     df -h /tmp /dev/shm | tail -2
     # the media the file-backed stores write to: 2 GiB, flushed to the device (the write-through demand is in runs.jsonl)
-    for d in /tmp /dev/shm; do echo "$d: $(dd if=/dev/zero of=$d/kvc_write_probe bs=8M count=256 conv=fdatasync 2>&1 \
-      | tail -n 1)"; rm -f $d/kvc_write_probe; done; } 2>&1 | tee "$OUTD/diag.txt"
+    for d in /tmp /dev/shm; do echo "$d: $(dd if=/dev/zero of="$d/kvc_write_probe.$$" bs=8M \
+      count=$(( ${WRITE_PROBE_MB:-2048} / 8 )) conv=fdatasync 2>&1 | tail -n 1)"; rm -f "$d/kvc_write_probe.$$"; done
+  } 2>&1 | tee "$OUTD/diag.txt"
   say "install1 done"
 }
 phase_install2() {
-  mkdir -p /tmp/site2 /tmp/site3
-  xz -dc .gpuserve2/site2.tar.xz | tar xf - -C /tmp/site2 || return 1
-  xz -dc .gpumc/mc312.tar.xz | tar xf - -C /tmp/site3 && chmod +x /tmp/site3/mooncake/mooncake_master || return 1
-  find /tmp/site1 /tmp/site2 -exec touch -h -d 2000-01-01 {} + 2>/dev/null   # JIT caches stay newer than headers
-  [ -f .gpujitcache/jitcache.tgz ] && tar xzf .gpujitcache/jitcache.tgz -C /tmp   # an earlier run's kernels
+  mkdir -p "$TMPD/site2" "$TMPD/site3"
+  xz -dc .gpuserve2/site2.tar.xz | tar xf - -C "$TMPD/site2" || return 1
+  xz -dc .gpumc/mc312.tar.xz | tar xf - -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
+  find "$TMPD/site1" "$TMPD/site2" -exec touch -h -d 2000-01-01 {} + 2>/dev/null   # JIT caches stay newer than headers
+  [ -f .gpujitcache/jitcache.tgz ] && tar xzf .gpujitcache/jitcache.tgz -C "$TMPD"   # an earlier run's kernels
   python3 -c 'import mooncake.store, mooncake.engine, sglang_router, peercache.store, sglang' || return 1
   say "install2 done"
 }
@@ -60,7 +64,7 @@ collect() {
   cp "$SERVE"/out/* "$OUTD"/ 2>/dev/null
   tr '\r' '\n' < "$SERVE/bench.log" | grep -v -E "it/s\]|req/s\]|s/req\]" | tail -n 400 > "$OUTD/bench.log"
   ( cd "$SERVE/work/logs" 2>/dev/null && tar czf "$OUTD/server_logs.tgz" ./*.log )
-  [ -d /tmp/jitcache ] && [ ! -f "$OUTD/jitcache.tgz" ] && tar czf "$OUTD/jitcache.tgz" -C /tmp jitcache 2>/dev/null
+  [ -d "$TMPD/jitcache" ] && [ ! -f "$OUTD/jitcache.tgz" ] && tar czf "$OUTD/jitcache.tgz" -C "$TMPD" jitcache 2>/dev/null
   return 0
 }
 phase_wait() {
