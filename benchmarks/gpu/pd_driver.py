@@ -59,18 +59,32 @@ def one(args, seed, room):
                                                   "ignore_eos": True},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": args.bootstrap_port, "bootstrap_room": room}
     t0 = time.perf_counter()
+    errors = []
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         pf = ex.submit(post, args.prefill + "/generate", dict(body, stream=False), False, args.timeout)
         df = ex.submit(post, args.decode + "/generate", dict(body, stream=True), True, args.timeout)
-        p_status, _, _, _ = pf.result()
-        d_status, first, chunks, end = df.result()
+        # a refused connection or a timeout fails this request, not the wave (and the levels after it)
+        p_status = d_status = first = None
+        chunks, end = [], None
+        try:
+            p_status = pf.result()[0]
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"prefill: {type(e).__name__}: {e}")
+        try:
+            d_status, first, chunks, end = df.result()
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"decode: {type(e).__name__}: {e}")
+    end = end or time.perf_counter()
     last = chunks[-1] if chunks else {}
     out_ids = last.get("output_ids") or []
     meta = last.get("meta_info") or {}
-    return {"seed": seed, "room": room, "prefill_status": p_status, "decode_status": d_status,
-            "ttft_s": round(first - t0, 4) if first else None, "e2e_s": round(end - t0, 4),
-            "output_ids": out_ids[: args.new_tokens], "completion_tokens": meta.get("completion_tokens"),
-            "prompt_tokens": meta.get("prompt_tokens")}
+    rec = {"seed": seed, "room": room, "prefill_status": p_status, "decode_status": d_status,
+           "ttft_s": round(first - t0, 4) if first else None, "e2e_s": round(end - t0, 4),
+           "output_ids": out_ids[: args.new_tokens], "completion_tokens": meta.get("completion_tokens"),
+           "prompt_tokens": meta.get("prompt_tokens")}
+    if errors:
+        rec["error"] = "; ".join(errors)[:1000]
+    return rec
 
 
 def main():
