@@ -180,6 +180,20 @@ def warn_if_exposed(host: str, what: str) -> None:
 _servers: dict[tuple[str, int], Any] = {}
 
 
+_histograms: dict[str, Any] = {}
+
+
+def process_histogram(name: str, help_: str) -> Any:
+    """One process-wide Prometheus histogram on the default registry (``LATENCY_BUCKETS``),
+    created on first use: an engine process that attaches a backend again reuses it."""
+    from prometheus_client import Histogram
+
+    with _lock:
+        if name not in _histograms:
+            _histograms[name] = Histogram(name, help_, buckets=LATENCY_BUCKETS)
+        return _histograms[name]
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1", registry: Any = None) -> int:
     """Start (once per address) an HTTP ``/metrics`` endpoint; returns the bound port."""
     from prometheus_client import REGISTRY, start_http_server

@@ -168,6 +168,8 @@ def l3_path(figs: dict, reqs: dict) -> dict:
     """Where an L3 hit's time goes, per pair: TTFT by prefix source (GPU, host, L3, recomputed;
     SGLang's own per-request counts) and, for the L3-hit requests, the store's share of it.
 
+    ``lookup_to_load_s_mean``: SGLang's wait from an L3 lookup to the load of that prefix, per
+    prefetch (kvconnect's adapter timestamps both calls).
     ``l3_over_l2_hit``: L3-hit TTFT p50 / that of requests served from GPU or host memory, same
     pair; ``l3_over_recomputed``: over the baseline's recomputed requests (same run), else the
     pair's own. ``store_s_per_l3_hit``: seconds inside the store's get and exists calls (all
@@ -208,6 +210,9 @@ def l3_path(figs: dict, reqs: dict) -> dict:
                     entry["l3_over_recomputed"] = round(l3 / percentile(recomputed, 50), 4)
                 io = f.get("store_io") or {}
                 store_s = sum((io.get(op) or {}).get("seconds", 0.0) for op in ("get", "exists"))
+                wait = io.get("lookup_to_load") or {}
+                if wait.get("calls"):
+                    entry["lookup_to_load_s_mean"] = _sig(wait["seconds"] / wait["calls"])
                 if store_s:
                     entry["store_s_per_l3_hit"] = _sig(store_s / len(l3_rows))
                     if l2_rows:
@@ -254,6 +259,7 @@ def _counters(metrics: dict) -> dict:
     return out
 
 
+LOOKUP_TO_LOAD = "kvconnect_hicache_lookup_to_load_seconds"
 _OP = re.compile(r'[{,]op="([a-z_]+)"')
 
 
@@ -277,6 +283,11 @@ def store_io(metrics: dict) -> dict:
                     field = "calls" if name.endswith("_count") else "seconds"
                     op = ops.setdefault(m.group(1), {})
                     op[field] = op.get(field, 0.0) + value
+            elif name in (f"{LOOKUP_TO_LOAD}_count", f"{LOOKUP_TO_LOAD}_sum"):
+                # SGLang's wait between an L3 lookup and the load of that prefix (the adapter's timestamps)
+                op = ops.setdefault("lookup_to_load", {})
+                field = "calls" if name.endswith("_count") else "seconds"
+                op[field] = op.get(field, 0.0) + value
             elif name in ("kvconnect_get_bytes_total", "kvconnect_put_bytes_total"):
                 op = ops.setdefault(name.split("_")[1], {})
                 op["bytes"] = op.get("bytes", 0.0) + value

@@ -77,6 +77,39 @@ from kvconnect.namespace.hits import HitPolicy, block_group_pages, leading_hits,
 
 log = logging.getLogger("kvconnect.sglang_hicache")
 
+
+class LookupToLoad:
+    """Seconds from SGLang's lookup of a prefix (``batch_exists``) to the load of its first page
+    (``batch_get_v1``/``_v2``): the prefetch's queueing between the two, inside SGLang, which
+    SGLang does not report. Keyed by the prefix's first page; the newest ``keep`` lookups kept."""
+
+    METRIC = "kvconnect_hicache_lookup_to_load_seconds"
+
+    def __init__(self, keep: int = 4096):
+        from collections import OrderedDict
+
+        from kvconnect.connectors import metrics
+
+        self._at: "OrderedDict[str, float]" = OrderedDict()
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._hist = metrics.process_histogram(self.METRIC, "SGLang's wait from an L3 lookup to its load")
+
+    def looked_up(self, keys: List[str]) -> None:
+        if keys:
+            with self._lock:
+                self._at[keys[0]] = time.perf_counter()
+                self._at.move_to_end(keys[0])
+                while len(self._at) > self._keep:
+                    self._at.popitem(last=False)
+
+    def loading(self, keys: List[str]) -> None:
+        if keys:
+            with self._lock:
+                t = self._at.pop(keys[0], None)
+            if t is not None:
+                self._hist.observe(time.perf_counter() - t)
+
 # Keys of the extra config that belong to SGLang (it reads or pops them itself in 0.5.17 -
 # 0.5.23); never passed to the store.
 SGLANG_KEYS = (
@@ -199,6 +232,7 @@ class KVConnectStorage(HiCacheStorage):
         self._prefetch_bw: List[float] = []
         self._backup_bw: List[float] = []
         self._closed = False
+        self._lookups = LookupToLoad()
         self._metrics_port = None
         if self.options.metrics_port is not None:
             port = self.options.metrics_port
@@ -267,6 +301,7 @@ class KVConnectStorage(HiCacheStorage):
     @_needs_store
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         kv = self._kv_io()
+        self._lookups.loading(keys)
         t0 = time.perf_counter()
         pages, finish = kv.plan_read(keys, host_indices)
         ok = kv.store.get_into(keys, pages)
@@ -406,6 +441,7 @@ class KVConnectStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         if not keys or self.logical_anchor:
             return 0
+        self._lookups.looked_up(keys)
         return leading_hits(self._kv_io().store.exists(keys))
 
     # -- v2 pools ---------------------------------------------------------------------
@@ -422,6 +458,7 @@ class KVConnectStorage(HiCacheStorage):
         them all. One store round trip for the KV and every side pool.
         """
         transfers = list(pool_transfers or [])
+        self._lookups.looked_up(keys)
         gating = [t for t in transfers if pool_name(t.name) in self._pools]
         calls = []
         if not self.logical_anchor and keys:
@@ -465,6 +502,9 @@ class KVConnectStorage(HiCacheStorage):
     def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         results: dict = {}
         calls, plans = [], []
+        for t in transfers:
+            if pool_name(t.name) == KV:
+                self._lookups.loading(list(t.keys or []))
         for name, io, keys, (pages, finish) in self._planned(transfers, results, write=False):
             calls.append((io.store, keys, pages))
             plans.append((name, finish))

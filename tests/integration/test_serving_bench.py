@@ -130,6 +130,9 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     assert sum(v["requests"] for v in by.values()) == pairs[("w1", "kvc_hf3fs")]["summary"]["ok"]
     path = doc["l3_path"]["w1"]["kvc_hf3fs"]
     assert path["l3_hit_ttft_p50_s"] > 0 and path["store_s_per_l3_hit"] > 0 and path["l3_over_recomputed"] > 0
+    # the adapter timed each prefix from its lookup to its load
+    wait = doc["figures"]["w1"]["kvc_hf3fs"]["store_io"]["lookup_to_load"]
+    assert wait["calls"] > 0 and wait["seconds"] > 0 and path["lookup_to_load_s_mean"] > 0
     assert doc["bounds"]["w1"]["capacity_input_tps"] == round(capacity["w1"]["served_input_tps"], 1)
     assert any(t["target"] == "w1: kvc_hf3fs offered load / capacity" for t in doc["targets"])
 
