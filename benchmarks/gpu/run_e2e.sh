@@ -15,7 +15,7 @@
 #         kvc_mooncake (kvconnect Mooncake store: mooncake_master + a standalone `kvconnect mooncake-store`
 #           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang
 #           server lends its own memory, as in the peer-pool deployment guide, plus a memory-only `kvconnect peer serve`
-#           node as the seed; Transfer Engine over TCP)
+#           seed node; Transfer Engine over TCP)
 #   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit)
 #   cross_STORE:   two servers (ports 30000/30001) sharing one store; prompts prefilled on A, read on B
 #   pd:TRANSPORT   prefill server on GPU 0, decode server on GPU 1 (Llama-3-8B shape), pd_driver.py routes 8k-token
