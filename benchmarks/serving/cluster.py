@@ -58,6 +58,7 @@ class Process:
                 break
             end = time.time() + wait
             while time.time() < end:
+                self.popen.poll()   # reap the leader: a zombie still counts as a member of its group
                 try:
                     os.killpg(self.popen.pid, 0)
                 except ProcessLookupError:
