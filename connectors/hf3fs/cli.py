@@ -22,8 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                        "server binds 0.0.0.0: set a token before you do)")
     s.add_argument("--port", type=port_arg(), default=18000, help="port (default 18000, SGLang's)")
     s.add_argument("--data-dir", "--persistence-path", dest="data_dir", required=True,
-                   help="journal and snapshots live here (--persistence-path, SGLang mini_3fs_metadata_server's "
-                        "flag, is the same option: a directory here, not a file)")
+                   help="journal, snapshots and the index's identity live here, locked while the service runs "
+                        "(a second service on it exits naming the holder) (--persistence-path, SGLang "
+                        "mini_3fs_metadata_server's flag, is the same option: a directory here, not a file)")
     s.add_argument("--auth-token-file", "--token-file", dest="token_file",
                    help="file holding the shared secret every client must send (else $KVCONNECT_HF3FS_TOKEN)")
     s.add_argument("--auth-token", help="the shared secret itself (visible in ps: prefer --auth-token-file)")

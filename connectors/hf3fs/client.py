@@ -64,15 +64,24 @@ def _reply_body(rep: bytes) -> bytes:
 class MetadataClient:
     """What ``HF3FSStore`` needs from a page index.
 
-    ``may_serve_stale``: the index can answer an out-of-date mapping (a replica promoted
-    after a failover maps a key to a slot since given to another key); the store then
-    checks every page's identity on read (``verify_pages: auto``).
+    ``may_serve_stale``: the index can answer a mapping that the bytes in this host's file do
+    not match (a replica promoted after a failover maps a key to a slot since given to
+    another key; a shared index over files it did not map: per-host disks under one
+    ``file_path_prefix``, a copy of a service's data dir serving the same files); the store
+    then checks every page's identity on read (``verify_pages: auto``). Only an index that
+    lives and dies with its one process cannot.
     """
 
     may_serve_stale = False
 
     def connect(self) -> None:
         """Fail fast at start if the index cannot be reached (``MetadataError``)."""
+
+    def identity(self) -> str | None:
+        """The index's identity, the same across its restarts, that data files are stamped
+        with (``ownership.py``); None: an index without one (in-process, an older service),
+        which uses only files no index stamped."""
+        return None
 
     def validate_keys(self, ns: str, keys: list[bytes], slots: list[int], gens: list[int]) -> bytes:
         """Whether each key still maps to the (slot, generation) it was read at (default:
@@ -482,6 +491,9 @@ class RemoteMetadata(LeasedWrites):
         lease_ahead: slots leased ahead per namespace for writes (0: every write reserves).
     """
 
+    # Shared and durable: engines on other hosts, a copied data dir, a restored backup can all
+    # name slots whose bytes in this host's file are another key's (verify_pages: auto).
+    may_serve_stale = True
     RETRYABLE = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "INTERNAL", "UNKNOWN",
                  "CANCELLED")
     TCP_RETRY_S = 30.0  # auto: how long to use gRPC after the framed TCP port was unreachable
@@ -545,6 +557,31 @@ class RemoteMetadata(LeasedWrites):
                 port = 0  # a service from before framed TCP
             self._tcp_port = port
         return port
+
+    def identity(self) -> str | None:
+        """The service's identity (``Identity``, a unary gRPC call: a service from before it
+        answers UNIMPLEMENTED, None here); retried within ``timeout`` like any call."""
+        deadline = time.monotonic() + self.timeout
+        last = None
+        for attempt in range(self.retries):
+            try:
+                rep = self._calls["Identity"](b"", timeout=max(0.001, deadline - time.monotonic()),
+                                              metadata=self._metadata)
+                return rep.decode() or None
+            except self._grpc.RpcError as e:
+                code = e.code()
+                if code == self._grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+                if code == self._grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthError(f"metadata service at {self.address} rejected the token "
+                                    f"(config keys 'auth_token' / 'auth_token_file')") from e
+                last = e
+                if code.name not in self.RETRYABLE or time.monotonic() >= deadline:
+                    break
+            if attempt + 1 < self.retries:
+                time.sleep(min(0.05 * (attempt + 1), max(0.0, deadline - time.monotonic())))
+        raise MetadataError(f"metadata call Identity to {self.address} failed: "
+                            f"{last.code().name}: {last.details()}" if last else "deadline")
 
     def _tcp_call(self, port: int, payload: bytes, deadline: float) -> bytes:
         with self._lock:

@@ -75,8 +75,9 @@ class HF3FSConfig(StoreConfig):
         "SGLang's test switch; here: force the POSIX client"))
     verify_pages: Literal["auto", "on", "off"] = field(default="auto", metadata=field_doc(
         "keep each page's identity (key hash + slot generation) in a sidecar file {file}.ids and check it "
-        "around every read: a stale index entry (after a Redis failover) is a miss, never another key's "
-        "bytes (auto: on with a redis index, off otherwise)"))
+        "around every read: an index entry that the file does not match (a Redis failover, a copied data "
+        "dir, per-host files under one index) is a miss, never another key's bytes (auto: on with a "
+        "metadata service or redis index, off with the in-process index)"))
     # -- Redis / Valkey page index (metadata_server_url redis://, rediss://, redis+sentinel://) -----
     metadata_wait_replicas: int = field(default=0, metadata=field_doc(
         "redis index: WAIT for this many replicas to acknowledge each confirm; a write they do not "

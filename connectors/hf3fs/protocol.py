@@ -27,6 +27,8 @@ Lease       ns, u32 need, u32 extra, u32 m, i64 slot[m], i64 gen[m]  f64 lease s
 Put         ns, u32 n, i64 slot[n], i64 gen[n], u32 crc[n], keys     u8 status[n] (index.PUT_*)
 Unlease     ns, u32 n, i64 slot[n], i64 gen[n]                       u8 ok[n]
 Endpoint    (empty)                                                  u16 TCP port (0: none)
+Identity    (empty)                                                  utf-8 identity of the index
+                                                                     (data file stamps name it)
 =========== ======================================================== =============================
 
 ``Session`` (stream-stream) carries the same calls over one long-lived stream per client
@@ -52,7 +54,7 @@ from array import array
 
 SERVICE = "kvconnect.hf3fs.Meta"
 METHODS = ("Initialize", "Reserve", "Commit", "Get", "Validate", "Exists", "Delete", "Clear", "Usage", "Spaces",
-           "Lease", "Put", "Unlease", "Endpoint")
+           "Lease", "Put", "Unlease", "Endpoint", "Identity")  # new methods go last: the index is the framed id
 SESSION = "Session"
 METHOD_ID = {m: i for i, m in enumerate(METHODS)}
 OK, ERR = b"\x00", b"\x01"

@@ -45,6 +45,7 @@ from kvconnect.connectors.base import ConfigError, MissingDependency
 from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.client import AuthError, LeasedWrites, MetadataError
 from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, PUT_LOST, PUT_OK, NamespaceInfo
+from kvconnect.connectors.hf3fs.ownership import new_identity
 from kvconnect.connectors.hf3fs.pageid import key_digests
 from kvconnect.connectors.hf3fs.redis_lua import MAX_PAGES, SCRIPTS, SUFFIXES
 
@@ -374,6 +375,15 @@ class RedisMetadata(LeasedWrites):
     def connect(self) -> None:
         """One round trip (fails like any call: ``MetadataError`` / ``AuthError``)."""
         self._cmds("ping", [("PING",)])
+
+    def identity(self) -> str:
+        """This index's identity (``ownership.py``): the value of ``{key_prefix}:id``, set by
+        the first client that asks (``SET NX``; one round trip), so every client of this
+        server (or Sentinel group), database and key prefix names the same index, across
+        restarts and failovers. Flushing the keys makes a new index (a new identity)."""
+        key = f"{self.prefix}:id"
+        _, got = self._cmds("identity", [("SET", key, new_identity("redis"), "NX"), ("GET", key)])
+        return got.decode() if isinstance(got, bytes) else str(got)
 
     # -- the index ------------------------------------------------------------------------
     def initialize(self, ns, num_pages, page_bytes):

@@ -24,6 +24,7 @@ from kvconnect.connectors.auth import token_matches
 from kvconnect.connectors.rpc import AioAuthInterceptor, raise_nofile_limit, server_options, warn_if_open
 from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE_LEASE_S, IndexError_, PageIndex
+from kvconnect.connectors.hf3fs.ownership import new_identity
 from kvconnect.connectors.hf3fs.wal import Journal
 
 log = logging.getLogger("kvconnect.hf3fs.meta")
@@ -79,9 +80,11 @@ class MetaService:
     """Handlers for every method of ``protocol.METHODS`` over one ``PageIndex``."""
 
     def __init__(self, index: PageIndex, journal: Journal | None, token: str | None,
-                 hello_timeout_s: float = 2.0, max_unauthenticated: int = 256):
+                 hello_timeout_s: float = 2.0, max_unauthenticated: int = 256, identity: str | None = None):
         self.index = index
         self.journal = journal
+        # what data files are stamped with (ownership.py): the data dir's, else this process's alone
+        self.identity = identity or (journal.identity if journal is not None else None) or new_identity("hf3fs-meta")
         self._token = token or None
         self.tcp_port = 0  # the framed TCP listener's port, once bound (0: none)
         self.metrics: ServiceMetrics | None = None
@@ -233,6 +236,9 @@ class MetaService:
 
     def Endpoint(self, req: bytes) -> bytes:
         return P.U16.pack(self.tcp_port)
+
+    def Identity(self, req: bytes) -> bytes:
+        return self.identity.encode()
 
     def handler(self, blocking: bool) -> grpc.GenericRpcHandler:
         """Handlers for a ``grpc.aio`` server. The index calls are short and never wait, so
@@ -401,13 +407,27 @@ class MetaServer:
         clients learn from ``Endpoint``; -1: none, gRPC only). ``metrics_port``: serve
         ``/metrics`` there, on ``metrics_host`` (None: no metrics). ``hello_timeout_s`` /
         ``max_unauthenticated``: a framed TCP connection without HELLO is closed after that
-        long, and at most that many wait for theirs."""
-        import asyncio
-
+        long, and at most that many wait for theirs. ``data_dir`` is locked for as long as the
+        server runs (``ownership.Locked`` if another holds it); its ``identity`` is the data
+        dir's (``index.id``), or this process's alone without one."""
         self.journal = Journal(data_dir, fsync=fsync, snapshot_interval_s=snapshot_interval_s) if data_dir else None
         self.index = PageIndex(read_lease_s=read_lease_s, write_lease_s=write_lease_s, journal=self.journal)
+        # the journal locks the data dir first: a second service on it stops here (ownership.Locked)
         self.recovery = self.journal.open(self.index) if self.journal else {}
+        try:
+            self._start(host, port, token, fsync, workers, tcp_port, metrics_port, metrics_host, hello_timeout_s,
+                        max_unauthenticated)
+        except BaseException:
+            if self.journal is not None:
+                self.journal.close()  # the data dir is free again
+            raise
+
+    def _start(self, host, port, token, fsync, workers, tcp_port, metrics_port, metrics_host, hello_timeout_s,
+               max_unauthenticated) -> None:
+        import asyncio
+
         self.service = MetaService(self.index, self.journal, token, hello_timeout_s, max_unauthenticated)
+        self.identity = self.service.identity
         self.metrics_port, self._metrics_host = None, metrics_host
         if metrics_port is not None:
             from kvconnect.connectors.metrics import serve_metrics
@@ -498,16 +518,17 @@ def serve(host: str, port: int, data_dir: str, token: str | None, fsync: str = "
                      write_lease_s=write_lease_s, snapshot_interval_s=snapshot_interval_s, tcp_port=tcp_port,
                      metrics_port=metrics_port, metrics_host=metrics_host, hello_timeout_s=hello_timeout_s,
                      max_unauthenticated=max_unauthenticated).start()
-    log.info("hf3fs-meta listening on %s (framed TCP port %s; data dir %s, fsync %s, auth %s; metrics %s); "
-             "recovered %s in %.2fs", srv.address, srv.service.tcp_port or "off", data_dir, fsync,
-             "token" if token else "off",
+    log.info("hf3fs-meta listening on %s (framed TCP port %s; data dir %s, index %s, fsync %s, auth %s; "
+             "metrics %s); recovered %s in %.2fs", srv.address, srv.service.tcp_port or "off", data_dir,
+             srv.identity, fsync, "token" if token else "off",
              f"http://{metrics_host}:{srv.metrics_port}/metrics" if srv.metrics_port else "off", srv.recovery,
              time.monotonic() - t0)
     print(f"hf3fs-meta ready on {srv.address}", flush=True)
     if ready_file:
         # whole or absent: a script polling for the file must never read half of it
         Path(ready_file + ".tmp").write_text(json.dumps({"address": srv.address, "recovery": srv.recovery,
-                                                         "metrics_port": srv.metrics_port}))
+                                                         "metrics_port": srv.metrics_port,
+                                                         "identity": srv.identity, "pid": os.getpid()}))
         os.replace(ready_file + ".tmp", ready_file)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -32,7 +32,6 @@ the index lives in this process.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
@@ -48,6 +47,7 @@ from kvconnect.connectors.buffers import page_checksum
 from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
                                               on_3fs_mount, on_local_fs, usable_cpus)
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
+from kvconnect.connectors.hf3fs.ownership import LOCK_SUFFIX, Locked, claim, lock_exclusive, unlock
 from kvconnect.connectors.hf3fs.pageid import PageIds
 from kvconnect.connectors.hf3fs.pageid import idents as page_idents
 
@@ -59,8 +59,9 @@ LEASE_TRUST = 0.8
 
 
 class _LocalIndexes:
-    """One in-process index per data file per process, guarded by an exclusive flock so a
-    second process cannot use the same file without a metadata service."""
+    """One in-process index per data file per process, guarded by an exclusive flock
+    (``{file}.lock``, the holder's pid in it) so a second process cannot use the same file
+    without a metadata service, and no index of a service adopts it meanwhile (``ownership.py``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -71,20 +72,17 @@ class _LocalIndexes:
         with self._lock:
             entry = self._by_path.get(key)
             if entry is None:
-                lock_path = key + ".lock"
+                lock_path = key + LOCK_SUFFIX
                 try:
-                    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
-                    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-                except OSError as e:
-                    raise ConfigError("file_path_prefix", f"cannot create {lock_path!r}: {e.strerror}") from e
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as e:
-                    os.close(fd)
+                    fd = lock_exclusive(lock_path)
+                except Locked as e:
                     raise ConfigError(
                         "metadata_server_url",
-                        f"data file {path!r} is used by another process with its own in-process index; "
-                        "processes sharing a file need a metadata service (kvconnect hf3fs-meta serve)") from e
+                        f"data file {path!r} is used by another process with its own in-process index "
+                        f"({e.holder}); processes sharing a file need a metadata service "
+                        "(kvconnect hf3fs-meta serve)") from e
+                except OSError as e:
+                    raise ConfigError("file_path_prefix", f"cannot create {lock_path!r}: {e.strerror}") from e
                 entry = self._by_path[key] = [LocalMetadata(), fd, 0]
             entry[2] += 1
             return entry[0]
@@ -98,7 +96,7 @@ class _LocalIndexes:
             entry[2] -= 1
             if entry[2] <= 0:
                 del self._by_path[key]
-                os.close(entry[1])
+                unlock(entry[1])
 
 
 _LOCAL = _LocalIndexes()
@@ -173,6 +171,7 @@ class HF3FSStore(PageStore):
         self._primary: _Lane | None = None
         self._lane_lock = threading.Lock()
         self._unknown_sizes: dict[int, float] = {}  # size -> when a lookup last found no lane
+        self._refused: dict[int, tuple[float, ConfigError]] = {}  # size -> when its file was refused, why
         self._spaces_checked = 0.0
         self._local_path: str | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -247,6 +246,10 @@ class HF3FSStore(PageStore):
         return f"{self.ns}:p{page_bytes}", f"{self.path}.p{page_bytes}"
 
     def _open_lane(self, page_bytes: int, ns: str, path: str, info) -> _Lane:
+        # One index per data file: the file must be this index's (its stamp), or no index's
+        # yet (adopted now); another index's file is refused (ConfigError), never shared.
+        claim(path, self.meta.identity(), ns, lock_path=os.path.realpath(self.path) + LOCK_SUFFIX,
+              index=self.config.metadata_server_url or "in-process index")
         size = info.num_pages * info.page_bytes
         if self._client_kind == "usrbio":
             f = UsrbioFile(path, size, page_bytes, self.config.entries, self.config.numjobs,
@@ -286,6 +289,9 @@ class HF3FSStore(PageStore):
             seen = self._unknown_sizes.get(page_bytes)
             if seen is not None and time.monotonic() - seen < 2.0:
                 return None
+        refused = self._refused.get(page_bytes)
+        if refused is not None and time.monotonic() - refused[0] < 5.0:
+            raise refused[1]  # another index's file: no index calls per batch to hear it again
         with self._lane_lock:
             lane = self._lanes.get(page_bytes)
             if lane is not None:
@@ -313,7 +319,11 @@ class HF3FSStore(PageStore):
             else:
                 self._unknown_sizes[page_bytes] = time.monotonic()
                 return None
-            lane = self._open_lane(page_bytes, ns, path, info)
+            try:
+                lane = self._open_lane(page_bytes, ns, path, info)
+            except ConfigError as e:
+                self._refused[page_bytes] = (time.monotonic(), e)
+                raise
             self._lanes[page_bytes] = lane
             if ns == self.ns:
                 self._primary = lane

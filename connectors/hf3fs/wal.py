@@ -8,6 +8,9 @@ Files in the data directory:
 * ``snapshot.NNNNNNNN``: the whole index as it was when segment ``NNNNNNNN`` was opened
   (written to a temporary file, fsynced, renamed). Older segments and snapshots are removed
   once a newer snapshot is on disk.
+* ``meta.lock``: held (``flock``) by the one journal open on the dir, so a second service on
+  it refuses to start; ``index.id``: the index's identity, created at the first start
+  (``ownership.py``: data files are stamped with it).
 
 Recovery loads the newest valid snapshot and replays the segments from its number on; a
 torn record at the end of the last segment (a crash mid-append) is cut off.
@@ -38,6 +41,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvconnect.connectors.hf3fs.index import Namespace, PageIndex
+from kvconnect.connectors.hf3fs.ownership import data_dir_identity, lock_data_dir, unlock
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +155,8 @@ class Journal:
         self.index: PageIndex | None = None
         self.last_snapshot = time.monotonic()
         self.recovery: dict = {}
+        self.identity: str | None = None  # the index's identity (index.id), once open
+        self._lock_fd = -1  # meta.lock, held while open
 
     # ------------------------------------------------------------------ appends
     def record(self, kind: str, ns: str, **fields) -> None:
@@ -184,9 +190,19 @@ class Journal:
 
     # ------------------------------------------------------------------ recovery
     def open(self, index: PageIndex) -> dict:
-        """Load the newest snapshot, replay the journal, start a new segment, start threads."""
+        """Lock the dir (``ownership.Locked`` if another journal holds it), load the newest
+        snapshot, replay the journal, start a new segment, start threads."""
         t0 = time.monotonic()
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = lock_data_dir(self.dir)
+        try:
+            self.identity = data_dir_identity(self.dir)
+            return self._open(index, t0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, index: PageIndex, t0: float) -> dict:
         self.index = index
         snaps = sorted(self._numbered("snapshot"), reverse=True)
         snap_seq = 0
@@ -383,14 +399,20 @@ class Journal:
             index.spaces[sp.name] = sp
 
     def close(self) -> None:
+        """Stop the threads, sync and close the segment, release the dir. Idempotent."""
         self._stop.set()
         for t in self._threads:
             t.join(5)
-        if self.fd >= 0:
-            try:
-                if self.fsync != "never":
-                    os.fdatasync(self.fd)
-            finally:
-                os.close(self.fd)
-                self.fd = -1
+        try:
+            if self.fd >= 0:
+                try:
+                    if self.fsync != "never":
+                        os.fdatasync(self.fd)
+                finally:
+                    os.close(self.fd)
+                    self.fd = -1
+        finally:
+            if self._lock_fd >= 0:
+                unlock(self._lock_fd)
+                self._lock_fd = -1
 

@@ -34,6 +34,7 @@ class MetaProcess:
         self.proc: subprocess.Popen | None = None
         self.started_s = 0.0
         self.recovery: dict = {}
+        self.identity: str | None = None  # the index's identity (data file stamps name it), once started
 
     @property
     def url(self) -> str:
@@ -72,7 +73,8 @@ class MetaProcess:
                 raise TimeoutError(f"hf3fs-meta did not start: {self._stderr()}")
             time.sleep(0.02)
         self.started_s = time.monotonic() - t0
-        self.recovery = json.loads(ready.read_text())["recovery"]
+        doc = json.loads(ready.read_text())
+        self.recovery, self.identity = doc["recovery"], doc.get("identity")
         return self
 
     def _limits(self) -> None:

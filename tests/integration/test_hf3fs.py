@@ -542,7 +542,7 @@ def test_second_page_size_gets_its_own_file_and_is_found_by_other_processes(tmp_
         kv, side = keyset(4, "kv"), keyset(4, "side")
         assert write_pages(a, kv) == [True] * 4
         assert write_pages(a, side, size=PAGE // 4) == [True] * 4
-        assert sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.endswith(".lock")) == [
+        assert sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.endswith((".lock", ".owner", ".ids"))) == [
             "hicache.0.bin", f"hicache.0.bin.p{PAGE // 4}"]
         b = create_store("hf3fs", opts)  # never wrote anything
         try:
@@ -720,7 +720,7 @@ def test_striped_store_has_its_own_files_and_namespace(tmp_path, meta):
         keys = keyset(9)
         assert write_pages(striped, keys) == [True] * 9
         assert striped.ns == "0:kv:x2"
-        names = sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.endswith(".lock"))
+        names = sorted(p.name for p in (tmp_path / "shared").iterdir() if not p.name.endswith((".lock", ".owner", ".ids")))
         assert "hicache.0.bin.x2" in names and "hicache.0.bin.x2.1" in names
         ok, data = read_pages(striped, keys)
         assert ok == [True] * 9 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 9

@@ -103,3 +103,20 @@ def test_identity_records(tmp_path, mapped):
     assert ids.read([40]) == [ZERO]  # beyond the file: no record
     ids.close()
     assert PageIds(str(tmp_path / "f.bin.ids"), 16).read([3, 5]) == [a, b]  # on disk for the next process
+
+
+def test_batch_identity_records_equal_one_at_a_time():
+    """``idents`` (one buffer for a batch) gives what ``ident`` gives key by key: hex keys,
+    other keys, a digest that starts with eight zero bytes (never an all-zero record), a
+    generation too large for the fast path, an empty batch."""
+    from kvconnect.connectors.hf3fs.pageid import _runs, idents
+
+    hexkeys = [os.urandom(32).hex().encode() for _ in range(130)]
+    for keys in (hexkeys, [f"key-{i}".encode() for i in range(130)], [b"0" * 64, hexkeys[0]], []):
+        gens = [i * 7 + 1 for i in range(len(keys))]
+        assert idents(keys, gens) == [ident(k, g) for k, g in zip(keys, gens)]
+    assert idents([b"0" * 64], [3])[0][:1] == b"\x01"
+    assert idents([b"k"], [1 << 70]) == [ident(b"k", 1 << 70)]
+    # runs of slots: the one-run shortcut and the general case agree
+    assert _runs([5, 6, 7]) == [(5, [0, 1, 2])]
+    assert _runs([7, 5, 6, 9, 6]) == [(5, [1, 2, 4, 0]), (9, [3])]
