@@ -14,7 +14,11 @@
 * ``ranks``: several SGLang rank processes (real host pools) sharing one store;
 * ``pd``: the PD role driver (a prefill or decode process on CPU) and the relay's store services;
 * ``peer``: peer-pool node processes driven by JSON lines;
-* ``lmcache``: ``lmcache server`` processes with the kvconnect plugin and LMCache's engine client.
+* ``lmcache``: ``lmcache server`` processes with the kvconnect plugin and LMCache's engine client;
+* ``serving_engine``: a CPU stand-in for ``sglang.launch_server`` behind ``sglang_router`` (text
+  prompts, SGLang's admin API and its not-idle refusals), for ``kvconnect bench serve``;
+* ``launch_server``: a CPU stand-in taking ``sglang.launch_server``'s own flags (``input_ids``,
+  HiCache or a PD prefill/decode pair), for the GPU scripts under ``benchmarks/gpu/``.
 
 Nothing in the rest of the package imports these modules; they import pytest, sglang,
 lmcache or mooncake only where a kit needs them.
