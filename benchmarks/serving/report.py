@@ -330,14 +330,14 @@ def bounds(figs: dict, headers: list[dict]) -> dict:
     for w, by_cfg in figs.items():
         base = by_cfg.get(BASELINE)
         b: dict = {}
-        if w in params:
+        if w in params and workloads.from_params(w, params[w]).requests:   # chat prompts depend on answers
             load = workloads.from_params(w, params[w])
             spec = next((h.get("spec") for h in headers if h.get("spec")), {}) or {}
             cache = int(spec.get("max_total_tokens", 0) * (1 + spec.get("hicache_ratio", 0)))
             ceiling, kept = workloads.prefix_hits(load, int(spec.get("page_size", 64)), int(spec.get("servers", 1)),
                                                   cache)
             b["reuse_ceiling"] = round(ceiling, 4)
-            if load.requests and cache:
+            if cache:
                 # what the baseline's GPU + host caches could keep (LRU model): the room left to L3
                 b["modelled_baseline_share"] = round(kept, 4)
                 b["modelled_l3_room_share"] = round(max(0.0, ceiling - kept), 4)
@@ -415,10 +415,11 @@ def plot(run_dirs: list[Path], doc: dict, out_png: Path) -> Optional[Path]:
     workloads = [w for w in doc["figures"] if w in ttfts]
     if not workloads:
         return None
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.2 * len(workloads)), squeeze=False,
-                             gridspec_kw={"width_ratios": [3, 2]})
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(19, 4.2 * len(workloads)), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 2, 3]})
     for row, w in enumerate(workloads):
-        ax, bx = axes[row]
+        ax, bx, cx = axes[row]
+        _plot_by_source(cx, w, doc)
         names = list(doc["figures"][w])
         for c in names:
             v = sorted(ttfts[w].get(c, []))
@@ -453,3 +454,29 @@ def plot(run_dirs: list[Path], doc: dict, out_png: Path) -> Optional[Path]:
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+def _plot_by_source(ax, w: str, doc: dict) -> None:
+    """TTFT p50 of each configuration's requests grouped by where their prefix came from."""
+    names = list(doc["figures"][w])
+    sources = [("gpu", "#4a8"), ("host", "#8bd"), ("l3", "#e83"), ("recomputed", "#999")]
+    width = 0.8 / len(sources)
+    for k, (src, color) in enumerate(sources):
+        xs, ys, counts = [], [], []
+        for i, c in enumerate(names):
+            by = (doc.get("l3_path", {}).get(w, {}).get(c, {}).get("by_source")
+                  or doc["figures"][w][c].get("ttft_by_source") or {})
+            if src in by:
+                xs.append(i + (k - 1.5) * width)
+                ys.append(by[src]["ttft_p50_s"])
+                counts.append(by[src]["requests"])
+        bars = ax.bar(xs, ys, width, color=color, label=src)
+        for b, n in zip(bars, counts):
+            ax.annotate(str(n), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                        fontsize=6)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=20, fontsize=8)
+    ax.set_ylabel("TTFT p50 (s)")
+    ax.set_title(f"{w}: TTFT p50 by where the prefix came from (requests on top)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)

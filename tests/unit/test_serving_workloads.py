@@ -273,3 +273,18 @@ def test_prefix_hits_models_the_baselines_caches_against_the_ceiling():
     assert two < ceiling                                       # a group's first prompt on each server misses
     _, tiny = workloads.prefix_hits(w, page=64, servers=2, cache_tokens=64)
     assert tiny == 0.0                                         # a one-page cache keeps no 2-page prefix
+
+
+def test_the_committed_serving_results_rebuild_from_the_committed_run(tmp_path):
+    """benchmarks/results/serving.json is what --report makes of the run directory it names."""
+    import json
+    from pathlib import Path
+
+    root = Path(report.__file__).resolve().parents[1]
+    committed = json.loads((root / "results" / "serving.json").read_text())
+    dirs = [root.parent / d["dir"] if not Path(d["dir"]).is_absolute() else Path(d["dir"]) for d in committed["runs"]]
+    doc = report.build(dirs, tmp_path / "serving.json", committed["command"])
+    doc = json.loads((tmp_path / "serving.json").read_text())
+    for key in ("figures", "ratios", "targets", "bounds", "l3_path", "failed_pairs"):
+        assert doc[key] == committed[key], key
+    assert "H100" in committed["machine"]["gpus"][0]
