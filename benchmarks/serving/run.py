@@ -177,20 +177,23 @@ class Cluster:
 
 
 def scrape(url: Optional[str]) -> dict:
-    """Counter and gauge samples of a Prometheus endpoint (series -> value)."""
+    """Samples of a Prometheus endpoint, ``name{label="value",...}`` -> value (the exposition's own
+    spelling, which the report's series lookups match)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     if not url:
         return {}
     status, text = http("GET", url, timeout=10)
     if status != 200:
         return {"_error": f"HTTP {status}"}
     out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                pass
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = float(sample.value)
+    except ValueError as e:   # a malformed exposition is a figure of its own, not a failed pair
+        out["_error"] = f"unparsable metrics: {e}"[:200]
     return out
 
 

@@ -288,3 +288,24 @@ def test_the_committed_serving_results_rebuild_from_the_committed_run(tmp_path):
     for key in ("figures", "ratios", "targets", "bounds", "l3_path", "failed_pairs"):
         assert doc[key] == committed[key], key
     assert "H100" in committed["machine"]["gpus"][0]
+
+
+def test_scrape_reads_a_real_prometheus_endpoint_with_the_library_parser():
+    """A real prometheus_client HTTP endpoint on 127.0.0.1 (its own registry)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+    from kvconnect.benchmarks.serving.run import scrape
+
+    registry = CollectorRegistry()
+    Counter("kvconnect_peer_read_remote_hits", "hits", ["store"], registry=registry).labels("peer_rdma").inc(3)
+    Histogram("kvconnect_store_latency_seconds", "latency", ["op"], registry=registry).labels("get").observe(0.2)
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        out = scrape(f"http://127.0.0.1:{server.server_address[1]}/metrics")
+    finally:
+        server.shutdown()
+    assert out['kvconnect_peer_read_remote_hits_total{store="peer_rdma"}'] == 3.0
+    assert out['kvconnect_store_latency_seconds_count{op="get"}'] == 1.0
+    assert out['kvconnect_store_latency_seconds_sum{op="get"}'] == pytest.approx(0.2)
+    assert report.store_io({"0": out})["get"] == {"calls": 1.0, "seconds": 0.2, "ms_per_call": 200.0}
+    assert scrape(None) == {} and "_error" in scrape("http://127.0.0.1:1/metrics")
