@@ -28,6 +28,15 @@ failed write for the store) and ``cooldown`` seconds of fast failures. Transient
 attempt asks Sentinel again. ``wait_replicas`` > 0 sends ``WAIT`` after each confirm; a
 confirm not acknowledged by that many replicas within ``wait_timeout`` is reported as a
 failed write (the page stays visible on the primary but is not promised to survive).
+
+``WAIT`` is sent only while the primary has enough replicas to answer it: the client learns
+how many are attached (``INFO replication``: replicas ``online`` whose last acknowledgement
+is at most ``REPLICA_MAX_LAG_S`` old), trusts a count that is enough for
+``REPLICAS_TRUSTED_S`` and one that is not for ``REPLICAS_RECHECK_S``, and asks again after a
+shortfall and after every reconnection (a failover). With too few, a confirm runs its script
+without ``WAIT`` and is reported as a failed write at once (``no_replica_writes``; a warning
+at most every ``NO_REPLICA_LOG_S``), instead of blocking the engine's thread for
+``wait_timeout`` to learn the same.
 """
 
 from __future__ import annotations
@@ -60,6 +69,10 @@ MAX_BATCH = 1000  # keys per script call (Lua's C stack takes ~8000 arguments)
 _ENTRY = struct.Struct("<qqI")  # an index entry (and a get reply item): slot, generation, crc
 _PAGE = struct.Struct("<qq")  # slot, generation
 _I64 = struct.Struct("<q")
+REPLICAS_TRUSTED_S = 1.0  # a replica count that satisfies WAIT is trusted this long ...
+REPLICAS_RECHECK_S = 0.25  # ... one that does not is asked again after this long
+REPLICA_MAX_LAG_S = 2  # a replica whose last acknowledgement is older does not count (it sends one a second)
+NO_REPLICA_LOG_S = 10.0  # at most one warning about writes failed for want of replicas per this many seconds
 _TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS", "BUSY", "CLUSTERDOWN")
 
 
@@ -145,6 +158,21 @@ def parse_redis_url(url: str) -> RedisURL:
                     db=int(parts[0]) if parts else 0, username=username)
 
 
+def _online_replicas(info: str) -> int | None:
+    """Replicas that count for ``WAIT`` in an ``INFO replication`` reply (None: not a primary)."""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    if fields.get("role", "").strip() != "master":
+        return None
+    n = 0
+    for k, v in fields.items():
+        if k.startswith("slave") and k[5:].isdigit():
+            kv = dict(x.split("=", 1) for x in v.strip().split(",") if "=" in x)
+            if kv.get("state") == "online" and kv.get("lag", "").lstrip("-").isdigit() \
+                    and int(kv["lag"]) <= REPLICA_MAX_LAG_S:
+                n += 1
+    return n
+
+
 def _tag(ns: str) -> str:
     """``ns`` made safe inside a ``{hash tag}``."""
     return ns.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
@@ -206,7 +234,12 @@ class RedisMetadata(LeasedWrites):
         # counters (tests, usage)
         self.failed_calls = 0
         self.wait_shortfalls = 0
+        self.no_replica_writes = 0  # confirms failed at once: fewer replicas attached than WAIT needs
         self.reconnects = 0
+        self._replicas: tuple[int, float] | None = None  # (replicas attached to the primary, trusted until)
+        self._replicas_unknowable = False  # the ACL user may not run INFO: always WAIT
+        self._no_replica_logged = -NO_REPLICA_LOG_S
+        self._no_replica_unlogged = 0
 
         attempt = max(0.05, timeout / self.retries)
         common = {"socket_timeout": attempt + (wait_timeout if wait_replicas else 0.0),
@@ -307,6 +340,7 @@ class RedisMetadata(LeasedWrites):
         behind) and may hand their slots to others."""
         self.reconnects += 1
         with self._lock:
+            self._replicas = None  # another primary, perhaps: ask it how many replicas it has
             for pool in self._leases.values():
                 pool.chunks.clear()
                 pool.stale = ([], [])
@@ -425,16 +459,71 @@ class RedisMetadata(LeasedWrites):
         return rep if acked else bytes(0 if c else o for o, c in zip(rep, confirm))
 
     def _write(self, name: str, ns: str, args, wait: bool) -> tuple[bytes, bool]:
-        """A write script, with ``WAIT`` when asked; (reply, acknowledged by enough replicas)."""
+        """A write script, with ``WAIT`` when asked; (reply, acknowledged by enough replicas).
+
+        Without enough replicas attached to the primary (``_attached_replicas``) the script
+        runs without ``WAIT`` and the write is reported unacknowledged at once."""
         nsk = self._ns_keys(ns)
         if not (wait and self.wait_replicas):
             return self._call(name, lambda deadline: self._eval(name, nsk, args, deadline)[0]), True
-        rep, acked = self._call(name, lambda deadline: self._eval(name, nsk, args, deadline, self.wait_replicas))
+
+        def attempt(deadline):
+            have = self._attached_replicas(deadline)
+            if have is not None and have < self.wait_replicas:
+                return self._eval(name, nsk, args, deadline)[0], None
+            return self._eval(name, nsk, args, deadline, self.wait_replicas)
+
+        rep, acked = self._call(name, attempt)
+        if acked is None:
+            self._note_no_replicas()
+            return rep, False
         if acked >= self.wait_replicas:
             return rep, True
         with self._lock:
             self.wait_shortfalls += 1
+            self._replicas = None  # a replica went away (or stalls): count them again before the next WAIT
         return rep, False
+
+    def _attached_replicas(self, deadline: float) -> int | None:
+        """Replicas attached to the primary and acknowledging (``INFO replication``: state
+        ``online``, last acknowledgement at most ``REPLICA_MAX_LAG_S`` old), cached (see the
+        module docstring); None where unknown (not a primary: the write will meet
+        ``READONLY`` and reconnect; an ACL user without ``INFO``: always ``WAIT``)."""
+        if self._replicas_unknowable:
+            return None
+        now = time.monotonic()
+        known = self._replicas
+        if known is not None and now < known[1]:
+            return known[0]
+        rep = self._exec([("INFO", "replication")], deadline)[0]
+        if isinstance(rep, self._redis.exceptions.NoPermissionError):
+            self._replicas_unknowable = True
+            log.warning("hf3fs: redis index at %s: the ACL user may not run INFO, so writes cannot tell that no "
+                        "replica is attached and WAIT for %d each time (grant +info to fail them at once)",
+                        self.address, self.wait_replicas)
+            return None
+        if isinstance(rep, Exception):
+            raise rep
+        have = _online_replicas(rep.decode() if isinstance(rep, bytes) else str(rep))
+        if have is None:
+            return None
+        with self._lock:
+            self._replicas = (have, now + (REPLICAS_TRUSTED_S if have >= self.wait_replicas else REPLICAS_RECHECK_S))
+        return have
+
+    def _note_no_replicas(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.no_replica_writes += 1
+            self._no_replica_unlogged += 1
+            if now - self._no_replica_logged < NO_REPLICA_LOG_S:
+                return
+            n, self._no_replica_unlogged, self._no_replica_logged = self._no_replica_unlogged, 0, now
+            have = self._replicas[0] if self._replicas else 0
+        log.warning("hf3fs: redis index at %s: the primary has %d replica(s) attached, metadata_wait_replicas "
+                    "needs %d: %d write(s) failed at once since the last report (pages stay readable; the "
+                    "engine recomputes them; docs/hf3fs_ha.md: a layout that keeps writing after one loss)",
+                    self.address, have, self.wait_replicas, n)
 
     def lease(self, ns, need, extra=0, give_back=((), ())):
         rep, _ = self._write("lease", ns, (int(need), int(extra), b"".join(map(_PAGE.pack, *give_back))), False)
@@ -516,7 +605,7 @@ class RedisMetadata(LeasedWrites):
         return {"keys": max(0, keys - 1),  # less the field that keeps the hash a hash table (redis_lua.py)
                 "num_pages": int(np_), "page_bytes": int(pb), "reserved": reserved, "leased": int(leased or 0),
                 "evictions": int(ev), "expired": int(ex), "free": free + int(np_) - int(fr),
-                "wait_shortfalls": self.wait_shortfalls}
+                "wait_shortfalls": self.wait_shortfalls, "no_replica_writes": self.no_replica_writes}
 
     def spaces(self, prefix):
         flat = self._cmds("spaces", [("HGETALL", self._registry)])[0]

@@ -125,7 +125,10 @@ class HF3FSStore(PageStore):
     name = "hf3fs"
     config_class = HF3FSConfig
     capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.ZERO_COPY})
-    metric_counters = frozenset({"validations", "rejected_reads", "stale_reads"})
+    metric_counters = frozenset({"validations", "rejected_reads", "stale_reads", "index_wait_shortfalls",
+                                 "index_no_replica_writes"})
+    # the Redis index's write counters (redis_index.py), in stats().extra as index_<name>
+    _INDEX_COUNTERS = ("wait_shortfalls", "no_replica_writes")
 
     @classmethod
     def config_from_options(cls, options: Mapping[str, Any] | None = None) -> HF3FSConfig:
@@ -604,7 +607,9 @@ class HF3FSStore(PageStore):
                           extra={"files": [lane.path for lane in self._lanes.values()], "client": self._client_kind,
                                  "namespace": self.ns, "validations": self.validations,
                                  "rejected_reads": self.rejected_reads, "reserved": reserved,
-                                 "verify_pages": self.verify, "stale_reads": self.stale_reads})
+                                 "verify_pages": self.verify, "stale_reads": self.stale_reads,
+                                 **{f"index_{c}": getattr(self.meta, c) for c in self._INDEX_COUNTERS
+                                    if isinstance(getattr(self.meta, c, None), int)}})
 
     def describe(self) -> str:
         mount = "on a 3FS mount" if on_3fs_mount(self.path) else "NOT a 3FS mount"
