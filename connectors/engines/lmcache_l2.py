@@ -25,6 +25,10 @@ How LMCache's contract maps onto the store:
 * Lookup "locks" are reference counts that keep LMCache's own L2 eviction (``delete``) off
   the keys between lookup and load. The store's own eviction is not stopped by them: a
   page evicted in between is a failed load for that key, which LMCache recomputes.
+* ``get_usage`` / ``lmcache describe`` report the store's own used and capacity bytes (all
+  servers' pages of a shared store; the same after a restart for a durable one). LMCache's
+  watermark eviction (``supports_global_eviction``) runs only over a private store of known
+  capacity; a shared store evicts by itself. Details: ``KVConnectL2Adapter._init_usage``.
 * Every store call is guarded: an exception is a failed store, a miss or a failed load,
   never an exception into LMCache's controller threads. A lookup that takes longer than
   ``lookup_timeout_s`` reports all misses (nothing stays locked). Stores and loads are not
@@ -47,7 +51,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
-from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore
+from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, StoreStats
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import (
     EngineOptions,
@@ -77,6 +81,11 @@ try:  # after 0.4.5
 except ImportError:  # pragma: no cover - older: dict[int, bool]
     L2StoreResult = None  # type: ignore[assignment,misc]
 
+try:  # 0.5.x: usage as a dataclass (older: a (fraction, ...) tuple from the base class)
+    from lmcache.v1.distributed.l2_adapters.base import AdapterUsage
+except ImportError:  # pragma: no cover - older
+    AdapterUsage = None  # type: ignore[assignment,misc]
+
 try:
     from lmcache.v1.platform import create_event_notifier
 except ImportError:  # pragma: no cover - older: raw eventfds
@@ -98,6 +107,19 @@ LMCACHE_KEYS = ("type", "eviction", "serde", "persist_enabled", "shared", "affin
 
 DEFAULT_WORKERS = {"store": 2, "lookup": 1, "load": 2}
 DEFAULT_LOOKUP_TIMEOUT_S = 5.0  # a request waits at most this long on a stuck backend; a miss is a recompute
+USAGE_TTL_S = 1.0
+"""How long one snapshot of the store's usage is reused: LMCache's eviction loop and gauges ask
+every second, and a remote store's figures cost a call (HF3FS: one index call per data
+file). This adapter's own stores and deletes drop the snapshot at once."""
+
+
+def planned_capacity(store: PageStore) -> int:
+    """Capacity a store will have before it reports one: HF3FS opens its first data file
+    (``file_size`` bytes, rounded down to whole pages) with the first page it stores, and
+    reports the capacity of the files it has open; before that, ``file_size``. 0: unknown."""
+    if store.name == "hf3fs":
+        return int(getattr(getattr(store, "config", None), "file_size", 0) or 0)
+    return 0
 
 
 def _store_result(ok: bool, nbytes: int) -> Any:
@@ -362,7 +384,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
 
     def __init__(self, config: KVConnectL2AdapterConfig | Mapping[str, Any] | None = None,
                  l1_memory_desc: Any = None, *args: Any, store: PageStore | None = None, **kwargs: Any):
-        # Capacity 0 (no LMCache global eviction) until the store says what it holds, below.
+        # The capacity is set below, once the store says what it holds (``_init_usage``).
         super().__init__(max_capacity_bytes=0)
         if not isinstance(config, KVConnectL2AdapterConfig):  # raw-dict factories
             if isinstance(config, str):
@@ -389,13 +411,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
                                                                  context=self.context)[0]
         self.mapper = ObjectKeyMapper(eo.tenant, eo.model_fingerprint)
         self.views = _Views(self.store, self.mapper)
-        if not self.store.supports(Capability.SHARED):
-            # A private store's capacity is all LMCache's: its watermark eviction picks the
-            # victims (honouring lookup locks) before the store has to. A shared store's
-            # capacity is not this server's to fill, so there LMCache leaves eviction to it.
-            cap = safe_call(lambda: self.store.stats().capacity_bytes, default=None, what="lmcache.capacity",
-                            errors=self._errors, rlog=self._rlog)
-            self._max_capacity_bytes = int(cap or 0)
+        self._init_usage()
         try:
             self._register_l1(l1_memory_desc)
             self._families = {op: _Family(op, config.workers[op]) for op in OPS}
@@ -529,6 +545,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
                     self._sizes.move_to_end(sk)
             while len(self._sizes) > self._max_sizes:
                 self._sizes.popitem(last=False)
+        self._drop_usage_snapshot()
         self._notify("stored", new_keys, new_sizes)
         self._finish("store", tid, _store_result(all(ok), nbytes))
 
@@ -646,6 +663,93 @@ class KVConnectL2Adapter(L2AdapterInterface):
         with self._lock:
             return fam.done.pop(task_id, None)
 
+    # -- usage and capacity ------------------------------------------------------------
+    def _init_usage(self) -> None:
+        """What ``get_usage`` and ``lmcache describe`` report, and who evicts.
+
+        Used and capacity bytes are the store's own (``stats()``: the memory store's bytes and
+        ``capacity``; HF3FS's indexed pages times their page size, of the data files it has
+        open, from the metadata service; the peer pool's lent bytes), for every server over
+        the store, and after a restart the same as before for a durable store. A store that
+        reports no bytes (Mooncake) gets this adapter's own accounting (bytes this server
+        stored and did not delete), a store that reports no capacity 0 (unknown: usage
+        fraction -1). ``bytes_by_cache_salt`` is always this server's own accounting.
+
+        LMCache's watermark eviction (``supports_global_eviction``) runs only for a private
+        store of known capacity: a shared store's bytes are not this server's to evict (other
+        servers' chunks are in its figures), so it keeps eviction to itself while it reports
+        its real usage.
+        """
+        self._usage_guard = threading.Lock()
+        self._usage_snap: tuple[float, StoreStats | None] | None = None
+        self._last_good: StoreStats | None = None
+        self.shared = bool(self.store.supports(Capability.SHARED))
+        self._planned_capacity = planned_capacity(self.store)
+        cap = self.usage_figures()["capacity_bytes"]
+        self._global_eviction = not self.shared and cap > 0
+        self._max_capacity_bytes = cap
+
+    @property
+    def supports_global_eviction(self) -> bool:  # type: ignore[override]
+        """Private store of known capacity: LMCache evicts. Shared store: the store does."""
+        return self._global_eviction
+
+    def _drop_usage_snapshot(self) -> None:
+        with self._usage_guard:
+            self._usage_snap = None
+
+    def _store_stats(self, fresh: bool = False) -> StoreStats | None:
+        """The store's ``stats()``, reused for ``USAGE_TTL_S`` unless ``fresh``; None if it raised."""
+        now = time.monotonic()
+        if not fresh:
+            with self._usage_guard:
+                snap = self._usage_snap
+            if snap is not None and now - snap[0] < USAGE_TTL_S:
+                return snap[1]
+        stats = safe_call(self.store.stats, default=None, what="lmcache.stats", errors=self._errors, rlog=self._rlog)
+        with self._usage_guard:
+            self._usage_snap = (now, stats)
+            if stats is not None and stats.up:
+                self._last_good = stats
+        return stats
+
+    def usage_figures(self, stats: StoreStats | None = None) -> dict[str, Any]:
+        """Used and capacity bytes, where each came from (``store``, ``adapter``, ``configured``,
+        ``unknown``), and ``stale``: the backend is unreachable, so these are its last figures
+        from when it answered (an unreachable index would under-count)."""
+        if stats is None:
+            stats = self._store_stats()
+        stale = False
+        if stats is None or not stats.up:
+            with self._usage_guard:
+                last = self._last_good
+            if last is not None:
+                stats, stale = last, True
+        with self._usage_lock:  # the base class's accounting
+            own = self._total_bytes_used
+        if stats is not None and stats.bytes_used is not None:
+            used, used_from = int(stats.bytes_used), "store"
+        else:
+            used, used_from = int(own), "adapter"
+        if stats is not None and stats.capacity_bytes:
+            cap, cap_from = int(stats.capacity_bytes), "store"
+        elif self._planned_capacity > 0:
+            cap, cap_from = self._planned_capacity, "configured"
+        else:
+            cap, cap_from = 0, "unknown"
+        return {"bytes_used": used, "capacity_bytes": cap, "bytes_used_from": used_from, "capacity_from": cap_from,
+                "stale": stale, "keys": stats.keys if stats is not None else None}
+
+    def get_usage(self) -> Any:
+        """``AdapterUsage``: the store's used and capacity bytes (``usage_figures``); the
+        per-cache_salt buckets are this server's own accounting."""
+        base = super().get_usage()
+        if AdapterUsage is None:  # pragma: no cover - older LMCache
+            return base
+        f = self.usage_figures()
+        return AdapterUsage(total_bytes_used=f["bytes_used"], total_capacity_bytes=f["capacity_bytes"],
+                            bytes_by_cache_salt=base.bytes_by_cache_salt)
+
     # -- eviction, status, close -------------------------------------------------------
     def delete(self, keys: list[Any], *args: Any, **kwargs: Any) -> None:
         """LMCache's L2 eviction: delete the keys no lookup holds locked."""
@@ -667,6 +771,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
                 if g and size is not None:
                     deleted.append(k)
                     sizes.append(size)
+        self._drop_usage_snapshot()
         self._notify("deleted", deleted, sizes)
 
     def _notify(self, what: str, keys: list[Any], sizes: list[int] | None = None) -> None:
@@ -680,7 +785,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
         safe_call(fn, *args, default=None, what=f"lmcache.notify_{what}", errors=self._errors, rlog=self._rlog)
 
     def report_status(self) -> dict:
-        stats = safe_call(self.store.stats, default=None, what="lmcache.stats", errors=self._errors, rlog=self._rlog)
+        stats = self._store_stats(fresh=True)
         with self._lock:
             in_flight = {op: f.in_flight for op, f in self._families.items()}
             locked = len(self._locks)
@@ -699,16 +804,20 @@ class KVConnectL2Adapter(L2AdapterInterface):
             "lookup_timeouts": self.lookup_timeouts,
             "errors": self._errors.as_dict(),
         }
-        # what `lmcache describe` shows (stored objects, used / capacity): the store's own
-        # figures where it knows them, else this adapter's byte accounting
-        usage = self.get_usage()
+        # what `lmcache describe` shows (stored objects, used / capacity): the figures of
+        # get_usage (the store's own where it knows them, see _init_usage)
+        f = self.usage_figures(stats)
         with self._lock:
             count = len(self._sizes)
-        status["stored_object_count"] = stats.keys if stats is not None and stats.keys is not None else count
-        status["current_size_bytes"] = (stats.bytes_used if stats is not None and stats.bytes_used is not None
-                                        else usage.total_bytes_used)
-        status["max_capacity_bytes"] = (stats.capacity_bytes if stats is not None and stats.capacity_bytes
-                                        else usage.total_capacity_bytes)
+        status["stored_object_count"] = f["keys"] if f["keys"] is not None else count
+        status["current_size_bytes"] = f["bytes_used"]
+        status["max_capacity_bytes"] = f["capacity_bytes"]
+        status["usage"] = {
+            "bytes_used_from": f["bytes_used_from"], "capacity_from": f["capacity_from"], "stale": f["stale"],
+            "usage_fraction": f["bytes_used"] / f["capacity_bytes"] if f["capacity_bytes"] > 0 else -1.0,
+            "shared": self.shared, "global_eviction": self._global_eviction,
+            "eviction_by": "lmcache" if self._global_eviction else "store",
+        }
         if stats is not None:
             d = stats.as_dict()
             status["store_stats"] = {k: d[k] for k in (
