@@ -194,6 +194,20 @@ def process_histogram(name: str, help_: str) -> Any:
         return _histograms[name]
 
 
+_counters: dict[str, Any] = {}
+
+
+def process_counter(name: str, help_: str) -> Any:
+    """One process-wide Prometheus counter on the default registry (``name`` without its
+    ``_total`` suffix, which the client adds), created on first use like ``process_histogram``."""
+    from prometheus_client import Counter
+
+    with _lock:
+        if name not in _counters:
+            _counters[name] = Counter(name, help_)
+        return _counters[name]
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1", registry: Any = None) -> int:
     """Start (once per address) an HTTP ``/metrics`` endpoint; returns the bound port."""
     from prometheus_client import REGISTRY, start_http_server

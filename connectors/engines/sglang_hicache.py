@@ -49,7 +49,8 @@ import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional
 
-from kvconnect.connectors.base import Capability, ConfigError, MissingDependency, Page, Unsupported, page_nbytes
+from kvconnect.connectors.base import (
+    Capability, ConfigError, MissingDependency, Page, StoreClosed, Unsupported, page_nbytes)
 from kvconnect.connectors.config import parse_size
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import (
@@ -85,30 +86,54 @@ class LookupToLoad:
 
     METRIC = "kvconnect_hicache_lookup_to_load_seconds"
 
+    NOT_LOADED = "kvconnect_hicache_reported_not_loaded_pages"
+
     def __init__(self, keep: int = 4096):
         from collections import OrderedDict
 
         from kvconnect.connectors import metrics
 
-        self._at: "OrderedDict[str, float]" = OrderedDict()
+        self._at: "OrderedDict[str, list]" = OrderedDict()  # first key -> [lookup time, pages reported]
         self._keep = keep
         self._lock = threading.Lock()
         self._hist = metrics.process_histogram(self.METRIC, "SGLang's wait from an L3 lookup to its load")
+        self._not_loaded = metrics.process_counter(
+            self.NOT_LOADED, "pages batch_exists reported that the following batch_get_v1 could not load "
+                             "(deleted, evicted or failed in between: SGLang recomputes them)")
+        self.not_loaded = 0  # this backend's share of that counter
 
     def looked_up(self, keys: List[str]) -> None:
         if keys:
             with self._lock:
-                self._at[keys[0]] = time.perf_counter()
+                self._at[keys[0]] = [time.perf_counter(), 0]
                 self._at.move_to_end(keys[0])
                 while len(self._at) > self._keep:
                     self._at.popitem(last=False)
 
-    def loading(self, keys: List[str]) -> None:
+    def reported(self, keys: List[str], hits: int) -> None:
+        if keys and hits:
+            with self._lock:
+                entry = self._at.get(keys[0])
+                if entry is not None:
+                    entry[1] = hits
+
+    def loading(self, keys: List[str]) -> int:
+        """Observe the wait; the pages the lookup of this prefix reported (0: none known)."""
         if keys:
             with self._lock:
-                t = self._at.pop(keys[0], None)
-            if t is not None:
-                self._hist.observe(time.perf_counter() - t)
+                entry = self._at.pop(keys[0], None)
+            if entry is not None:
+                self._hist.observe(time.perf_counter() - entry[0])
+                return entry[1]
+        return 0
+
+    def loaded(self, reported: int, ok: List[bool]) -> None:
+        """Count the reported pages a load did not bring in as SGLang uses them (leading)."""
+        missed = min(reported, len(ok)) - leading_hits(ok[:reported])
+        if missed > 0:
+            with self._lock:
+                self.not_loaded += missed
+            self._not_loaded.inc(missed)
 
 # Keys of the extra config that belong to SGLang (it reads or pops them itself in 0.5.17 -
 # 0.5.23); never passed to the store.
@@ -197,6 +222,35 @@ def _per_pool_misses(self, transfers, *a, **k) -> dict:
     return {t.name: [False] * len(t.keys or []) for t in transfers or []}
 
 
+CLOSE_WAIT_S = 1.0
+"""How long ``close()`` waits for data-path calls still inside the store."""
+
+
+def _in_flight(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A call that uses the store: refused (``StoreClosed``: a miss) once ``close()`` began,
+    counted while it runs, so the store is never released under it (a store's mapped file or
+    buffers would be freed under its copy)."""
+
+    @functools.wraps(method)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        with self._idle:
+            if self._closed:
+                raise StoreClosed(f"kvconnect backend on store {self.store.name!r} is closed")
+            self._inflight += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                last = self._inflight == 0 and self._close_when_idle
+                self._close_when_idle = self._close_when_idle and not last
+                self._idle.notify_all()
+            if last:
+                self._close_store()
+
+    return call
+
+
 class KVConnectStorage(HiCacheStorage):
     """A SGLang ``HiCacheStorage`` over a kvconnect ``PageStore`` (see module docstring)."""
 
@@ -232,6 +286,9 @@ class KVConnectStorage(HiCacheStorage):
         self._prefetch_bw: List[float] = []
         self._backup_bw: List[float] = []
         self._closed = False
+        self._idle = threading.Condition()
+        self._inflight = 0
+        self._close_when_idle = False
         self._lookups = LookupToLoad()
         self._metrics_port = None
         if self.options.metrics_port is not None:
@@ -298,18 +355,23 @@ class KVConnectStorage(HiCacheStorage):
 
     # -- zero-copy v1 ---------------------------------------------------------------
     @guarded(_misses)
+    @_in_flight
     @_needs_store
     def batch_get_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         kv = self._kv_io()
-        self._lookups.loading(keys)
+        reported, ok = self._lookups.loading(keys), [False] * len(keys)
         t0 = time.perf_counter()
-        pages, finish = kv.plan_read(keys, host_indices)
-        ok = kv.store.get_into(keys, pages)
-        finish(ok)
+        try:
+            pages, finish = kv.plan_read(keys, host_indices)
+            ok = kv.store.get_into(keys, pages)
+            finish(ok)
+        finally:
+            self._lookups.loaded(reported, ok)  # a load that raised counts as not loaded too
         self._record(True, leading_hits(ok), kv.page_nbytes, time.perf_counter() - t0)
         return ok
 
     @guarded(_misses)
+    @_in_flight
     @_needs_store
     def batch_set_v1(self, keys: List[str], host_indices: Any, extra_info: Any = None) -> List[bool]:
         kv = self._kv_io()
@@ -394,6 +456,7 @@ class KVConnectStorage(HiCacheStorage):
         return ok
 
     @guarded(lambda self, key, *a, **k: None)
+    @_in_flight
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         pages = self._address_pages(1, None if target_location is None else [target_location],
                                     None if target_sizes is None else [target_sizes])
@@ -403,6 +466,7 @@ class KVConnectStorage(HiCacheStorage):
         return target if self._read_tensors([key], [target])[0] else None
 
     @guarded(_none_per_key)
+    @_in_flight
     def batch_get(self, keys: List[str], target_locations: Any = None, target_sizes: Any = None) -> Any:
         if not keys:
             return []
@@ -414,6 +478,7 @@ class KVConnectStorage(HiCacheStorage):
         return [t if good else None for t, good in zip(targets, ok)]
 
     @guarded(lambda self, *a, **k: False)
+    @_in_flight
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         if value is None:
             pages = self._address_pages(1, None if target_location is None else [target_location],
@@ -422,6 +487,7 @@ class KVConnectStorage(HiCacheStorage):
         return self._write_tensors([key], [value])[0]
 
     @guarded(lambda self, *a, **k: False)
+    @_in_flight
     def batch_set(self, keys: List[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
         if not keys:
@@ -434,18 +500,23 @@ class KVConnectStorage(HiCacheStorage):
         return all(self._write_tensors(list(keys), list(values)))
 
     @guarded(lambda self, *a, **k: False)
+    @_in_flight
     def exists(self, key: str) -> bool:
         return self._kv_io().store.exists([key])[0]
 
     @guarded(lambda self, *a, **k: 0)
+    @_in_flight
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         if not keys or self.logical_anchor:
             return 0
         self._lookups.looked_up(keys)
-        return leading_hits(self._kv_io().store.exists(keys))
+        hits = leading_hits(self._kv_io().store.exists(keys))
+        self._lookups.reported(keys, hits)
+        return hits
 
     # -- v2 pools ---------------------------------------------------------------------
     @guarded(lambda self, *a, **k: pool_result(0, {}, []))
+    @_in_flight
     def batch_exists_v2(self, keys: List[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
         """Usable prefix across KV and side pools: SGLang 0.5.23 ``HiCacheFile`` semantics.
 
@@ -499,6 +570,7 @@ class KVConnectStorage(HiCacheStorage):
         return pool_result(final, hit_count, restorable)
 
     @guarded(_per_pool_misses)
+    @_in_flight
     def batch_get_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         results: dict = {}
         calls, plans = [], []
@@ -514,6 +586,7 @@ class KVConnectStorage(HiCacheStorage):
         return results
 
     @guarded(_per_pool_misses)
+    @_in_flight
     def batch_set_v2(self, transfers: List[Any], extra_info: Any = None) -> dict:
         results: dict = {}
         calls, names, keep = [], [], []
@@ -554,6 +627,7 @@ class KVConnectStorage(HiCacheStorage):
 
     # -- management -------------------------------------------------------------------
     @guarded(lambda self, *a, **k: False)
+    @_in_flight
     def clear(self) -> bool:
         """Remove what this rank owns: its pools' key spaces, where it writes them (a reader
         of rank-replicated KV leaves it to the writer). Other engines, tenants and ranks
@@ -564,6 +638,7 @@ class KVConnectStorage(HiCacheStorage):
         return True
 
     @guarded(lambda self, keys, *a, **k: [False] * len(keys))
+    @_in_flight
     def batch_delete(self, keys: List[str]) -> List[bool]:
         """Delete these page hashes from every pool this rank writes; True where a pool held one."""
         gone = [False] * len(keys)
@@ -577,9 +652,20 @@ class KVConnectStorage(HiCacheStorage):
         return self.batch_delete([key])[0]
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Refuse new calls (they miss), wait up to ``CLOSE_WAIT_S`` for those in flight, then
+        release the store; where calls are still inside it, the last one out releases it."""
+        with self._idle:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._idle.wait_for(lambda: self._inflight == 0, timeout=CLOSE_WAIT_S):
+                self._close_when_idle = True
+                log.warning("kvconnect: %d call(s) still inside store %r at close; it closes when they return",
+                            self._inflight, self.store.name)
+                return
+        self._close_store()
+
+    def _close_store(self) -> None:
         try:
             from kvconnect.connectors import metrics
 
@@ -614,6 +700,7 @@ class KVConnectStorage(HiCacheStorage):
         """The store's counters plus the errors this adapter turned into misses."""
         return {"store": self.store.stats().as_dict(), "adapter_errors": self._errors.as_dict(),
                 "write_behind": self._write_behind.stats() if self._write_behind else None,
+                "reported_not_loaded_pages": self._lookups.not_loaded,
                 "context": self.context.describe(),
                 "keyspaces": {n: io.keyspace.describe() for n, io in self._pools.items()}}
 
