@@ -113,15 +113,6 @@ every second, and a remote store's figures cost a call (HF3FS: one index call pe
 file). This adapter's own stores and deletes drop the snapshot at once."""
 
 
-def planned_capacity(store: PageStore) -> int:
-    """Capacity a store will have before it reports one: HF3FS opens its first data file
-    (``file_size`` bytes, rounded down to whole pages) with the first page it stores, and
-    reports the capacity of the files it has open; before that, ``file_size``. 0: unknown."""
-    if store.name == "hf3fs":
-        return int(getattr(getattr(store, "config", None), "file_size", 0) or 0)
-    return 0
-
-
 def _store_result(ok: bool, nbytes: int) -> Any:
     """``L2StoreResult`` where LMCache has it, else the older ``bool``."""
     if L2StoreResult is not None:
@@ -684,7 +675,6 @@ class KVConnectL2Adapter(L2AdapterInterface):
         self._usage_snap: tuple[float, StoreStats | None] | None = None
         self._last_good: StoreStats | None = None
         self.shared = bool(self.store.supports(Capability.SHARED))
-        self._planned_capacity = planned_capacity(self.store)
         cap = self.usage_figures()["capacity_bytes"]
         self._global_eviction = not self.shared and cap > 0
         self._max_capacity_bytes = cap
@@ -714,7 +704,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
         return stats
 
     def usage_figures(self, stats: StoreStats | None = None) -> dict[str, Any]:
-        """Used and capacity bytes, where each came from (``store``, ``adapter``, ``configured``,
+        """Used and capacity bytes, where each came from (``store``, ``adapter``,
         ``unknown``), and ``stale``: the backend is unreachable, so these are its last figures
         from when it answered (an unreachable index would under-count)."""
         if stats is None:
@@ -733,8 +723,6 @@ class KVConnectL2Adapter(L2AdapterInterface):
             used, used_from = int(own), "adapter"
         if stats is not None and stats.capacity_bytes:
             cap, cap_from = int(stats.capacity_bytes), "store"
-        elif self._planned_capacity > 0:
-            cap, cap_from = self._planned_capacity, "configured"
         else:
             cap, cap_from = 0, "unknown"
         return {"bytes_used": used, "capacity_bytes": cap, "bytes_used_from": used_from, "capacity_from": cap_from,

@@ -603,6 +603,9 @@ class HF3FSStore(PageStore):
             capacity += lane.num_pages * lane.page_bytes
             evictions += u.get("evictions", 0)
             reserved += u.get("reserved", 0)
+        if not self._lanes:
+            # no data file open yet: the first one opens with the first page, file_size bytes
+            capacity = int(self.config.file_size or 0)
         return StoreUsage(keys=keys, bytes_used=bytes_used, capacity_bytes=capacity, evictions=evictions,
                           extra={"files": [lane.path for lane in self._lanes.values()], "client": self._client_kind,
                                  "namespace": self.ns, "validations": self.validations,
