@@ -234,6 +234,9 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
             refusals += s.flush()
         probes = client.probe([s.url for s in cluster.servers], workload.sample(plan.probe_prompts),
                               plan.probe_tokens)
+        # the probe's pages all come from L3: the counters after it say which server read whose pages
+        record["store_metrics_after_probe"] = {s.index: scrape(cfg.metrics_url(setup, s.index))
+                                               for s in cluster.servers}
         record["probe"] = {
             "prompts": len(probes), "ok": sum(p.ok for p in probes),
             "storage_tokens": sum(p.cached_from.get("storage", 0) for p in probes),
