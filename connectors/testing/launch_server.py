@@ -48,25 +48,14 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Optional
 
-VOCAB = 128000
-# SGLang's HiCacheController: these backends (and ``dynamic`` ones with ``interface_v1``) get the
-# zero-copy v1 calls, the others the generic page copies
-ZERO_COPY_BACKENDS = {"hf3fs", "mooncake", "npu_memcache", "eic", "nixl", "simm", "mori", "tensorcast", "seaweedfs"}
+from kvconnect.connectors.testing.hash_model import (attach_backend, output_tokens, page_bytes, read_into_host,
+                                                     write_from_host)
+from kvconnect.connectors.testing.hash_model import page_keys as _chained_page_keys
 
 
 def page_keys(ids: list[int], page: int) -> list[str]:
     """Chained page hashes of the pages SGLang would cache: full pages of all tokens but the last."""
-    keys, prior = [], b""
-    usable = max(0, len(ids) - 1) // page
-    for i in range(usable):
-        prior = hashlib.sha256(prior + json.dumps(ids[i * page:(i + 1) * page]).encode()).digest()
-        keys.append(prior.hex())
-    return keys
-
-
-def tokens_from(digest: bytes, n: int) -> list[int]:
-    return [int.from_bytes(hashlib.sha256(digest + j.to_bytes(4, "little")).digest()[:4], "little") % VOCAB + 1
-            for j in range(n)]
+    return _chained_page_keys(ids, page, spare_last=True)
 
 
 class HiCacheEngine:
@@ -96,20 +85,12 @@ class HiCacheEngine:
             self.attach(a.hicache_storage_backend, json.loads(a.hicache_storage_backend_extra_config or "{}"))
 
     def attach(self, backend: str, extra: dict) -> None:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-        cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                   is_mla_model=False, enable_storage_metrics=False,
-                                   is_page_first_layout=self.layout.startswith("page_first"),
-                                   model_name="gpu-bench-standin", extra_config=dict(extra))
-        b = StorageBackendFactory.create_backend(backend, cfg, self.host)
-        b.register_mem_pool_host(self.host)
+        b, self.zero_copy = attach_backend(self.host, backend, extra, "gpu-bench-standin",
+                                           page_first=self.layout.startswith("page_first"))
         self.backend, self.backend_name = b, type(b).__name__
-        self.zero_copy = backend in ZERO_COPY_BACKENDS or (backend == "dynamic" and bool(extra.get("interface_v1")))
 
     def expected(self, key: str) -> bytes:
-        return (hashlib.sha256(key.encode()).digest() * (self.page_nbytes // 32 + 1))[: self.page_nbytes]
+        return page_bytes(key, self.page_nbytes)
 
     def _read(self, keys: list[str]) -> list[bytes]:
         """The leading pages of ``keys`` that L3 returns, read into host pool pages."""
@@ -118,16 +99,7 @@ class HiCacheEngine:
         with self.pool_lock:
             idx = self.host.alloc(len(keys) * self.page)
         try:
-            if self.zero_copy:
-                ok = list(self.backend.batch_get_v1(keys, idx))
-            else:
-                data = self.backend.batch_get(keys, [self.host.get_dummy_flat_data_page() for _ in keys]) or []
-                ok = []
-                for i, page in enumerate(data):
-                    if page is None:
-                        break
-                    self.host.set_from_flat_data_page(int(idx[i * self.page]), page)
-                    ok.append(True)
+            ok = read_into_host(self.host, self.backend, self.zero_copy, keys, idx, self.page)
             good = next((i for i, g in enumerate(ok) if not g), len(ok))
             return [self.host.get_data_page(int(idx[i * self.page]), flat=True).contiguous()
                     .view(torch.uint8).numpy().tobytes() for i in range(min(good, len(keys)))]
@@ -147,11 +119,7 @@ class HiCacheEngine:
                 for i, k in enumerate(keys):
                     raw = torch.frombuffer(bytearray(self.expected(k)), dtype=torch.uint8).view(dtype)
                     self.host.set_from_flat_data_page(int(idx[i * self.page]), raw)
-                if self.zero_copy:
-                    self.backend.batch_set_v1(keys, idx)
-                else:
-                    self.backend.batch_set(keys, [self.host.get_data_page(int(idx[i * self.page]))
-                                                  for i in range(len(keys))])
+                write_from_host(self.host, self.backend, self.zero_copy, keys, idx, self.page)
             finally:
                 with self.pool_lock:
                     self.host.free(idx)
@@ -293,7 +261,7 @@ def make_app(a: argparse.Namespace, engine: Any) -> Any:
             if kv["prompt"] != hashlib.sha256(json.dumps(ids).encode()).hexdigest():
                 return web.Response(status=500, text="KV transfer failed: the room's KV is another prompt's\n")
             digest = hashlib.sha256("".join(kv["pages"]).encode() + json.dumps(ids[-1:]).encode()).digest()
-        out = tokens_from(digest, n)
+        out = output_tokens(digest, n)
 
         def meta_at(j: int) -> dict:
             return {**meta, "completion_tokens": j, "e2e_latency": time.perf_counter() - t0,

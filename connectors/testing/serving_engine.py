@@ -29,15 +29,8 @@ from collections import OrderedDict
 
 from aiohttp import web
 
-VOCAB = 128000
-
-
-def page_keys(ids: list[int], page: int) -> list[str]:
-    keys, prior = [], b""
-    for i in range(len(ids) // page):
-        prior = hashlib.sha256(prior + json.dumps(ids[i * page:(i + 1) * page]).encode()).digest()
-        keys.append(prior.hex())
-    return keys
+from kvconnect.connectors.testing.hash_model import (attach_backend, output_tokens, page_bytes, page_keys,
+                                                     read_into_host, write_from_host)
 
 
 class Engine:
@@ -69,38 +62,16 @@ class Engine:
 
     # -- storage ---------------------------------------------------------------------
     def attach(self, backend: str, extra: dict) -> None:
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
-        cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                                   is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                                   model_name="serving-test", extra_config=dict(extra))
         with self.lock:
             if self.backend is not None:
                 raise RuntimeError("HiCache storage backend already attached")
-            b = StorageBackendFactory.create_backend(backend, cfg, self.host)
-            b.register_mem_pool_host(self.host)
-            self.backend = b
-            # SGLang's controller rule: zero-copy v1 calls for dynamic backends that ask for them
-            self.zero_copy = backend == "dynamic" and bool(extra.get("interface_v1"))
+            self.backend, self.zero_copy = attach_backend(self.host, backend, extra, "serving-test", page_first=True)
 
     def _get(self, keys: list[str], idx) -> list[bool]:
-        if self.zero_copy:
-            return self.backend.batch_get_v1(keys, idx)
-        data = self.backend.batch_get(keys, [self.host.get_dummy_flat_data_page() for _ in keys]) or []
-        ok = []
-        for i, page in enumerate(data):
-            if page is None:
-                break
-            self.host.set_from_flat_data_page(int(idx[i * self.page]), page)
-            ok.append(True)
-        return ok + [False] * (len(keys) - len(ok))
+        return read_into_host(self.host, self.backend, self.zero_copy, keys, idx, self.page)
 
     def _set(self, keys: list[str], idx) -> None:
-        if self.zero_copy:
-            self.backend.batch_set_v1(keys, idx)
-        else:
-            self.backend.batch_set(keys, [self.host.get_data_page(int(idx[i * self.page])) for i in range(len(keys))])
+        write_from_host(self.host, self.backend, self.zero_copy, keys, idx, self.page)
 
     def detach(self) -> None:
         with self.lock:
@@ -109,7 +80,7 @@ class Engine:
             self.backend = None
 
     def expected(self, key: str) -> bytes:
-        return (hashlib.sha256(key.encode()).digest() * (self.page_nbytes // 32 + 1))[: self.page_nbytes]
+        return page_bytes(key, self.page_nbytes)
 
     def prefill(self, ids: list[int]) -> tuple[dict, bytes]:
         """Device hits, storage hits and computed pages; returns the counts and a digest of all page bytes."""
@@ -206,8 +177,7 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
     async def respond(request, body, ids, n):
         counts, digest = await asyncio.to_thread(engine.prefill, ids)
         engine.served += 1
-        out = [int.from_bytes(hashlib.sha256(digest + j.to_bytes(4, "little")).digest()[:4], "little") % VOCAB + 1
-               for j in range(n)]
+        out = output_tokens(digest, n)
         meta = {"prompt_tokens": len(ids), "cached_tokens": counts["device"] + counts["storage"],
                 "cached_tokens_details": counts}
         if not body.get("stream"):
