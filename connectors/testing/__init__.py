@@ -15,6 +15,8 @@
 * ``pd``: the PD role driver (a prefill or decode process on CPU) and the relay's store services;
 * ``peer``: peer-pool node processes driven by JSON lines;
 * ``lmcache``: ``lmcache server`` processes with the kvconnect plugin and LMCache's engine client;
+* ``hash_model``: the model both SGLang server stand-ins serve (pages keyed and filled from hashes,
+  outputs a digest of every page) and how they reach an L3 backend through SGLang's storage factory;
 * ``serving_engine``: a CPU stand-in for ``sglang.launch_server`` behind ``sglang_router`` (text
   prompts, SGLang's admin API and its not-idle refusals), for ``kvconnect bench serve``;
 * ``launch_server``: a CPU stand-in taking ``sglang.launch_server``'s own flags (``input_ids``,
