@@ -69,11 +69,19 @@ collect() {
 }
 phase_wait() {
   local pid; pid=$(cat "$SERVE/pid" 2>/dev/null) || { say "not started"; return 1; }
-  local last="" line
+  local shown=0 line
+  new_lines() {  # every [serve] line written since the last poll, so no pair's line is skipped
+    local n=0
+    while IFS= read -r line; do
+      n=$((n + 1)); [ "$n" -gt "$shown" ] && say "$line"
+    done < <(grep -a "^\[serve\]" "$SERVE/bench.log" 2>/dev/null)
+    [ "$n" -gt "$shown" ] && shown=$n
+    return 0
+  }
   while kill -0 "$pid" 2>/dev/null && [ $(( $(date +%s) - T0 )) -lt "$DEADLINE_S" ]; do
-    sleep 5; line=$(grep -a "^\[serve\]" "$SERVE/bench.log" | tail -n 1)
-    [ "$line" != "$last" ] && say "$line" && last=$line
+    sleep 5; new_lines
   done
+  new_lines
   kill -0 "$pid" 2>/dev/null && say "still running (results so far copied)" || say "benchmark finished"
   collect
 }
