@@ -9,3 +9,4 @@ if __name__ != "kvconnect.namespace":  # the repository root on sys.path makes t
 from kvconnect.namespace.hits import (  # noqa: F401
     HitPolicy, block_group_pages, count_hits, leading_hits, restorable_prefixes)
 from kvconnect.namespace.keyspace import KeySpace  # noqa: F401
+from kvconnect.namespace.dtypes import logical_kv_dtype, resolve_kv_dtype  # noqa: F401,E402

@@ -32,7 +32,12 @@ class KeySpace:
         layout: host KV layout the bytes are in (``page_first``, ``layer_first``, ...), or a
             store-neutral name when the bytes are layout-independent.
         page_size: tokens per page.
-        dtype: KV dtype (``bfloat16``, ``float8_e4m3fn``, ...).
+        dtype: the *logical* KV dtype (``bfloat16``, ``float8_e4m3fn``, ...): what the bytes
+            mean, not the ``uint8`` fp8 KV is stored in (``kvconnect.namespace.dtypes``), so an
+            fp8 engine never reads bf16 pages, nor an ``e5m2`` one ``e4m3`` pages.
+        kv_scales: the quantization scales stored inside the pages, by format (``mxfp8``,
+            ``nvfp4``, ...); ``""`` when the pages carry none (bf16, per-tensor fp8). Left out of
+            the identity when empty, so keys of unscaled spaces stay what they were.
         geometry: page geometry, e.g. ``"mha:L32:H8:D128"``; anything that changes the bytes.
         tp_rank/tp_size, pp_rank/pp_size, cp_rank/cp_size: parallel ranks.
         rank_replicated: KV identical on every TP rank (MLA): rank left out of the key.
@@ -49,6 +54,7 @@ class KeySpace:
     layout: str = "page_first"
     page_size: int = 1
     dtype: str = "bfloat16"
+    kv_scales: str = ""
     geometry: str = ""
     weights: str = ""
     tp_rank: int = 0
@@ -80,6 +86,8 @@ class KeySpace:
         d.pop("_prefix", None)
         if not self.salt:
             del d["salt"]  # keys of unsalted spaces stay as they were
+        if not self.kv_scales:
+            del d["kv_scales"]  # likewise for spaces without stored scales
         if self.rank_replicated:
             d["tp_rank"] = None
             d["tp_size"] = None
@@ -112,5 +120,6 @@ class KeySpace:
         if self.cp_size > 1:
             ranks += f" cp{self.cp_rank}/{self.cp_size}"
         tenant = (f" tenant={self.tenant}" if self.tenant else "") + (f" salt={self.salt}" if self.salt else "")
-        return (f"{self.model} [{self.pool}] {self.layout} page={self.page_size} {self.dtype} "
+        return (f"{self.model} [{self.pool}] {self.layout} page={self.page_size} {self.dtype}"
+                f"{'+' + self.kv_scales + ' scales' if self.kv_scales else ''} "
                 f"{self.geometry} {ranks}{tenant} -> {self._prefix}")

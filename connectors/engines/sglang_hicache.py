@@ -9,7 +9,9 @@ Load it into SGLang (0.5.23; imports cleanly with 0.5.17) with::
 
 The extra config holds ``store`` (a registry name, or ``"pkg.mod:Class"``), the store's
 options inline (or nested under ``store_options``), and optionally ``tenant``,
-``model_fingerprint``, ``metrics_port``, ``metrics_host`` and ``write_behind`` (a size, e.g.
+``model_fingerprint``, ``metrics_port``, ``metrics_host``, ``kv_cache_dtype`` (the server's
+``--kv-cache-dtype``, where SGLang's own server args cannot be read; see Keys) and
+``write_behind`` (a size, e.g.
 ``"4gb"``: KV page writes are staged in a buffer that large and stored in the background, so a
 store slower than the engine's write-through sheds pages instead of holding SGLang's host pool;
 see ``write_behind``). SGLang's own keys are ignored.
@@ -22,8 +24,10 @@ one TP rank the store must be shared across processes (``Capability.SHARED``): t
 ranks read what the writer wrote.
 
 Keys: what this adapter adds to SGLang's bare page hashes is a ``KeySpace`` per pool: model
-(+ weights fingerprint), host layout, page size, dtype, page geometry, tp/pp/attn-cp ranks
-and pool, so two engines whose pages mean different bytes never read each other's. Each
+(+ weights fingerprint), host layout, page size, the logical KV dtype and stored scale format
+(from ``--kv-cache-dtype``: host pools keep every fp8 variant as ``uint8``), page geometry,
+tp/pp/attn-cp ranks and pool, so two engines whose pages mean different bytes never read each
+other's: an fp8 engine misses bf16 pages, an ``fp8_e5m2`` one ``fp8_e4m3`` pages. Each
 pool holds a view of the store under its key space (``PrefixedStore``); MLA KV leaves the
 TP rank out. Pool geometry is ``sglang_pools``; SGLang names that moved between releases
 are ``sglang_shims``.
@@ -73,7 +77,7 @@ from kvconnect.connectors.engines.sglang_shims import (
 )
 from kvconnect.connectors.engines.write_behind import WriteBehind
 from kvconnect.connectors.views import exists_many, get_many, put_many
-from kvconnect.namespace import KeySpace
+from kvconnect.namespace import KeySpace, logical_kv_dtype
 from kvconnect.namespace.hits import HitPolicy, block_group_pages, leading_hits, restorable_prefixes
 
 log = logging.getLogger("kvconnect.sglang_hicache")
@@ -262,12 +266,14 @@ class KVConnectStorage(HiCacheStorage):
         self._rlog = RateLimitedLog(log)
         self.context = engine_context(storage_config)
         self.store, self.options = build_store(storage_config.extra_config or {}, where=ADAPTER,
-                                               ignore=SGLANG_KEYS, engine_keys=("write_behind",),
+                                               ignore=SGLANG_KEYS, engine_keys=("write_behind", "kv_cache_dtype"),
                                                context=self.context,
                                                require=required_capabilities(self.context))
         try:
             self.base_keyspace = base_keyspace(self.context, tenant=self.options.tenant,
                                                weights=self.options.model_fingerprint)
+            self.kv_cache_dtype = self.options.extra.get("kv_cache_dtype")
+            logical_kv_dtype(self.kv_cache_dtype, where=ADAPTER)  # a bad name fails here, naming the key
             wb = self.options.extra.get("write_behind", 0)
             self._write_behind_bytes = parse_size(0 if wb in (None, "", False) else wb, "write_behind", ADAPTER)
         except (ValueError, ConfigError):
@@ -308,7 +314,8 @@ class KVConnectStorage(HiCacheStorage):
             self.logical_anchor = True
             self.kv = None
             return
-        self.kv = describe_pool(mem_pool_host, self.context, self.base_keyspace, "kv", self.store)
+        self.kv = describe_pool(mem_pool_host, self.context, self.base_keyspace, "kv", self.store,
+                                self.kv_cache_dtype)
         self._pools["kv"] = self.kv
         self._register_buffers(mem_pool_host)
         log.info("kvconnect: KV pages keyed as %s", self.kv.keyspace.describe())
@@ -322,7 +329,7 @@ class KVConnectStorage(HiCacheStorage):
             return
         if name == "kv" and self.logical_anchor and getattr(host_pool, "kv_buffer", 0) is None:
             return
-        io = describe_pool(host_pool, self.context, self.base_keyspace, name, self.store)
+        io = describe_pool(host_pool, self.context, self.base_keyspace, name, self.store, self.kv_cache_dtype)
         self._pools[name] = io
         self._register_buffers(host_pool)
         log.info("kvconnect: %s pages keyed as %s", name, io.keyspace.describe())

@@ -23,7 +23,7 @@ from kvconnect.connectors.base import Page, PageStore, Unsupported
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.sglang_shims import host_pool_classes, torch
 from kvconnect.connectors.views import PrefixedStore
-from kvconnect.namespace import KeySpace
+from kvconnect.namespace import KeySpace, resolve_kv_dtype
 
 log = logging.getLogger("kvconnect.sglang_hicache")
 
@@ -139,8 +139,21 @@ class PoolIO:
         return [[tensor_segment(t)] for t in staged], staged
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "") if dtype is not None else "unknown"
+def sglang_kv_cache_dtype() -> Optional[str]:
+    """The ``--kv-cache-dtype`` this SGLang process was started with (``auto``, ``fp8_e4m3``,
+    ...), or None where SGLang published no server args (a host pool built outside a server).
+    Host pools only know the dtype fp8 is stored in (``uint8``), never which fp8 it is."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        value = getattr(get_server_args(), "kv_cache_dtype", None)
+    except Exception:  # noqa: BLE001 - older SGLang, or nothing published
+        return None
+    return str(value) if value else None
+
+
+def _stored_dtype(pool: Any) -> Any:
+    return getattr(pool, "dtype", None) or getattr(getattr(pool, "kv_buffer", None), "dtype", None)
 
 
 def _flat_page_nbytes(pool: Any) -> int:
@@ -167,9 +180,15 @@ def _page_segments(pool: Any, stride: int) -> tuple[List[int], List[int]]:
     return ptrs, sizes
 
 
-def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, store: PageStore) -> PoolIO:
+def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, store: PageStore,
+                  kv_cache_dtype: Optional[str] = None) -> PoolIO:
     """The ``PoolIO`` of one host pool of the engine process ``context`` describes, or
-    ``Unsupported``."""
+    ``Unsupported``.
+
+    ``kv_cache_dtype``: the engine's KV dtype setting (``--kv-cache-dtype``; None: SGLang's own
+    server args, where published). It names the logical dtype and stored scales of the MHA /
+    MLA KV pools (``KeySpace.dtype`` / ``kv_scales``); other pools (Mamba state, indexers)
+    keep their buffers' dtype."""
     mha_cls, mla_cls = host_pool_classes()
     layout = getattr(pool, "layout", None)
     page_size = int(getattr(pool, "page_size", 1) or 1)
@@ -187,18 +206,19 @@ def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, 
         if v_head_dim != pool.head_dim:
             raise Unsupported(f"{what}: head_dim {pool.head_dim} != v_head_dim {v_head_dim}", ADAPTER)
         geometry = f"mha:L{pool.layer_num}:H{pool.head_num}:D{pool.head_dim}"
-        zero_copy, flat = True, True
+        zero_copy, flat, is_kv = True, True, True
     elif _uses_page_methods_of(pool, mla_cls):
         if layout not in MLA_LAYOUTS:
             raise Unsupported(f"{what}: layout {layout!r}", ADAPTER, MLA_LAYOUTS)
         geometry = f"mla:L{pool.layer_num}:D{pool.kv_cache_dim}"
-        zero_copy, flat = True, True
+        zero_copy, flat, is_kv = True, True, True
     else:
         # Any other pool (Mamba state, DSA indexer, a subclass with its own page format):
         # through SGLang's flat pages where it has them, else through its own page
         # segments; under its class name so formats never mix.
         flat_error = _flat_page_error(pool)
         geometry = f"{type(pool).__module__}.{type(pool).__name__}"
+        is_kv = False
         flat = flat_error is None
         zero_copy = not flat
         if not flat:
@@ -228,11 +248,18 @@ def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, 
     else:
         page_nbytes = _flat_page_nbytes(pool)
     geometry += f":B{page_nbytes}"
+    fmt = getattr(pool, "storage_format_tag", None)
+    if isinstance(fmt, str) and fmt:
+        geometry += f":fmt[{fmt}]"  # SGLang's own name for a page byte format of its own
     if dcp_size > 1:
         geometry += f":dcp{context.dcp_rank}of{dcp_size}:tp{context.tp_size}:lp{stride}"
+    if is_kv:
+        declared = kv_cache_dtype if kv_cache_dtype is not None else sglang_kv_cache_dtype()
+        dtype, kv_scales = resolve_kv_dtype(_stored_dtype(pool), declared, where=ADAPTER)
+    else:
+        dtype, kv_scales = resolve_kv_dtype(_stored_dtype(pool), where=ADAPTER)
     ks = dataclasses.replace(
-        base, pool=name, layout=str(layout or "none"), page_size=page_size,
-        dtype=_dtype_name(getattr(pool, "dtype", None) or getattr(getattr(pool, "kv_buffer", None), "dtype", None)),
+        base, pool=name, layout=str(layout or "none"), page_size=page_size, dtype=dtype, kv_scales=kv_scales,
         geometry=geometry, rank_replicated=replicated)
     io = PoolIO(name=name, pool=pool, keyspace=ks, context=context.for_pool(name, rank_replicated=replicated),
                 store=PrefixedStore.for_keyspace(store, ks), stride=stride, page_nbytes=page_nbytes,

@@ -36,7 +36,7 @@ def test_mla_ranks_share_keys():
 @pytest.mark.parametrize("change", [
     {"tenant": "team-b"}, {"pool": "mamba"}, {"model": "Qwen/Qwen3-8B"}, {"dtype": "float8_e4m3fn"},
     {"layout": "layer_first"}, {"page_size": 32}, {"geometry": "mha:L64:H8:D128"}, {"weights": "rev2"},
-    {"pp_rank": 1, "pp_size": 2}, {"cp_rank": 1, "cp_size": 2}, {"tp_size": 4},
+    {"pp_rank": 1, "pp_size": 2}, {"cp_rank": 1, "cp_size": 2}, {"tp_size": 4}, {"kv_scales": "mxfp8"},
 ])
 def test_every_identity_field_changes_the_key(change):
     other = replace(BASE, **change)
