@@ -8,6 +8,13 @@ that runs before a request body is read, and the warning for an open control pla
   minutes; its minimum connect backoff is 20 s).
 * A call without the right token is refused from its metadata, before its (up to 64 MiB)
   body is read or decoded: unauthenticated callers cannot make the server buffer bodies.
+* Connections are bounded before any token is seen: a TCP connection that has not finished its
+  HTTP/2 handshake within ``HANDSHAKE_TIMEOUT_MS`` is closed, and a listener accepts at most
+  ``connection_limit()`` connections (the open-file limit less a reserve), closing the rest at
+  once. Idle sockets then cannot use up the process's descriptors and lock every client out;
+  a refused client gets UNAVAILABLE (a miss) and is served once the idle ones are closed.
+  A connection idle (no call in flight) for ``IDLE_CLOSE_MS`` is closed too: one that finished
+  the handshake holds a slot only that long; kvconnect's channels reconnect on the next call.
 """
 
 from __future__ import annotations
@@ -42,8 +49,31 @@ CHANNEL_OPTIONS = (
 )
 
 
+HANDSHAKE_TIMEOUT_MS = 2000  # as the framed port's HELLO deadline
+IDLE_CLOSE_MS = 120_000
+# descriptors kept back from gRPC connections for everything else the process opens: data files,
+# the journal, the framed port's unauthenticated connections (256 at most), an engine's own files
+RESERVED_FDS = 320
+
+
+def connection_limit() -> int | None:
+    """Connections one listener accepts: the open-file soft limit less ``RESERVED_FDS`` (at
+    least a quarter of it is kept back), at least 16; None where there is no limit."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    return max(16, soft - max(RESERVED_FDS, soft // 4))
+
+
 def server_options(extra: Iterable[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
-    return [*SERVER_OPTIONS, *extra]
+    """Listener options, read when the server is built (after ``raise_nofile_limit``)."""
+    limit = connection_limit()
+    bounds = [("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS), ("grpc.max_connection_idle_ms", IDLE_CLOSE_MS)]
+    if limit is not None:
+        bounds.append(("grpc.max_allowed_incoming_connections", limit))
+    return [*SERVER_OPTIONS, *bounds, *extra]
 
 
 def channel(target: str, extra: Iterable[tuple[str, Any]] = ()) -> grpc.Channel:

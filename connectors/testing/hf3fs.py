@@ -19,8 +19,9 @@ class MetaProcess:
     def __init__(self, data_dir: Path, token_file: Path | None = None, port: int | None = None,
                  fsync: str = "interval", *, exec_prefix: list[str] | None = None, workers: int | None = None,
                  log_path: Path | None = None, host: str = "127.0.0.1", args: list[str] | None = None,
-                 nofile: int | None = None):
-        """``args``: more ``serve`` flags; ``nofile``: the service's open-file soft limit at start."""
+                 nofile: int | None = None, nofile_hard: bool = False):
+        """``args``: more ``serve`` flags; ``nofile``: the service's open-file soft limit at start
+        (``nofile_hard``: its hard limit too, which the service then cannot raise)."""
         self.data_dir = Path(data_dir)
         self.token_file = token_file
         self.port = port or free_port()
@@ -31,6 +32,7 @@ class MetaProcess:
         self.host = host
         self.args = list(args or [])
         self.nofile = nofile
+        self.nofile_hard = nofile_hard
         self.proc: subprocess.Popen | None = None
         self.started_s = 0.0
         self.recovery: dict = {}
@@ -80,7 +82,8 @@ class MetaProcess:
     def _limits(self) -> None:
         import resource
 
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        hard = self.nofile if self.nofile_hard else resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, hard))
 
     def _stderr(self) -> str:
         if self.log_path:

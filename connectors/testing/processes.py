@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -155,3 +156,60 @@ def serve_json_lines(ready: Callable[[], dict], handlers: Mapping[str, Callable[
             out(handlers[op](**req))
         except Exception as e:  # noqa: BLE001 - reported to the parent
             out({"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()})
+
+
+# ---------------------------------------------------------------------------------
+# Connection floods (bounded: each helper opens at most ``n`` sockets, to loopback)
+# ---------------------------------------------------------------------------------
+
+
+def open_file_limit(n: int) -> Callable[[], None]:
+    """A ``preexec_fn`` that starts a child with ``n`` as both its soft and hard open-file limit
+    (it cannot raise it: the limit an operator's unit file may set)."""
+
+    def apply() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return apply
+
+
+def hold_connections(port: int, n: int, host: str = "127.0.0.1") -> list[socket.socket]:
+    """Open up to ``n`` TCP connections to ``host:port`` that never send a byte; those the
+    kernel refuses are skipped. The caller closes them. Needs about ``n`` free descriptors."""
+    held = []
+    for _ in range(n):
+        s = socket.socket()
+        s.settimeout(2)
+        try:
+            s.connect((host, port))
+        except OSError:
+            s.close()
+            continue
+        held.append(s)
+    return held
+
+
+def still_open(socks: list[socket.socket], within: float) -> list[socket.socket]:
+    """The sockets the other side has not closed (EOF or reset) within ``within`` seconds."""
+    import selectors
+
+    deadline = time.monotonic() + within
+    left = set(socks)
+    with selectors.DefaultSelector() as sel:
+        for s in socks:
+            sel.register(s, selectors.EVENT_READ)
+        while left and (wait := deadline - time.monotonic()) > 0:
+            for key, _ in sel.select(wait):
+                s = key.fileobj
+                try:
+                    closed = s.recv(4096) == b""  # bytes the server sent (its HTTP/2 settings) are read past
+                except ConnectionResetError:
+                    closed = True
+                except OSError:
+                    closed = False
+                if closed:
+                    sel.unregister(s)
+                    left.discard(s)
+    return [s for s in socks if s in left]

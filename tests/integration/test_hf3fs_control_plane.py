@@ -17,13 +17,13 @@ import time
 
 import pytest
 
-from kvconnect.connectors.base import ConfigError
+from kvconnect.connectors.base import BackendUnavailable, ConfigError
 from kvconnect.connectors.buffers import HostBuffer
 from kvconnect.connectors.registry import create_store
 from kvconnect.connectors.testing.conformance import PAGE, page_bytes
 from kvconnect.connectors.testing.hf3fs import MetaProcess
 from kvconnect.connectors.testing.netns import Netns, netns_available
-from kvconnect.connectors.testing.processes import child_env, free_port, stop
+from kvconnect.connectors.testing.processes import child_env, free_port, hold_connections, still_open, stop
 
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
 
@@ -75,15 +75,7 @@ def test_two_thousand_idle_connections_do_not_lock_out_a_client(tmp_path):
         store = create_store("hf3fs", opts(tmp_path, meta, tok))
         port = store.meta._endpoint(time.monotonic() + 3)  # the framed TCP port the service announces
         assert port
-        for _ in range(2000):  # bounded: one connection each, none authenticates
-            s = socket.socket()
-            s.settimeout(2)
-            try:
-                s.connect(("127.0.0.1", port))
-            except OSError:
-                s.close()
-                continue
-            idle.append(s)
+        idle = hold_connections(port, 2000)  # bounded: one connection each, none authenticates
         store.close()  # its pooled connection predates the flood
         t0 = time.monotonic()
         fresh = create_store("hf3fs", opts(tmp_path, meta, tok))
@@ -97,22 +89,59 @@ def test_two_thousand_idle_connections_do_not_lock_out_a_client(tmp_path):
         assert took < 3.0, f"served after {took:.2f}s"
         assert len(idle) >= 1900
         # every idle connection was closed by the service within the HELLO deadline (+ slack)
-        deadline = time.monotonic() + 10
-        open_left = list(idle)
-        while open_left and time.monotonic() < deadline:
-            still = []
-            for s in open_left:
-                s.settimeout(max(0.01, deadline - time.monotonic()))
-                try:
-                    if s.recv(1) == b"":
-                        continue
-                except ConnectionResetError:
-                    continue
-                except OSError:
-                    pass
-                still.append(s)
-            open_left = still
+        open_left = still_open(idle, 10)
         assert not open_left, f"{len(open_left)} unauthenticated connections still open"
+    finally:
+        for s in idle:
+            s.close()
+        meta.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_two_thousand_idle_grpc_connections_at_a_hard_limit_of_1024(tmp_path):
+    """The gRPC port (framed TCP off, so clients use gRPC) of a service whose soft and hard
+    open-file limits are both 1,024: 2,000 TCP connections that never start HTTP/2 are held.
+    gRPC accepts at most ``rpc.connection_limit()`` of them (closing the rest at once) and closes
+    those that do not finish the handshake within ``rpc.HANDSHAKE_TIMEOUT_MS``; a real client
+    then writes and reads pages byte-exact, a refused attempt being a miss, not a hang."""
+    from kvconnect.connectors.rpc import HANDSHAKE_TIMEOUT_MS
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2200:
+        pytest.skip(f"the test itself holds 2,000 sockets: needs an open-file hard limit >= 2200 (have {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    tok = token_file(tmp_path)
+    meta = MetaProcess(tmp_path / "meta", tok, nofile=1024, nofile_hard=True, args=["--tcp-port", "-1"]).start()
+    idle: list[socket.socket] = []
+    try:
+        idle = hold_connections(meta.port, 2000)
+        assert len(idle) >= 1900
+        t0 = time.monotonic()
+        store = None
+        for _ in range(10):  # bounded: a start while the cap is full fails fast (BackendUnavailable), as designed
+            try:
+                store = create_store("hf3fs", opts(tmp_path, meta, tok, client_timeout=1))
+                break
+            except BackendUnavailable:
+                continue
+        assert store is not None, f"no start in {time.monotonic() - t0:.1f}s"
+        try:
+            keys = [f"grpc-flood-{i}" for i in range(8)]
+            for attempt in range(40):  # bounded: the first tries may be refused while the cap is full
+                put, got, right = put_get(store, keys, gen=attempt)
+                if put == [True] * 8:
+                    break
+                time.sleep(0.25)
+            took = time.monotonic() - t0
+        finally:
+            store.close()
+        assert put == [True] * 8 and got == [True] * 8 and all(right), (put, got)
+        assert took < HANDSHAKE_TIMEOUT_MS / 1000 + 4, f"served after {took:.2f}s"
+        assert meta.proc.poll() is None
+        # the service closed every connection that never handshook: those past its cap at once,
+        # the rest at the handshake deadline (+ slack)
+        open_left = still_open(idle, HANDSHAKE_TIMEOUT_MS / 1000 + 5)
+        assert not open_left, f"{len(open_left)} connections without a handshake still open"
     finally:
         for s in idle:
             s.close()

@@ -120,21 +120,69 @@ else:
         finally:
             s.close()
 
-    def _serve(tmp_path, name: str, args: list[str], env: dict | None = None, expect_ready: bool = True):
-        from kvconnect.connectors.testing.processes import child_env
+    def _serve(tmp_path, name: str, args: list[str], env: dict | None = None, expect_ready: bool = True,
+               nofile: int | None = None):
+        from kvconnect.connectors.testing.processes import child_env, open_file_limit
 
         ready = tmp_path / f"ready-{name}"
         log = tmp_path / f"{name}.log"
         p = subprocess.Popen([python(), "-m", "kvconnect", "peer", "serve", "--protocol", "tcp",
                               "--global-segment-size", str(16 * PAGE), "--ready-file", str(ready), *args],
                              env=child_env(env or {}), stdout=subprocess.DEVNULL, stderr=open(log, "w"),
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=open_file_limit(nofile) if nofile else None)
         deadline = time.monotonic() + 60
         while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         if expect_ready:
             assert ready.exists(), log.read_text()[-3000:]
         return p, log
+
+    def test_two_thousand_idle_connections_at_a_hard_limit_of_1024(tmp_path):
+        """A node (``kvconnect peer serve``) whose soft and hard open-file limits are both 1,024:
+        2,000 TCP connections to its control port that never start HTTP/2 are held. gRPC takes at
+        most ``rpc.connection_limit()`` of them and closes those without a handshake after
+        ``rpc.HANDSHAKE_TIMEOUT_MS``; a client with the token is then served (a refused try is
+        an error at once, not a hang), and the node stays up."""
+        import resource
+
+        from kvconnect.connectors.peer_rdma.rpc import Clients, RpcError
+        from kvconnect.connectors.rpc import HANDSHAKE_TIMEOUT_MS
+        from kvconnect.connectors.testing.processes import hold_connections, still_open
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and hard < 2200:
+            pytest.skip(f"the test holds 2,000 sockets: needs an open-file hard limit >= 2200 (have {hard})")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        tok = tmp_path / "tok"
+        tok.write_text("peer-secret\n")
+        port = free_port()
+        p, log = _serve(tmp_path, "flooded", ["--discovery-addr", f"127.0.0.1:{port}", "--auth-token-file", str(tok)],
+                        nofile=1024)
+        idle: list[socket.socket] = []
+        good = Clients("peer-secret", 1.0)
+        try:
+            idle = hold_connections(port, 2000)
+            assert len(idle) >= 1900
+            t0, stats, errors = time.monotonic(), None, []
+            for _ in range(40):  # bounded
+                try:
+                    stats = good.call(f"127.0.0.1:{port}", "Stats", [])
+                    break
+                except RpcError as e:
+                    errors.append(str(e))
+                    time.sleep(0.25)
+            took = time.monotonic() - t0
+            assert stats is not None and stats["members"] == 1, errors[-3:]
+            assert took < HANDSHAKE_TIMEOUT_MS / 1000 + 4, f"served after {took:.2f}s"
+            open_left = still_open(idle, HANDSHAKE_TIMEOUT_MS / 1000 + 5)
+            assert not open_left, f"{len(open_left)} connections without a handshake still open"
+            assert p.poll() is None, log.read_text()[-2000:]
+        finally:
+            good.close()
+            for s in idle:
+                s.close()
+            stop(p)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     def test_peer_serve_warnings_and_token_file(tmp_path):
         """``kvconnect peer serve``: a WARNING for a control plane on 0.0.0.0 without a token
