@@ -180,6 +180,29 @@ def _page_segments(pool: Any, stride: int) -> tuple[List[int], List[int]]:
     return ptrs, sizes
 
 
+def kv_geometry(kind: str, pool: Any) -> str:
+    """The page geometry of an MHA (``kind`` "mha") or MLA ("mla") KV pool. SGLang's host and
+    device pools name it alike, so the SGLang linker keys its device pages the same way."""
+    if kind == "mha":
+        return f"mha:L{pool.layer_num}:H{pool.head_num}:D{pool.head_dim}"
+    return f"mla:L{pool.layer_num}:D{pool.kv_cache_dim}"
+
+
+def pool_keyspace(base: KeySpace, name: str, *, layout: Any, page_size: int, stored_dtype: Any, geometry: str,
+                  replicated: bool, is_kv: bool, kv_cache_dtype: Optional[str] = None) -> KeySpace:
+    """The key space of pool ``name`` of the engine rank ``base`` describes (HiCache adapter and
+    linker alike). ``is_kv``: an MHA / MLA KV pool, whose logical dtype and scales come from
+    ``kv_cache_dtype`` (None: SGLang's server args, where published); other pools keep their
+    buffers' dtype."""
+    if is_kv:
+        declared = kv_cache_dtype if kv_cache_dtype is not None else sglang_kv_cache_dtype()
+        dtype, kv_scales = resolve_kv_dtype(stored_dtype, declared, where=ADAPTER)
+    else:
+        dtype, kv_scales = resolve_kv_dtype(stored_dtype, where=ADAPTER)
+    return dataclasses.replace(base, pool=name, layout=str(layout or "none"), page_size=page_size, dtype=dtype,
+                               kv_scales=kv_scales, geometry=geometry, rank_replicated=replicated)
+
+
 def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, store: PageStore,
                   kv_cache_dtype: Optional[str] = None) -> PoolIO:
     """The ``PoolIO`` of one host pool of the engine process ``context`` describes, or
@@ -205,12 +228,12 @@ def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, 
         v_head_dim = getattr(pool, "v_head_dim", pool.head_dim)
         if v_head_dim != pool.head_dim:
             raise Unsupported(f"{what}: head_dim {pool.head_dim} != v_head_dim {v_head_dim}", ADAPTER)
-        geometry = f"mha:L{pool.layer_num}:H{pool.head_num}:D{pool.head_dim}"
+        geometry = kv_geometry("mha", pool)
         zero_copy, flat, is_kv = True, True, True
     elif _uses_page_methods_of(pool, mla_cls):
         if layout not in MLA_LAYOUTS:
             raise Unsupported(f"{what}: layout {layout!r}", ADAPTER, MLA_LAYOUTS)
-        geometry = f"mla:L{pool.layer_num}:D{pool.kv_cache_dim}"
+        geometry = kv_geometry("mla", pool)
         zero_copy, flat, is_kv = True, True, True
     else:
         # Any other pool (Mamba state, DSA indexer, a subclass with its own page format):
@@ -253,14 +276,8 @@ def describe_pool(pool: Any, context: EngineContext, base: KeySpace, name: str, 
         geometry += f":fmt[{fmt}]"  # SGLang's own name for a page byte format of its own
     if dcp_size > 1:
         geometry += f":dcp{context.dcp_rank}of{dcp_size}:tp{context.tp_size}:lp{stride}"
-    if is_kv:
-        declared = kv_cache_dtype if kv_cache_dtype is not None else sglang_kv_cache_dtype()
-        dtype, kv_scales = resolve_kv_dtype(_stored_dtype(pool), declared, where=ADAPTER)
-    else:
-        dtype, kv_scales = resolve_kv_dtype(_stored_dtype(pool), where=ADAPTER)
-    ks = dataclasses.replace(
-        base, pool=name, layout=str(layout or "none"), page_size=page_size, dtype=dtype, kv_scales=kv_scales,
-        geometry=geometry, rank_replicated=replicated)
+    ks = pool_keyspace(base, name, layout=layout, page_size=page_size, stored_dtype=_stored_dtype(pool),
+                       geometry=geometry, replicated=replicated, is_kv=is_kv, kv_cache_dtype=kv_cache_dtype)
     io = PoolIO(name=name, pool=pool, keyspace=ks, context=context.for_pool(name, rank_replicated=replicated),
                 store=PrefixedStore.for_keyspace(store, ks), stride=stride, page_nbytes=page_nbytes,
                 zero_copy=zero_copy, segs_per_page=segs_per_page, kv_interleaved=interleaved, flat=flat)
