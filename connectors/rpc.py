@@ -168,8 +168,13 @@ def is_loopback(host: str) -> bool:
 
 
 def warn_if_open(what: str, host: str, token: str | None, logger: logging.Logger = log) -> bool:
-    """Log a WARNING when a control plane listens beyond loopback without a token; True if so."""
-    if token or is_loopback(host):
+    """Log a WARNING when a control plane listens beyond loopback without a token; True if so.
+    On loopback without a token an INFO line says that every local user may use it."""
+    if token:
+        return False
+    if is_loopback(host):
+        logger.info("%s listens on %s without an auth token: every user of this host can read, write and "
+                    "clear the cache through it (set a token to keep other local users out)", what, host)
         return False
     logger.warning("%s listens on %s with NO auth token: anyone who reaches this address can read, "
                    "write and clear the cache. Set a token (--auth-token-file FILE, auth_token_file, or "

@@ -34,6 +34,7 @@ from it. Keys are ``bytes`` without ``b"\\n"`` (the wire format joins keys with 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from array import array
@@ -55,9 +56,14 @@ PUT_DUP = 2  # the key is stored or in flight elsewhere; the slot stays leased t
 
 FREE, RESERVED, CONFIRMED = 0, 1, 2
 
+log = logging.getLogger("kvconnect.hf3fs.index")
+
 MAX_PAGES = 1 << 27
 """Pages one namespace (data file) may have: the index keeps ~40 bytes per page from the
 start (5 GiB at this bound), so a file_size typo must not become an allocation."""
+INDEX_BYTES_PER_PAGE = 29
+"""Of those, allocated when the namespace is created: state 1, generation 8, crc 4, read lease 8,
+write lease 8 (the key map grows with the pages stored)."""
 
 DEFAULT_READ_LEASE_S = 2.0
 DEFAULT_WRITE_LEASE_S = 30.0
@@ -136,6 +142,9 @@ class PageIndex:
         self.journal = journal
         self.clock = clock
         self.spaces: dict[str, Namespace] = {}
+        # evict_listeners(ns, keys): told under the lock of every LRU eviction (the in-process
+        # index's store reports them; they only queue, never call the index)
+        self.evict_listeners: tuple = ()
 
     # ------------------------------------------------------------------ namespaces
     def initialize(self, ns: str, num_pages: int, page_bytes: int) -> NamespaceInfo:
@@ -154,6 +163,9 @@ class PageIndex:
                     raise IndexError_(f"namespace {ns!r}: {num_pages} pages; at most {MAX_PAGES} per file "
                                       "(a smaller file_size)")
                 space = self.spaces[ns] = Namespace(ns, num_pages, page_bytes)
+                # allocated up front (2^27 pages: ~3.6 GiB): say so, an operator sizing file_size sees it
+                log.info("page index: namespace %s created, %d pages of %d bytes, %.1f MiB of index memory",
+                         ns, num_pages, page_bytes, num_pages * INDEX_BYTES_PER_PAGE / (1 << 20))
                 if self.journal is not None:
                     self.journal.record("init", ns, num_pages=num_pages, page_bytes=page_bytes)
             if space is None:
@@ -246,6 +258,8 @@ class PageIndex:
         if sp.evicted:
             if self.journal is not None:
                 self.journal.record("delete", sp.name, keys=sp.evicted)
+            for listener in self.evict_listeners:
+                listener(sp.name, sp.evicted)
             sp.evicted = []
 
     # ------------------------------------------------------------------ write leases

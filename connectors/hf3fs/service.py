@@ -101,8 +101,11 @@ class MetaService:
     def dispatch(self, msg: bytes) -> bytes:
         """One ``<u8 method><request>`` message -> ``<u8 OK><reply>`` or ``<u8 ERR><code>\\n<text>``
         (the Session stream and framed TCP share it)."""
+        method = self.by_id[msg[0]] if msg and msg[0] < len(self.by_id) else None
+        if method is None:  # a frame from something that is not a kvconnect client: say so, not a traceback
+            return P.ERR + f"INVALID_ARGUMENT\nunknown method id {msg[0] if msg else 'none'}".encode()
         try:
-            return P.OK + self._run(self.by_id[msg[0]], msg[1:])
+            return P.OK + self._run(method, msg[1:])
         except _Abort as a:
             return P.ERR + f"{a.code.name}\n{a.message}".encode()
         except Exception as e:  # noqa: BLE001 - a bad message must not end the stream

@@ -149,6 +149,45 @@ def test_two_thousand_idle_grpc_connections_at_a_hard_limit_of_1024(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def test_unknown_framed_method_is_refused_by_name_not_with_a_traceback(tmp_path):
+    """After HELLO, a framed message whose method id the service does not have is answered
+    ``INVALID_ARGUMENT unknown method id``: no Python exception text goes back, and the
+    connection keeps serving (a real Endpoint call on it afterwards). An empty frame breaks the
+    framing itself: the service closes that connection."""
+    from kvconnect.connectors.hf3fs import protocol as P
+
+    tok = token_file(tmp_path)
+    meta = MetaProcess(tmp_path / "meta", tok).start()
+    try:
+        store = create_store("hf3fs", opts(tmp_path, meta, tok))
+        port = store.meta._endpoint(time.monotonic() + 3)
+        store.close()
+
+        def call(sock, msg: bytes) -> bytes:
+            sock.sendall(P.FRAME.pack(len(msg)) + msg)
+            data = b""
+            while len(data) < 4 or len(data) < 4 + P.FRAME.unpack_from(data)[0]:
+                chunk = sock.recv(1 << 16)
+                assert chunk, "the service closed the connection"
+                data += chunk
+            return data[4:4 + P.FRAME.unpack_from(data)[0]]
+
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+            assert call(sock, bytes((P.HELLO,)) + tok.read_text().encode())[:1] == P.OK
+            for msg in (bytes((200,)) + b"junk", bytes((len(P.METHODS),))):
+                rep = call(sock, msg)
+                assert rep[:1] == P.ERR, rep
+                code, _, text = rep[1:].decode().partition("\n")
+                assert code == "INVALID_ARGUMENT" and text.startswith("unknown method id"), rep
+                assert "Error" not in text and "Traceback" not in text
+            rep = call(sock, bytes((P.METHOD_ID["Endpoint"],)))
+            assert rep[:1] == P.OK and len(rep) == 3 and int.from_bytes(rep[1:], "little") == port
+            sock.sendall(P.FRAME.pack(0))
+            assert sock.recv(16) == b""
+    finally:
+        meta.stop()
+
+
 def _rss_kb(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
