@@ -14,6 +14,12 @@ engine's ``EngineContext``.
 
 Third-party stores: the ``kvconnect.stores`` entry-point group (``name = "pkg.mod:Class"``),
 ``register_store()``, or ``"pkg.mod:Class"`` in place of a name.
+
+Every store may name its test harness (``harness``: ``"module:Class"`` of a
+``kvconnect.connectors.testing.harness.StoreHarness``, which starts the store's services for
+tests and says what it claims): by string only, so this module never imports a test kit.
+Plugins name theirs in the ``kvconnect.harnesses`` entry-point group (same name as the store)
+or with ``register_store(..., harness=...)``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class StoreSpec:
     summary: str
     requires: tuple[str, ...] = ()  # top-level modules the store cannot load without
     optional: tuple[tuple[str, str], ...] = ()  # (module, what needs it): features that need more
+    harness: str | None = None  # "module:Class" of its test harness (kvconnect.connectors.testing.harness)
 
     def missing(self) -> tuple[list[str], list[tuple[str, str]]]:
         """(required modules not installed, optional (module, feature) pairs not installed)."""
@@ -52,15 +59,19 @@ _BUILTIN: dict[str, StoreSpec] = {
     spec.name: spec
     for spec in (
         StoreSpec("memory", "kvconnect.connectors.memory:MemoryStore", None,
-                  "in-process LRU store (reference, embedded default)"),
+                  "in-process LRU store (reference, embedded default)",
+                  harness="kvconnect.connectors.testing.harness:MemoryHarness"),
         StoreSpec("hf3fs", "kvconnect.connectors.hf3fs.store:HF3FSStore", "hf3fs",
                   "pages in files (3FS usrbio or POSIX) + page index (in-process or durable gRPC service)",
-                  optional=(("grpc", "metadata_server_url"),)),
+                  optional=(("grpc", "metadata_server_url"),),
+                  harness="kvconnect.connectors.testing.store_harnesses:HF3FSHarness"),
         StoreSpec("mooncake", "kvconnect.connectors.mooncake.store:MooncakeStore", "mooncake",
-                  "Mooncake Store (mooncake_master + client segments), zero-copy", ("mooncake",)),
+                  "Mooncake Store (mooncake_master + client segments), zero-copy", ("mooncake",),
+                  harness="kvconnect.connectors.testing.store_harnesses:MooncakeHarness"),
         StoreSpec("peer_rdma", "kvconnect.connectors.peer_rdma.store:PeerRdmaStore", "peer",
                   "peer memory pool: gRPC membership, one-sided reads via Mooncake TE",
-                  ("grpc", "msgpack", "xxhash", "mooncake")),
+                  ("grpc", "msgpack", "xxhash", "mooncake"),
+                  harness="kvconnect.connectors.testing.store_harnesses:PeerRdmaHarness"),
     )
 }
 
@@ -68,17 +79,20 @@ _lock = threading.Lock()
 _registry: dict[str, StoreSpec] = dict(_BUILTIN)
 _entry_points_loaded = False
 ENTRY_POINT_GROUP = "kvconnect.stores"
+HARNESS_ENTRY_POINT_GROUP = "kvconnect.harnesses"
 
 
 def register_store(name: str, target: str, *, extra: str | None = None, summary: str = "",
-                   requires: tuple[str, ...] = (), replace: bool = False) -> None:
-    """Register a store under ``name``. Duplicates are errors unless ``replace``."""
-    if ":" not in target:
-        raise ValueError(f"store target must be 'module:Class', got {target!r}")
+                   requires: tuple[str, ...] = (), harness: str | None = None, replace: bool = False) -> None:
+    """Register a store under ``name`` (``harness``: ``"module:Class"`` of its test harness).
+    Duplicates are errors unless ``replace``."""
+    for key, value in (("target", target), ("harness", harness)):
+        if value is not None and ":" not in value:
+            raise ValueError(f"store {key} must be 'module:Class', got {value!r}")
     with _lock:
         if name in _registry and not replace:
             raise ValueError(f"store {name!r} is already registered ({_registry[name].target})")
-        _registry[name] = StoreSpec(name, target, extra, summary, requires)
+        _registry[name] = StoreSpec(name, target, extra, summary, requires, harness=harness)
 
 
 def _load_entry_points() -> None:
@@ -88,10 +102,12 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     from importlib.metadata import entry_points
 
+    harnesses = {ep.name: ep.value for ep in entry_points(group=HARNESS_ENTRY_POINT_GROUP)}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         with _lock:
             if ep.name not in _registry:
-                _registry[ep.name] = StoreSpec(ep.name, ep.value, None, f"plugin ({ep.value})")
+                _registry[ep.name] = StoreSpec(ep.name, ep.value, None, f"plugin ({ep.value})",
+                                               harness=harnesses.get(ep.name))
 
 
 def available_stores() -> dict[str, StoreSpec]:

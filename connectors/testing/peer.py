@@ -45,15 +45,18 @@ def exec_in(ns: Netns | str, argv: list[str], **kw) -> subprocess.Popen:
 
 
 class Worker(JsonWorker):
-    """A pool node in namespace ``ns``, driven by JSON lines (``worker_main`` is its side)."""
+    """A pool node in namespace ``ns``, driven by JSON lines (``worker_main`` is its side).
 
-    def __init__(self, ns: Netns | str, options: dict, host_pool: dict | None = None, name: str = "w",
-                 log_dir: Path | None = None):
+    ``store``: another store in place of the pool node (any registry name; ``node_id`` is
+    then None and ``metrics`` is the pool's only); ``ns`` None: this process's namespace."""
+
+    def __init__(self, ns: Netns | str | None, options: dict, host_pool: dict | None = None, name: str = "w",
+                 log_dir: Path | None = None, store: str = "peer_rdma"):
         self.ns = ns
-        spec = json.dumps({"options": options, "host_pool": host_pool, "name": name})
+        spec = json.dumps({"options": options, "host_pool": host_pool, "name": name, "store": store})
+        prefix = ["ip", "netns", "exec", getattr(ns, "name", ns)] if ns is not None else []
         super().__init__([python(), "-u", "-m", "kvconnect.connectors.testing.peer", spec], name=name,
-                         log_dir=log_dir, prefix=["ip", "netns", "exec", getattr(ns, "name", ns)],
-                         env=MOONCAKE_QUIET_ENV)
+                         log_dir=log_dir, prefix=prefix, env=MOONCAKE_QUIET_ENV)
         self.node_id = self.ready["node_id"]
 
 
@@ -155,7 +158,7 @@ class WorkerNode:
         options = dict(spec["options"])
         self.metrics_port = options.pop("metrics_port", None)  # the process's /metrics, as an engine serves it
         self.metrics_host = options.pop("metrics_host", options.pop("metrics_bind_host", "127.0.0.1"))
-        self.store = create_store("peer_rdma", options)
+        self.store = create_store(options.pop("store", None) or spec.get("store", "peer_rdma"), options)
         if self.metrics_port is not None:
             from kvconnect.connectors import metrics
 
@@ -163,7 +166,7 @@ class WorkerNode:
             self.metrics_port = metrics.serve_metrics(self.metrics_port, host=self.metrics_host)
         if spec.get("register", True):
             self.store.register_memory(*self.pages.region())
-        self.timeout = self.store.config.timeout
+        self.timeout = getattr(self.store.config, "timeout", 5.0)
         self.load_thread: threading.Thread | None = None
         self.load_stop = threading.Event()
         self.load_report: dict = {}
@@ -257,7 +260,8 @@ def worker_main() -> None:
     def ready() -> dict:
         nonlocal node
         node = WorkerNode(spec)
-        return {"node_id": node.store.node.node_id}
+        peer = getattr(node.store, "node", None)
+        return {"node_id": peer.node_id if peer is not None else None}
 
     serve_json_lines(ready, {
         "write": lambda keys, seed: node.write(keys, seed),

@@ -49,7 +49,7 @@ class RankProcess(JsonWorker):
 # ---------------------------------------------------------------------------------
 
 
-class _Engine:
+class RankEngine:
     """One engine's backend on this rank, with its KV and Mamba host pools."""
 
     def __init__(self, store: str, options: dict, spec: dict):
@@ -139,11 +139,11 @@ def rank_main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(sys.argv[1])
-    engines: dict[str, _Engine] = {}
+    engines: dict[str, RankEngine] = {}
 
     def ready() -> dict:
         for e in spec["engines"]:
-            engines[e["name"]] = _Engine(spec["store"], spec["options"], e)
+            engines[e["name"]] = RankEngine(spec["store"], spec["options"], e)
         return {"engines": sorted(engines)}
 
     serve_json_lines(ready, {
