@@ -1,0 +1,603 @@
+"""SGLang 0.5.23's unified-cache external linker over any kvconnect ``PageStore``.
+
+The linker moves KV between SGLang's *device* pools and a store directly, with no HiCache
+host pool in between; it is the path SGLang takes for hybrid models (Mamba state, SWA side
+pools) and for rank-deduplicated MLA. Load it with::
+
+    --enable-unified-cache-external-linker --unified-cache-external-linker-backend dynamic \\
+    --unified-cache-external-linker-config '{"linker": "KVConnectLinker",
+        "linker_module_path": "kvconnect.connectors.engines.sglang_linker",
+        "linker_extra_config": {"store": "memory", "capacity": "8gb"}}'
+
+``linker_extra_config`` is the HiCache adapter's extra config without SGLang's backend keys:
+``store`` (a registry name or ``"pkg.mod:Class"``), the store's options inline (or under
+``store_options``), ``tenant``, ``model_fingerprint``, ``metrics_port``, ``metrics_host``, and
+the linker's own ``layer_groups`` and ``lookup_timeout_s`` (see ``LinkerOptions``).
+
+Pools: SGLang's ``resolve_hybrid_device_pool_group`` for the models it assembles (FULL +
+Mamba, FULL + SWA + Mamba, DSA, DeepSeek-V4); for plain MHA / MLA KV and FULL + SWA, which
+SGLang 0.5.23 assembles for no linker, the same ``DevicePoolEntry`` views built here
+(``device_pool_group``). Every physical pool is its own key space (``kv``, ``swa``,
+``mamba``, ...).
+
+Keys: SGLang's own page hashes (the tree salts them with the request's ``extra_key`` /
+``cache_salt``) under the HiCache adapter's key spaces (``sglang_pools.pool_keyspace``). A
+KV page is its segments in ``get_page_buffer_meta`` order, all K layers then all V layers
+(MLA: all layers), which is the flat page of a ``layer_first`` host pool: pages the linker
+stores are the pages the HiCache adapter stores from a ``layer_first`` host pool of the same
+model, geometry and dtype, and the other way round. Other host layouts order a page's bytes
+differently and so are other key spaces. Side pools (SWA, Mamba) are keyed by the linker's
+own device-row geometry and shared with linkers only.
+
+Rank-replicated pools (MLA): the TP rank is left out of the key, the writer rank (TP rank 0)
+offloads, every rank loads. A TP-sharded side pool (Mamba) keeps its rank.
+
+Layer-wise load: with ``layer_groups`` = G > 1 a page is stored as G keys, one per group of
+consecutive layers; a load reads the groups in order and releases each group's layers to
+the forward (``layer_done_counter``) as soon as they land, over any store. G = 1 (default)
+keeps one key per page, shared with the HiCache adapter; all layers land together.
+
+Failures: nothing raises into SGLang's threads. A lookup runs under ``lookup_timeout_s``
+(it is on the scheduler's thread): a store that raises or does not answer in time is a miss,
+and while one lookup is stuck the next ones miss at once. A load that raises or misses a
+page fails its batch (SGLang aborts those requests rather than use their KV); its duration
+is bounded by the store's own I/O timeouts, since SGLang may free the slots only once the
+store stopped writing into them. An offload that fails is reported failed (the node stays
+unstored). On an accelerator the store must reach device memory (``device_memory``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from queue import Empty, Queue
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.hybrid_cache.linker_pool_assembler import (
+    DevicePoolEntry,
+    DevicePoolGroup,
+    resolve_hybrid_device_pool_group,
+)
+from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoadCounter, UnifiedCacheLinker
+
+from kvconnect.connectors.base import Capability, ConfigError, Page
+from kvconnect.connectors.context import EngineContext
+from kvconnect.connectors.engines.common import ErrorCounter, RateLimitedLog, build_store, serve_store_metrics
+from kvconnect.connectors.engines.sglang_hicache import base_keyspace, required_capabilities
+from kvconnect.connectors.engines.sglang_pools import RANK_SHARDED_POOLS, kv_geometry, pool_keyspace
+from kvconnect.connectors.engines.sglang_shims import pool_name
+from kvconnect.connectors.views import PrefixedStore, exists_many, get_many, put_many
+from kvconnect.namespace.hits import HitPolicy, restorable_prefixes
+
+log = logging.getLogger("kvconnect.sglang_linker")
+
+ADAPTER = "kvconnect sglang linker"
+LINKER_KEYS = ("layer_groups", "lookup_timeout_s", "kv_cache_dtype")
+
+
+@dataclass(frozen=True)
+class LinkerOptions:
+    """The linker's own keys of ``linker_extra_config``."""
+
+    layer_groups: int = 1
+    """Keys per page, one per group of consecutive layers (1: one key per page, shared with
+    the HiCache adapter; G > 1: layer-wise loads, each group released as it lands)."""
+    lookup_timeout_s: float = 1.0
+    """How long a lookup (on SGLang's scheduler thread) waits for the store; then a miss."""
+
+    @classmethod
+    def parse(cls, extra: dict, num_layers: int) -> "LinkerOptions":
+        groups = extra.get("layer_groups", 1)
+        if isinstance(groups, bool) or not isinstance(groups, int) or not 1 <= groups <= num_layers:
+            raise ConfigError("layer_groups", f"expected an integer, got {groups!r}",
+                              f"1..{num_layers} (the model's transfer layers)", ADAPTER)
+        timeout = extra.get("lookup_timeout_s", 1.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
+            raise ConfigError("lookup_timeout_s", f"expected seconds, got {timeout!r}", "a number in (0, 60]", ADAPTER)
+        return cls(groups, float(timeout))
+
+
+# ---------------------------------------------------------------------------------
+# Device pools
+# ---------------------------------------------------------------------------------
+
+
+def _kv_entry(name: Any, pool: Any, layer_mapping: Dict[int, int], page_size: int) -> DevicePoolEntry:
+    """The linker view of one plain MHA or MLA device pool (``layer_mapping``: transfer layer
+    -> the pool's layer)."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if getattr(pool, "k_scale_buffer", None) is not None or getattr(pool, "native_k_scale_buffer", None) is not None:
+        raise ConfigError("kv_cache_dtype", "scaled (quantized with scales) KV caches are not supported by the linker",
+                          "an unscaled KV cache dtype", ADAPTER)
+    if isinstance(pool, MLATokenToKVPool):
+        components, mapping = [list(pool.kv_buffer)], dict(layer_mapping)
+    elif isinstance(pool, MHATokenToKVPool):
+        n = len(pool.k_buffer)
+        components = [[*pool.k_buffer, *pool.v_buffer]]
+        mapping = {layer: (index, n + index) for layer, index in layer_mapping.items()}
+    else:
+        raise ConfigError("model", f"device pool {type(pool).__name__} is not a plain MHA or MLA pool",
+                          "MHATokenToKVPool, MLATokenToKVPool", ADAPTER)
+    return DevicePoolEntry(name=name, indices_from_pool=name, device_pool=pool, components=components,
+                           layer_mapping=mapping, page_size=page_size, rows_are_pages=False)
+
+
+def device_pool_group(kvcache: Any, params: Any, components: set) -> DevicePoolGroup:
+    """The device pools the linker moves: SGLang's assembly where it has one, else plain KV
+    (MHA / MLA) or FULL + SWA built from SGLang's ``DevicePoolEntry``."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    page_size = params.page_size
+    if components == {ComponentType.FULL} and hasattr(kvcache, "layer_num") and not isinstance(kvcache, SWAKVPool):
+        try:
+            entry = _kv_entry(PoolName.KV, kvcache, {i: i for i in range(kvcache.layer_num)}, page_size)
+        except ConfigError as e:
+            if "not a plain" not in e.problem:
+                raise
+        else:
+            return DevicePoolGroup([entry], kvcache.layer_num, page_size,
+                                   rank_replicated=isinstance(kvcache, MLATokenToKVPool))
+    if components == {ComponentType.FULL, ComponentType.SWA} and isinstance(kvcache, SWAKVPool):
+        from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _swa_layer_mappings
+
+        full, swa = _swa_layer_mappings(kvcache)
+        entries = [_kv_entry(PoolName.KV, kvcache.full_kv_pool, full, page_size),
+                   _kv_entry(PoolName.SWA, kvcache.swa_kv_pool, swa, page_size)]
+        layers = max(layer for e in entries for layer in e.layer_mapping) + 1
+        return DevicePoolGroup(entries, layers, page_size)
+    try:
+        return resolve_hybrid_device_pool_group(kvcache=kvcache, page_size=page_size, params=params,
+                                                components=components)
+    except (ValueError, AssertionError) as e:
+        raise ConfigError("model", f"SGLang has no linker pool layout for this model: {e}",
+                          "plain MHA / MLA, FULL + SWA, and the models SGLang's assembler supports",
+                          ADAPTER) from e
+
+
+@dataclass
+class LinkedPool:
+    """One physical device pool under its key space: ``groups[g]`` is the key suffix and
+    buffer items (buffer index per component) of layer group ``g`` (None where the pool has
+    no layer in it)."""
+
+    name: str
+    entry: DevicePoolEntry
+    store: PrefixedStore
+    context: EngineContext
+    groups: List[Optional[List[int]]]  # per layer group: the transfer layers of this pool in it
+    page_nbytes: int
+
+    @property
+    def is_writer(self) -> bool:
+        return self.context.is_writer
+
+    def group_keys(self, keys: Sequence[str], g: int, of: int) -> List[str]:
+        return list(keys) if of == 1 else [f"{k}.lg{g}" for k in keys]
+
+    def group_pages(self, rows: List[int], g: int, of: int) -> List[Page]:
+        """The segments of layer group ``g`` of the pages at ``rows`` (rows: ``prepare_locations``)."""
+        entry = self.entry
+        if of == 1:
+            ptrs = [base + row * stride for row in rows for comp in entry.buffer_meta for base, stride, _ in comp]
+            sizes = [size for comp in entry.buffer_meta for _, _, size in comp]
+            per = len(sizes)
+            return [list(zip(ptrs[i * per:(i + 1) * per], sizes)) for i in range(len(rows))]
+        pages: List[Page] = [[] for _ in rows]
+        for layer in self.groups[g] or ():
+            meta = entry.get_prepared_layer_range_meta(rows, layer)
+            if meta is None:
+                continue
+            ptrs, sizes, _ = meta
+            per_row = len(ptrs) // max(1, len(rows))
+            for i in range(len(rows)):
+                for p, s in zip(ptrs[i * per_row:(i + 1) * per_row], sizes[i * per_row:(i + 1) * per_row]):
+                    pages[i].extend(zip(p, s))
+        return pages
+
+
+def _kv_kind(pool: Any) -> Optional[str]:
+    """"mha" / "mla" for SGLang's plain KV device pools (keyed as the HiCache adapter keys
+    their host pools), None for any other pool."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if type(pool) is MHATokenToKVPool:
+        return "mha"
+    if type(pool) is MLATokenToKVPool:
+        return "mla"
+    return None
+
+
+def _layer_groups(num_layers: int, groups: int) -> List[range]:
+    bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(groups)]
+
+
+# ---------------------------------------------------------------------------------
+# The linker
+# ---------------------------------------------------------------------------------
+
+
+class KVConnectLinker(UnifiedCacheLinker):
+    """A SGLang ``UnifiedCacheLinker`` over a kvconnect ``PageStore`` (see module docstring)."""
+
+    def __init__(self, server_args: Any, params: Any, *, components: set, extra_config: Optional[dict] = None,
+                 forward_stream: Any = None):
+        from sglang.srt.runtime_context import get_model, get_parallel, get_serving
+
+        self.forward_stream = forward_stream
+        self.page_size = params.page_size
+        kvcache = params.token_to_kv_pool_allocator.get_kvcache()
+        self.pool_group = device_pool_group(kvcache, params, set(components))
+        self.pools = self.pool_group.entry_map
+        self.num_layers = self.pool_group.num_layers
+        self._errors = ErrorCounter()
+        self._rlog = RateLimitedLog(log)
+
+        tp_rank, tp_size = 0, get_parallel().tp_size
+        group = params.attn_tp_cache_group or params.tp_cache_group
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            tp_rank = torch.distributed.get_rank(group=group)
+            tp_size = torch.distributed.get_world_size(group=group)
+        device = str(next(iter(self.pools.values())).kv_buffer[0].device.type)
+        model = get_serving().served_model_name or get_model().model_path
+        self.context = EngineContext(
+            engine="sglang-linker", model=str(model or ""), tp_rank=tp_rank, tp_size=tp_size,
+            pp_rank=params.pp_rank, pp_size=params.pp_size, cp_rank=params.attn_cp_rank,
+            cp_size=params.attn_cp_size, rank_replicated=self.pool_group.rank_replicated, device=device)
+        extra = dict(extra_config or {})
+        self.options = LinkerOptions.parse(extra, self.num_layers)
+        require = dict(required_capabilities(self.context))
+        if self.context.on_device:
+            require[Capability.DEVICE_MEMORY] = (f"the linker moves pages straight into SGLang's {device} pools, "
+                                                 "with no host pool in between")
+        self.store, self.engine_options = build_store(extra, where=ADAPTER, engine_keys=LINKER_KEYS,
+                                                      context=self.context, require=require)
+        try:
+            base = base_keyspace(self.context, tenant=self.engine_options.tenant,
+                                 weights=self.engine_options.model_fingerprint)
+            self._layer_ranges = _layer_groups(self.num_layers, self.options.layer_groups)
+            self.linked = {pool_name(name): self._link(pool_name(name), entry, base)
+                           for name, entry in self.pools.items()}
+            self._register_buffers()
+        except Exception:
+            self.store.close()
+            raise
+        for p in self.linked.values():
+            log.info("kvconnect linker: pool %s keyed as %s", p.name, p.store.keyspace.describe())
+        self._metrics_port = None
+        if self.engine_options.metrics_port is not None:
+            port = self.engine_options.metrics_port
+            self._metrics_port = serve_store_metrics(self.store, port + self.context.rank_index if port else port,
+                                                     self.engine_options.metrics_host, engine="sglang-linker")
+
+        self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
+        if PoolName.MAMBA in self.pools:
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
+        self.pending_loads: Dict[str, List[PoolTransfer]] = {}
+        self._load_queue: Queue = Queue()
+        self._offload_queue: Queue = Queue()
+        self._offload_results: Queue = Queue()
+        self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvconnect-linker-lookup")
+        self._stuck_lookup: Optional[concurrent.futures.Future] = None
+        self.counts = {"lookups": 0, "lookup_hit_pages": 0, "lookup_timeouts": 0, "loads": 0, "loaded_pages": 0,
+                       "failed_loads": 0, "offloads": 0, "offloaded_pages": 0, "failed_offloads": 0}
+        self._closed = False
+        self._threads = [threading.Thread(target=self._load_loop, daemon=True, name="kvconnect-linker-load"),
+                         threading.Thread(target=self._offload_loop, daemon=True, name="kvconnect-linker-offload")]
+        for t in self._threads:
+            t.start()
+        log.info("kvconnect linker on store %r: %s, %d layer group(s)", self.store.name, self.context.describe(),
+                 self.options.layer_groups)
+
+    # -- setup ----------------------------------------------------------------------------
+    def _link(self, name: str, entry: DevicePoolEntry, base: Any) -> LinkedPool:
+        replicated = self.pool_group.rank_replicated and name not in RANK_SHARDED_POOLS
+        pool = entry.device_pool
+        groups = self.options.layer_groups
+        _, sizes = entry.get_page_buffer_meta(torch.arange(entry.page_size, dtype=torch.int64))
+        page_nbytes = sum(int(s) for s in sizes)
+        kind = _kv_kind(pool)
+        if kind is not None:
+            geometry, layout = kv_geometry(kind, pool), "layer_first"
+        else:
+            # The linker's own row geometry: no host-pool format to match.
+            geometry, layout = f"linker:{type(pool).__module__}.{type(pool).__name__}:S{len(sizes)}", "device_rows"
+        geometry += f":B{page_nbytes}"
+        if groups > 1:
+            geometry += f":LG{groups}"
+        stored = getattr(pool, "dtype", None) if kind is not None else entry.kv_buffer[0].dtype
+        ks = pool_keyspace(base, name, layout=layout, page_size=entry.page_size, stored_dtype=stored,
+                           geometry=geometry, replicated=replicated, is_kv=kind is not None,
+                           kv_cache_dtype=self.engine_options.extra.get("kv_cache_dtype"))
+        per_group: List[Optional[List[int]]] = []
+        for layers in self._layer_ranges:
+            mine = [layer for layer in layers if layer in entry.layer_mapping]
+            per_group.append(mine or None)
+        if groups == 1:
+            per_group = [list(entry.layer_mapping)]
+        return LinkedPool(name=name, entry=entry, store=PrefixedStore.for_keyspace(self.store, ks),
+                          context=self.context.for_pool(name, rank_replicated=replicated), groups=per_group,
+                          page_nbytes=page_nbytes)
+
+    def _register_buffers(self) -> None:
+        if not self.store.needs_registered_memory:
+            return
+        seen = set()
+        for entry in self.pools.values():
+            for buffer in entry.get_hybrid_pool_buffer():
+                storage = buffer.untyped_storage()
+                span = (int(storage.data_ptr()), int(storage.nbytes()))
+                if span not in seen:
+                    seen.add(span)
+                    self.store.register_memory(*span)
+
+    # -- lookup -----------------------------------------------------------------------------
+    def lookup(self, rid: str, transfers: List[PoolTransfer]) -> List[int]:
+        """Every restorable prefix length (pages), within ``lookup_timeout_s``; [] on any failure."""
+        try:
+            if self._closed:
+                return []
+            stuck = self._stuck_lookup
+            if stuck is not None and not stuck.done():
+                self.counts["lookup_timeouts"] += 1
+                return []  # the store has not answered the last lookup yet
+            future = self._lookups.submit(self._restorable, transfers)
+            try:
+                restorable = future.result(timeout=self.options.lookup_timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._stuck_lookup = future
+                self.counts["lookup_timeouts"] += 1
+                self._rlog.warning("lookup-timeout", "kvconnect linker: store %r gave no lookup answer in %.2f s; "
+                                   "a miss", self.store.name, self.options.lookup_timeout_s)
+                return []
+            self.counts["lookups"] += 1
+            if restorable:
+                self.counts["lookup_hit_pages"] += restorable[-1]
+            return restorable
+        except Exception as e:  # noqa: BLE001 - nothing raises into SGLang's scheduler
+            self._failed("lookup", e)
+            return []
+
+    def _restorable(self, transfers: List[PoolTransfer]) -> List[int]:
+        """SGLang 0.5.23's ``batch_exists_v2`` rule over the physical pools: the KV's leading
+        run, less the stops a side pool cannot serve (TRAILING_PAGES: its window of
+        ``len(transfer.keys)`` pages ending there must be complete)."""
+        expanded = self.pool_group.resolve_transfers(transfers)
+        kv = next((t for t in transfers if t.name == PoolName.KV), None)
+        if not expanded or kv is None or not kv.keys:
+            return []
+        keys = list(kv.keys)
+        calls, owners = [], []
+        for t in expanded:
+            pool = self.linked.get(pool_name(t.name))
+            if pool is None:
+                return []
+            for g in self._present_groups(pool):
+                calls.append((pool.store, pool.group_keys(keys, g, self.options.layer_groups)))
+                owners.append(t)
+        found = exists_many(calls)
+        present: Dict[int, List[bool]] = {}
+        for t, hits in zip(owners, found):
+            acc = present.setdefault(id(t), [True] * len(keys))
+            present[id(t)] = [a and b for a, b in zip(acc, hits)]
+        stops = None
+        for t in expanded:
+            pool_present = present.get(id(t), [False] * len(keys))
+            if HitPolicy.parse(t.hit_policy) is HitPolicy.TRAILING_PAGES:
+                window = max(1, len(t.keys or ()))
+                own = set(restorable_prefixes(pool_present, HitPolicy.TRAILING_PAGES, window))
+            else:
+                own = set(restorable_prefixes(pool_present, HitPolicy.ALL_PAGES))
+            stops = own if stops is None else stops & own
+        return sorted(stops or ())
+
+    def _present_groups(self, pool: LinkedPool) -> List[int]:
+        return [g for g, layers in enumerate(pool.groups) if layers]
+
+    # -- load --------------------------------------------------------------------------------
+    def load(self, rid: str, transfers: List[PoolTransfer]) -> bool:
+        try:
+            if self._closed:
+                return False
+            expanded = self.pool_group.resolve_transfers(transfers, allow_partial=True, allow_missing_kv=True)
+            if not expanded or rid in self.pending_loads:
+                return False
+            self.pending_loads[rid] = expanded
+            return True
+        except Exception as e:  # noqa: BLE001
+            self._failed("load", e)
+            return False
+
+    def cancel_queued_load(self, rid: str) -> bool:
+        return self.pending_loads.pop(rid, None) is not None
+
+    def start_layer_wise_loading(self) -> int:
+        if not self.pending_loads:
+            return -1
+        pending, self.pending_loads = self.pending_loads, {}
+        index = self.layer_done_counter.update_producer()
+        ready = self._ready_event()
+        self._load_queue.put((index, list(pending.values()), ready))
+        return index
+
+    def finish_layer_wise_loading(self, counter_index: int) -> bool:
+        return self.layer_done_counter.finish(counter_index)
+
+    def _ready_event(self) -> Any:
+        if not self.context.on_device:
+            return None
+        from sglang.srt.utils import get_device_module
+
+        event = get_device_module().Event()
+        event.record()
+        return event
+
+    def _load_loop(self) -> None:
+        while True:
+            task = self._load_queue.get()
+            try:
+                if task is None:
+                    return
+                index, request_transfers, ready = task
+                try:
+                    if ready is not None:
+                        ready.synchronize()
+                    self._load_batch(index, request_transfers)
+                except BaseException as e:  # noqa: BLE001 - the batch fails, SGLang aborts its requests
+                    self.counts["failed_loads"] += 1
+                    self._failed("load", e)
+                    self.layer_done_counter.fail(index, e)
+            finally:
+                self._load_queue.task_done()
+
+    def _load_batch(self, index: int, request_transfers: List[List[PoolTransfer]]) -> None:
+        """Read every layer group of every page, in group order; each group's layers are
+        released to the forward once all its pages landed."""
+        groups = self.options.layer_groups
+        batches: Dict[str, tuple] = {}
+        for transfers in request_transfers:
+            for t in transfers:
+                pool = self.linked[pool_name(t.name)]
+                keys, rows = batches.setdefault(pool.name, ([], []))
+                keys.extend(t.keys or ())
+                rows.extend(pool.entry.prepare_locations(t.host_indices))
+        done = 0
+        for g, layers in enumerate(self._layer_ranges if groups > 1 else [range(self.num_layers)]):
+            calls = []
+            for name, (keys, rows) in batches.items():
+                pool = self.linked[name]
+                if pool.groups[g] and keys:
+                    calls.append((pool.store, pool.group_keys(keys, g, groups), pool.group_pages(rows, g, groups)))
+            results = get_many(calls) if calls else []
+            missed = sum(r.count(False) for r in results)
+            if missed:
+                raise LookupError(f"{missed} page(s) of layer group {g} were not in the store any more")
+            for layer in layers:
+                self.layer_done_counter.complete(index, layer)
+            done += sum(len(c[1]) for c in calls)
+        self.counts["loads"] += 1
+        self.counts["loaded_pages"] += done
+
+    # -- offload -------------------------------------------------------------------------------
+    def offload(self, transfers: List[PoolTransfer], session_id: Optional[str] = None) -> bool:
+        try:
+            if self._closed:
+                return False
+            expanded = self.pool_group.resolve_transfers(transfers, allow_partial=True)
+            if not expanded:
+                return False
+            mine = [t for t in expanded if self.linked[pool_name(t.name)].is_writer]
+            if not mine:  # a reader rank of replicated KV: the writer rank stores it
+                self._offload_results.put(True)
+                return True
+            self._offload_queue.put((mine, self.record_offload_ready() if self.context.on_device else []))
+            return True
+        except Exception as e:  # noqa: BLE001
+            self._failed("offload", e)
+            return False
+
+    def _offload_loop(self) -> None:
+        while True:
+            task = self._offload_queue.get()
+            try:
+                if task is None:
+                    return
+                transfers, events = task
+                ok = False
+                try:
+                    for event in events:
+                        event.synchronize()
+                    ok = self._store_transfers(transfers)
+                except Exception as e:  # noqa: BLE001 - a failed offload, reported as such
+                    self._failed("offload", e)
+                self.counts["offloads" if ok else "failed_offloads"] += 1
+                self._offload_results.put(ok)
+            finally:
+                self._offload_queue.task_done()
+
+    def _store_transfers(self, transfers: List[PoolTransfer]) -> bool:
+        groups = self.options.layer_groups
+        calls = []
+        for t in transfers:
+            pool = self.linked[pool_name(t.name)]
+            keys = list(t.keys or ())
+            rows = pool.entry.prepare_locations(t.host_indices)
+            # Only the pages the store lacks: a page already there is the same bytes.
+            present = pool.store.exists(pool.group_keys(keys, self._present_groups(pool)[-1], groups))
+            todo = [i for i, p in enumerate(present) if not p]
+            if not todo:
+                continue
+            keys, rows = [keys[i] for i in todo], [rows[i] for i in todo]
+            for g in self._present_groups(pool):
+                calls.append((pool.store, pool.group_keys(keys, g, groups), pool.group_pages(rows, g, groups)))
+        # The last group goes last: a page whose last group exists has all its groups.
+        results = put_many(calls) if calls else []
+        ok = all(all(r) for r in results)
+        if ok:
+            self.counts["offloaded_pages"] += sum(len(c[1]) for c in calls)
+        return ok
+
+    def num_completed_offloads(self) -> int:
+        return self._offload_results.qsize()
+
+    def pop_completed_offload(self) -> bool:
+        return self._offload_results.get_nowait()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.pending_loads.clear()
+        self._load_queue.join()
+        self._offload_queue.join()
+        while True:
+            try:
+                self._offload_results.get_nowait()
+            except Empty:
+                break
+        self.layer_done_counter.reset()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.pending_loads.clear()
+        self._load_queue.put(None)
+        self._offload_queue.put(None)
+        deadline = time.monotonic() + 5.0
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+        busy = [t.name for t in self._threads if t.is_alive()]
+        log.info("kvconnect linker: %s", self.counts)
+        if busy:
+            # A store call still writes device memory; the store stays open for it.
+            log.warning("kvconnect linker: %s still inside store %r at close; leaving it open", busy, self.store.name)
+            return
+        try:
+            from kvconnect.connectors import metrics
+
+            metrics.unexport_store(self.store)
+            self.store.close()
+        except Exception as e:  # noqa: BLE001 - close never raises into SGLang
+            log.error("kvconnect linker: closing store %r failed: %s", self.store.name, e)
+
+    # -- reporting ----------------------------------------------------------------------------
+    def _failed(self, what: str, e: BaseException) -> None:
+        self._errors.add(what)
+        self._rlog.error(f"{what}:{type(e).__name__}", "kvconnect linker %s failed: %s: %s", what,
+                         type(e).__name__, e)
+
+    def kvconnect_stats(self) -> dict:
+        return {"store": self.store.stats().as_dict(), "linker": dict(self.counts),
+                "errors": self._errors.as_dict(), "context": self.context.describe(),
+                "keyspaces": {n: p.store.keyspace.describe() for n, p in self.linked.items()}}
+
+    def __repr__(self) -> str:
+        return f"<KVConnectLinker store={self.store.name!r} pools={sorted(self.linked)}>"

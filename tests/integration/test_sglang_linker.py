@@ -1,0 +1,364 @@
+"""kvconnect's SGLang unified-cache linker inside real SGLang 0.5.23 pieces, on CPU.
+
+Real: SGLang's ``ServerArgs`` with the linker flags, ``create_unified_cache_linker`` (backend
+``dynamic``, loading ``kvconnect.connectors.engines.sglang_linker`` from the config JSON), the
+``UnifiedRadixCache`` and its ``UnifiedCacheLinkerWrapper`` (match -> lookup, init_load_back ->
+load, write-through -> offload, ``check_hicache_events`` -> offload commits, the layer counter),
+device pools ``MHATokenToKVPool`` / ``MLATokenToKVPool`` / ``SWAKVPool`` on ``device="cpu"``, the
+HiCache adapter on a real ``MHATokenToKVPoolHost``, kvconnect's stores (memory shared by name,
+and hf3fs on POSIX files with its metadata service as a process).
+
+Not real, and why: the model's forward (no GPU): computed KV is bytes drawn from each page's
+SGLang storage hash (``connectors/testing/linker.py``). Two servers sharing a store are two
+caches in one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch (installed by scripts/install.sh)")
+pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
+
+from kvconnect.connectors.base import ConfigError, UnknownConfigKey  # noqa: E402
+from kvconnect.connectors.testing.linker import MODEL, LinkedServer, page_content  # noqa: E402
+from kvconnect.connectors.testing.stores import SharedMemoryStore, clear_spaces  # noqa: E402
+
+SHARED = "kvconnect.connectors.testing.stores:SharedMemoryStore"
+RAISING = "kvconnect.connectors.testing.stores:RaisingStore"
+FAULTY = "kvconnect.connectors.testing.stores:FaultyStore"
+GATED = f"{__name__}:GatedStore"
+
+
+@pytest.fixture(autouse=True)
+def _spaces():
+    clear_spaces()
+    yield
+    clear_spaces()
+
+
+@pytest.fixture
+def meta(tmp_path_factory):
+    """The HF3FS metadata service, a real process with a token (one per test: each test's
+    files are its own)."""
+    pytest.importorskip("grpc", reason="the HF3FS metadata service needs grpcio")
+    from kvconnect.connectors.testing.hf3fs import MetaProcess
+
+    d = tmp_path_factory.mktemp("hf3fs-meta")
+    token = d / "token"
+    token.write_text("linker-" + hashlib.sha256(str(d).encode()).hexdigest()[:16])
+    m = MetaProcess(d / "meta", token, fsync="never").start()
+    yield m
+    m.stop()
+
+
+@pytest.fixture(params=["memory", "hf3fs"])
+def store_extra(request, tmp_path):
+    """The ``linker_extra_config`` of one shared store (every server of a test gets the same)."""
+    if request.param == "memory":
+        return {"store": SHARED, "space": "linker", "capacity": "16mb"}
+    m = request.getfixturevalue("meta")
+    return {"store": "hf3fs", "file_path_prefix": str(tmp_path / "files" / "kv"), "file_size": "16mb",
+            "numjobs": 2, "entries": 8, "client": "posix", "client_timeout": 3,
+            "metadata_server_url": m.url, "auth_token_file": str(m.token_file)}
+
+
+def prompt(n_tokens: int, tag: int) -> list:
+    import random
+
+    rng = random.Random(tag)
+    return [rng.randrange(1, 30000) for _ in range(n_tokens)]
+
+
+def assert_pages_are_computed_bytes(server: LinkedServer, result) -> None:
+    nbytes = server.page_nbytes()
+    for page, h in enumerate(result.page_hashes):
+        assert server.page_bytes(result.slots, page) == page_content(h, nbytes), f"page {page}"
+
+
+# ---------------------------------------------------------------------------------
+# A prompt in the store: loaded, not recomputed
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_a_prompt_in_the_store_loads_with_no_recomputed_page(store_extra, kind):
+    """Server A computes and offloads a prompt; server B (its own cache and pools, the same
+    store) loads every full page through SGLang's tree and recomputes none; B's KV bytes
+    are the bytes A computed. A prompt sharing only a prefix loads that prefix."""
+    a = LinkedServer(store_extra, kind=kind)
+    b = LinkedServer(store_extra, kind=kind)
+    try:
+        tokens = prompt(4 * 6 + 3, 1)
+        first = a.prefill(tokens)
+        assert (first.loaded_tokens, first.computed_pages) == (0, 6)
+        assert a.linker.counts["offloaded_pages"] == 6
+
+        second = b.prefill(tokens)
+        assert (second.device_hit_tokens, second.loaded_tokens, second.computed_pages) == (0, 24, 0)
+        assert not second.load_failed
+        assert_pages_are_computed_bytes(b, second)
+        assert b.linker.counts["offloaded_pages"] == 0  # already stored: not written again
+
+        branch = tokens[:12] + prompt(8, 2)
+        c = LinkedServer(store_extra, kind=kind)
+        third = c.prefill(branch)
+        c.close()
+        assert (third.loaded_tokens, third.computed_pages) == (12, 2)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_hybrid_swa_pool_set_is_its_own_key_space():
+    """FULL + SWA layers (``SWAKVPool``): the FULL pages and the SWA pages are two pools of
+    the linker, under two key spaces; a second server loads the FULL prefix and only the
+    SWA window's trailing pages, and recomputes nothing."""
+    extra = {"store": SHARED, "space": "swa"}
+    a = LinkedServer(extra, kind="swa", page_size=1, layers=3, swa_layers=(1,), sliding_window=8)
+    b = LinkedServer(extra, kind="swa", page_size=1, layers=3, swa_layers=(1,), sliding_window=8)
+    try:
+        spaces = {n: p.store.keyspace for n, p in a.linker.linked.items()}
+        assert set(spaces) == {"kv", "swa"} and spaces["kv"].prefix != spaces["swa"].prefix
+        tokens = prompt(22, 3)
+        a.prefill(tokens)
+        assert a.linker.counts["offloaded_pages"] == 44  # 22 FULL pages + 22 SWA pages
+        result = b.prefill(tokens)
+        assert (result.loaded_tokens, result.computed_pages, result.load_failed) == (22, 0, False)
+        assert b.linker.counts["loaded_pages"] == 22 + 8  # FULL prefix + the 8-token SWA window
+        assert_pages_are_computed_bytes(b, result)
+        # Without its SWA window the FULL pages alone restore nothing.
+        swa_view = b.linker.linked["swa"].store
+        swa_view.clear()
+        third = LinkedServer(extra, kind="swa", page_size=1, layers=3, swa_layers=(1,), sliding_window=8)
+        again = third.prefill(tokens, offload=False)
+        assert (again.loaded_tokens, again.computed_pages) == (0, 22)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_keys_are_salted_with_extra_key_and_cache_salt():
+    """SGLang's tree hashes pages with the request's ``extra_key`` and ``cache_salt``: the
+    same tokens under another salt or extra key find nothing; under the same ones, every page."""
+    extra = {"store": SHARED, "space": "salted"}
+    a, b = LinkedServer(extra), LinkedServer(extra)
+    try:
+        tokens = prompt(16, 4)
+        a.prefill(tokens, cache_salt="tenant-a", extra_key="lora-1")
+        assert b.prefill(tokens, cache_salt="tenant-b", extra_key="lora-1", offload=False).loaded_tokens == 0
+        assert b.prefill(tokens, cache_salt="tenant-a", extra_key="lora-2", offload=False).loaded_tokens == 0
+        assert b.prefill(tokens, offload=False).loaded_tokens == 0
+        same = b.prefill(tokens, cache_salt="tenant-a", extra_key="lora-1", offload=False)
+        assert (same.loaded_tokens, same.computed_pages) == (16, 0)
+        assert_pages_are_computed_bytes(b, same)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_mla_pages_leave_the_rank_out_and_the_writer_rank_offloads():
+    """MLA KV is rank-replicated: its key space leaves the TP rank out (every rank reads the
+    one copy) and this single rank (TP rank 0) is its writer."""
+    server = LinkedServer({"store": SHARED, "space": "mla"}, kind="mla")
+    try:
+        pool = server.linker.linked["kv"]
+        assert pool.store.keyspace.rank_replicated and pool.is_writer
+        assert pool.store.keyspace.identity()["tp_rank"] is None
+        assert pool.store.keyspace.geometry.startswith("mla:L3:D12:")
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------------------------
+# Pages shared with the HiCache adapter
+# ---------------------------------------------------------------------------------
+
+
+def test_pages_are_shared_with_the_hicache_adapter_on_a_layer_first_host_pool():
+    """The linker's KV pages are the HiCache adapter's pages of a ``layer_first`` host pool of
+    the same model and geometry: each path reads, byte for byte, what the other wrote; a
+    ``page_first`` host pool orders a page's bytes otherwise and is another key space."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvconnect.connectors.testing.sglang import make_cpu_host_pool, page_bytes, storage_config, \
+        storage_page_keys
+
+    extra = {"store": SHARED, "space": "both"}
+
+    def hicache(layout):
+        host = make_cpu_host_pool(layout=layout, page_size=4, layer_num=3, head_num=2, head_dim=8)
+        backend = StorageBackendFactory.create_backend(
+            "dynamic", storage_config(extra_config=extra, model_name=MODEL, layout=layout), host)
+        backend.register_mem_pool_host(host)
+        return host, backend
+
+    linker_server = LinkedServer(extra)
+    host, backend = hicache("layer_first")
+    try:
+        assert backend.kv.keyspace.prefix == linker_server.linker.linked["kv"].store.keyspace.prefix
+        written = linker_server.prefill(prompt(16, 5))
+        idx = host.alloc(16)
+        assert all(backend.batch_get_v1(written.page_hashes, idx))
+        nbytes = linker_server.page_nbytes()
+        for page, h in enumerate(written.page_hashes):
+            assert page_bytes(host, int(idx[page * 4])) == page_content(h, nbytes)
+
+        # HiCache writes, the linker loads.
+        tokens = prompt(12, 6)
+        keys = storage_page_keys(tokens, 4)
+        idx2 = host.alloc(12)
+        for page, h in enumerate(keys):
+            raw = torch.frombuffer(bytearray(page_content(h, nbytes)), dtype=torch.uint8)
+            host.set_from_flat_data_page(int(idx2[page * 4]), raw.view(host.dtype))
+        assert all(backend.batch_set_v1(keys, idx2))
+        result = LinkedServer(extra).prefill(tokens, offload=False)
+        assert (result.loaded_tokens, result.computed_pages) == (12, 0)
+
+        other_host, other = hicache("page_first")
+        assert other.kv.keyspace.prefix != backend.kv.keyspace.prefix
+        r = other.batch_exists_v2(written.page_hashes, [PoolTransfer(name=PoolName.KV, keys=written.page_hashes)])
+        assert r.kv_hit_pages == 0
+        other.close()
+    finally:
+        backend.close()
+        linker_server.close()
+
+
+# ---------------------------------------------------------------------------------
+# Layer-wise load
+# ---------------------------------------------------------------------------------
+
+
+class GatedStore(SharedMemoryStore):
+    """A shared memory store whose reads after the first wait for ``gate`` (module state)."""
+
+    gate = threading.Event()
+    reads = 0
+
+    def _get_into(self, keys, pages):
+        type(self).reads += 1
+        if type(self).reads > 1:
+            type(self).gate.wait(10)
+        return super()._get_into(keys, pages)
+
+
+def test_layer_wise_load_releases_each_layer_group_as_it_lands():
+    """With ``layer_groups`` 3 each page is three keys; the forward's wait on layer 0 returns
+    while the store still holds back the later groups, and the load completes byte-exact."""
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from kvconnect.connectors.testing.sglang import storage_page_keys
+
+    extra = {"store": GATED, "space": "layers", "layer_groups": 3}
+    writer = LinkedServer(extra)
+    reader = LinkedServer(extra)
+    GatedStore.gate.clear()
+    GatedStore.reads = 0
+    try:
+        assert writer.linker.linked["kv"].store.keyspace.geometry.endswith(":LG3")
+        tokens = prompt(16, 7)
+        writer.prefill(tokens)
+        req = Req("layer-wise", "", tokens, SamplingParams())
+        res = reader.cache.match_prefix(MatchPrefixParams(key=RadixKey(array("q", tokens)), req=req))
+        assert res.host_hit_length == 16
+        req.last_node = res.last_device_node
+        reader.cache.init_load_back(InitLoadBackParams(best_match_node=res.last_host_node, host_hit_length=16,
+                                                       req=req))
+        slots = reader.cache.linker.private_load_indices[req.rid]
+        counter = reader.linker.layer_done_counter
+        index = reader.cache.ready_to_load_host_cache()
+        counter.set_consumer(index)
+        counter.wait_until(0)
+        futures = counter.futures[index]
+        time.sleep(0.1)
+        assert futures[0].done() and not futures[2].done()
+        GatedStore.gate.set()
+        assert reader.cache.finish_external_linker_loads([req]) == []
+        nbytes = reader.page_nbytes()
+        hashes = storage_page_keys(tokens, 4)
+        for page, h in enumerate(hashes):
+            assert reader.page_bytes(slots, page) == page_content(h, nbytes)
+    finally:
+        GatedStore.gate.set()
+        writer.close()
+        reader.close()
+
+
+# ---------------------------------------------------------------------------------
+# A dead or hanging store
+# ---------------------------------------------------------------------------------
+
+
+def test_a_raising_store_is_a_miss_and_nothing_raises_into_sglang():
+    server = LinkedServer({"store": RAISING})
+    try:
+        result = server.prefill(prompt(16, 8))
+        assert (result.loaded_tokens, result.computed_pages) == (0, 4)
+        assert server.linker.counts["failed_offloads"] == 1
+        assert server.linker._errors.as_dict()["lookup"] >= 1
+    finally:
+        server.close()
+
+
+def test_a_hanging_lookup_is_a_miss_within_its_timeout():
+    """A store whose ``exists`` blocks 3 s: the lookup (on SGLang's scheduler thread) misses
+    after ``lookup_timeout_s``, and the next one misses at once while the first is stuck."""
+    server = LinkedServer({"store": FAULTY, "hang_on": ["exists"], "hang_s": 3.0, "lookup_timeout_s": 0.2})
+    try:
+        t0 = time.monotonic()
+        first = server.prefill(prompt(16, 9), offload=False)
+        t1 = time.monotonic()
+        second = server.prefill(prompt(16, 10), offload=False)
+        t2 = time.monotonic()
+        assert first.loaded_tokens == second.loaded_tokens == 0
+        assert t1 - t0 < 1.5 and t2 - t1 < 0.5
+        assert server.linker.counts["lookup_timeouts"] == 2
+    finally:
+        server.linker.store.release()
+        server.close()
+
+
+def test_a_store_that_dies_between_lookup_and_load_fails_the_batch_not_the_engine(tmp_path):
+    """Reads start failing after the lookup found the pages: the load batch fails, SGLang's
+    ``finish_external_linker_loads`` marks the request aborted, and no exception escapes."""
+    flag = tmp_path / "dead"
+    extra = {"store": FAULTY, "inner": SHARED, "inner_options": {"space": "dies"}, "raise_on": ["get_into"],
+             "fault_flag": str(flag)}
+    a, b = LinkedServer(extra), LinkedServer(extra)
+    try:
+        tokens = prompt(16, 11)
+        a.prefill(tokens)
+        flag.write_text("")
+        result = b.prefill(tokens, offload=False)
+        assert result.loaded_tokens == 16 and result.load_failed
+        assert b.linker.counts["failed_loads"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra, key", [
+    ({"store": SHARED, "layer_groups": 0}, "layer_groups"),
+    ({"store": SHARED, "lookup_timeout_s": "fast"}, "lookup_timeout_s"),
+    ({"store": SHARED, "no_such_option": 1}, "no_such_option"),
+])
+def test_a_bad_linker_config_names_the_key(extra, key):
+    with pytest.raises((ConfigError, UnknownConfigKey)) as err:
+        LinkedServer(extra)
+    assert key in str(err.value)
