@@ -43,7 +43,8 @@ class HF3FSConfig(StoreConfig):
     metadata_server_url: str | None = field(default=None, metadata=field_doc(
         "page index: the kvconnect metadata service (http://host:port, grpc://host:port or host:port), "
         "or Redis/Valkey (redis://[user@]host:port[/db], rediss://... with TLS, "
-        "redis+sentinel://[user@]host:port,host:port,.../master-name[/db]); "
+        "redis+sentinel://[user@]host:port,host:port,.../master-name[/db], "
+        "redis+cluster://[user@]host:port,host:port,... for Redis Cluster); "
         "absent: an in-process index (single process per file)"))
     client_timeout: float = field(default=5.0, metadata=field_doc(
         "seconds: metadata RPC deadline and usrbio I/O wait"))
@@ -160,7 +161,11 @@ def _check_redis_keys(cfg: "HF3FSConfig", where: str) -> None:
     for key in REDIS_ONLY_KEYS:
         if getattr(cfg, key) and not redis:
             raise ConfigError(key, "applies to a Redis page index only",
-                              "a metadata_server_url of redis://, rediss://, redis+sentinel:// or rediss+sentinel://", where)
+                              "a metadata_server_url of redis://, rediss://, redis+sentinel://, rediss+sentinel:// or "
+                              "redis+cluster://", where)
+    if redis and cfg.metadata_sentinel_auth and parse_redis_url(url).cluster:
+        raise ConfigError("metadata_sentinel_auth", "a redis+cluster:// index has no sentinels",
+                          "false, or a redis+sentinel:// metadata_server_url", where)
     if cfg.metadata_wait_replicas < 0:
         raise ConfigError("metadata_wait_replicas", f"must be >= 0, got {cfg.metadata_wait_replicas}", None, where)
     too_long = cfg.metadata_wait_replicas and cfg.metadata_wait_timeout >= cfg.client_timeout

@@ -6,7 +6,10 @@
 * ``rediss://...`` - the same over TLS (``metadata_tls_*`` files);
 * ``redis+sentinel://[user@]host:port,host:port,.../master-name[/db]`` - Sentinel finds the
   primary and the client follows it after a failover (``rediss+sentinel://``: TLS to the
-  sentinels and the data nodes).
+  sentinels and the data nodes);
+* ``redis+cluster://[user@]host:port,host:port,...`` - Redis Cluster: the hosts are seeds
+  (any node of the cluster); the index is sharded by namespace (below) and follows each
+  shard's failover.
 
 The password of the ACL user never sits in the URL: it comes from ``auth_token_file`` (or
 ``auth_token`` / ``$KVCONNECT_HF3FS_TOKEN``), like the kvconnect service's token.
@@ -37,6 +40,18 @@ shortfall and after every reconnection (a failover). With too few, a confirm run
 without ``WAIT`` and is reported as a failed write at once (``no_replica_writes``; a warning
 at most every ``NO_REPLICA_LOG_S``), instead of blocking the engine's thread for
 ``wait_timeout`` to learn the same.
+
+**On Redis Cluster** a namespace's keys share one hash tag that names the deployment too
+(``{key_prefix}/{namespace}``: the key prefix and the data file's namespace, i.e. model
+deployment, rank and pool), so one namespace lives in one hash slot, on one shard, and every
+call is one script on one node in one round trip; different namespaces (engines of other
+models, pools or ranks) spread over the shards. Which node serves which slot comes from
+``CLUSTER SLOTS`` (``redis_slots.py``), asked again after ``MOVED``, ``CLUSTERDOWN`` or a
+lost connection. Everything above holds per shard: ``WAIT`` and the replica count are the
+shard primary's, a call that fails for good cools off only its slot (the other shards go on
+serving), and a shard's failover is treated as Sentinel's (``may_serve_stale``: the store's
+page identity check; leases dropped). A standalone server or Sentinel group keeps the
+namespace-only tag (``{namespace}``) its data was written with.
 """
 
 from __future__ import annotations
@@ -60,10 +75,11 @@ from kvconnect.connectors.hf3fs.redis_lua import MAX_PAGES, SCRIPTS, SUFFIXES
 
 log = logging.getLogger("kvconnect.hf3fs")
 
-SCHEMES = ("redis", "rediss", "redis+sentinel", "rediss+sentinel")
+SCHEMES = ("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster")
 URL_FORMS = ("redis://[user@]host:port[/db]", "rediss://[user@]host:port[/db]",
              "redis+sentinel://[user@]host:port,host:port,.../master-name[/db]",
-             "rediss+sentinel://[user@]host:port,.../master-name[/db]")
+             "rediss+sentinel://[user@]host:port,.../master-name[/db]",
+             "redis+cluster://[user@]host:port,host:port,...")
 KEY = "metadata_server_url"
 MAX_BATCH = 1000  # keys per script call (Lua's C stack takes ~8000 arguments)
 _ENTRY = struct.Struct("<qqI")  # an index entry (and a get reply item): slot, generation, crc
@@ -94,10 +110,12 @@ class RedisURL:
     master: str | None
     db: int
     username: str | None
+    cluster: bool = False
 
     def describe(self) -> str:
         hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
-        scheme = ("rediss" if self.tls else "redis") + ("+sentinel" if self.sentinel else "")
+        scheme = ("rediss" if self.tls else "redis") + ("+sentinel" if self.sentinel else "") + \
+            ("+cluster" if self.cluster else "")
         return f"{scheme}://{hosts}" + (f"/{self.master}" if self.master else "") + (f"/{self.db}" if self.db else "")
 
 
@@ -120,7 +138,7 @@ def _host_port(item: str, default: int, url: str) -> tuple[str, int]:
 
 
 def parse_redis_url(url: str) -> RedisURL:
-    """A ``redis[s][+sentinel]://`` URL read strictly: a ``ConfigError`` naming
+    """A ``redis[s][+sentinel]://`` or ``redis+cluster://`` URL read strictly: a ``ConfigError`` naming
     ``metadata_server_url`` and the accepted forms for anything else (a password in the URL
     included: it belongs in ``auth_token_file``)."""
     raw = url.strip()
@@ -139,12 +157,13 @@ def parse_redis_url(url: str) -> RedisURL:
                                    "'auth_token_file' (the URL may name the ACL user)", URL_FORMS)
         username = userinfo or None
     sentinel = scheme.endswith("+sentinel")
+    cluster = scheme.endswith("+cluster")
     items = [h for h in netloc.split(",")]
     if not netloc or any(not h.strip() for h in items):
         raise ConfigError(KEY, f"no host in {url!r}", URL_FORMS)
-    if not sentinel and len(items) > 1:
-        raise ConfigError(KEY, f"{url!r} names several hosts: use redis+sentinel:// for a replicated index",
-                          URL_FORMS)
+    if not (sentinel or cluster) and len(items) > 1:
+        raise ConfigError(KEY, f"{url!r} names several hosts: use redis+sentinel:// for a replicated index "
+                               "or redis+cluster:// for a sharded one", URL_FORMS)
     hosts = tuple(_host_port(h, 26379 if sentinel else 6379, url) for h in items)
     parts = [p for p in path.split("/") if p] if path else []
     master = None
@@ -152,10 +171,13 @@ def parse_redis_url(url: str) -> RedisURL:
         if not parts:
             raise ConfigError(KEY, f"{url!r} names no Sentinel master (…/master-name)", URL_FORMS)
         master = parts.pop(0)
+    if cluster and parts:
+        raise ConfigError(KEY, f"{url!r}: a Redis Cluster has one database and no master name: nothing may "
+                               "follow the hosts", URL_FORMS)
     if len(parts) > 1 or (parts and not parts[0].isdigit()):
         raise ConfigError(KEY, f"{url!r}: the path after the host must be a database number", URL_FORMS)
     return RedisURL(tls=scheme.startswith("rediss"), sentinel=sentinel, hosts=hosts, master=master,
-                    db=int(parts[0]) if parts else 0, username=username)
+                    db=int(parts[0]) if parts else 0, username=username, cluster=cluster)
 
 
 def _online_replicas(info: str) -> int | None:
@@ -179,10 +201,11 @@ def _tag(ns: str) -> str:
 
 
 class RedisMetadata(LeasedWrites):
-    """The page index in Redis / Valkey (a server, or a Sentinel-managed primary + replicas).
+    """The page index in Redis / Valkey (a server, a Sentinel-managed primary + replicas, or
+    a Redis Cluster).
 
     Args:
-        url: a ``redis[s][+sentinel]://`` URL (see the module docstring).
+        url: a ``redis[s][+sentinel]://`` or ``redis+cluster://`` URL (see the module docstring).
         password: the ACL user's password (None: no AUTH).
         timeout: seconds; the bound of one logical call including its retries.
         retries: attempts per call.
@@ -223,7 +246,7 @@ class RedisMetadata(LeasedWrites):
         self.prefix = key_prefix
         self.read_lease_ms = int(read_lease_s * 1000)
         self.write_lease_ms = int(write_lease_s * 1000)
-        self._down_until = 0.0
+        self._down_until: dict[int | None, float] = {}  # cooling off: per hash slot on a cluster, else None
         self._lock = threading.Lock()
         self._init_leases(lease_ahead)
         self._keys: dict[str, tuple[str, ...]] = {}
@@ -236,7 +259,8 @@ class RedisMetadata(LeasedWrites):
         self.wait_shortfalls = 0
         self.no_replica_writes = 0  # confirms failed at once: fewer replicas attached than WAIT needs
         self.reconnects = 0
-        self._replicas: tuple[int, float] | None = None  # (replicas attached to the primary, trusted until)
+        # (replicas attached to the primary, trusted until), per hash slot on a cluster, else None
+        self._replicas: dict[int | None, tuple[int, float]] = {}
         self._replicas_unknowable = False  # the ACL user may not run INFO: always WAIT
         self._no_replica_logged = -NO_REPLICA_LOG_S
         self._no_replica_unlogged = 0
@@ -250,7 +274,13 @@ class RedisMetadata(LeasedWrites):
             common.update(ssl=True, ssl_ca_certs=tls_ca_file, ssl_certfile=tls_cert_file, ssl_keyfile=tls_key_file,
                           ssl_cert_reqs="required")
         self._sentinel = None
-        if self.url.sentinel:
+        self._slots = None
+        if self.url.cluster:
+            from kvconnect.connectors.hf3fs.redis_slots import SlotMap
+
+            self._slots = SlotMap(self.url.hosts, common)
+            self._r = None
+        elif self.url.sentinel:
             s_timeout = max(0.05, min(0.5, attempt / 3))
             skw = {"socket_timeout": s_timeout, "socket_connect_timeout": s_timeout, "retry": Retry(NoBackoff(), 0),
                    "driver_info": None}
@@ -268,15 +298,27 @@ class RedisMetadata(LeasedWrites):
     def _ns_keys(self, ns: str) -> tuple[str, ...]:
         keys = self._keys.get(ns)
         if keys is None:
-            base = f"{self.prefix}:{{{_tag(ns)}}}:"
+            # on a cluster the tag names the deployment too: each (prefix, namespace) its own slot
+            tag = _tag(f"{self.prefix}/{ns}" if self._slots is not None else ns)
+            base = f"{self.prefix}:{{{tag}}}:"
             keys = self._keys[ns] = tuple(base + s for s in SUFFIXES)
         return keys
 
-    def _exec(self, cmds: list[tuple], deadline: float) -> list:
-        """Send ``cmds`` on one pooled connection (one round trip) and read their replies,
-        each read bounded by ``deadline``; error replies come back as exception values."""
+    def _slot(self, route: str) -> int | None:
+        """The hash slot of key ``route`` on a cluster (None: one server serves all)."""
+        return None if self._slots is None else self._slots.slot(route)
+
+    def _pool(self, route: str, deadline: float):
+        if self._slots is None:
+            return self._r.connection_pool
+        return self._slots.pool(self._slots.slot(route), deadline)
+
+    def _exec(self, cmds: list[tuple], deadline: float, route: str) -> list:
+        """Send ``cmds`` on one pooled connection (one round trip) to the node serving key
+        ``route`` and read their replies, each read bounded by ``deadline``; error replies
+        come back as exception values."""
         R = self._redis.exceptions
-        pool = self._r.connection_pool
+        pool = self._pool(route, deadline)
         conn = pool.get_connection()  # connecting is bounded by the connect and Sentinel timeouts
         try:
             if len(cmds) == 1 and isinstance(cmds[0], bytes):  # packed by _packed: one send
@@ -323,9 +365,9 @@ class RedisMetadata(LeasedWrites):
             ms = max(1, int(min(self.wait_timeout, (deadline - time.monotonic()) * 0.8) * 1000))
             cmds.append(("WAIT", wait, ms))
         for _ in range(2):
-            out = self._exec(cmds, deadline)
+            out = self._exec(cmds, deadline, keys[0])
             if isinstance(out[0], self._redis.exceptions.NoScriptError):
-                self._exec([("SCRIPT", "LOAD", self._src[name])], deadline)
+                self._exec([("SCRIPT", "LOAD", self._src[name])], deadline, keys[0])
                 continue
             for r in out:
                 if isinstance(r, Exception):
@@ -333,27 +375,35 @@ class RedisMetadata(LeasedWrites):
             return out
         raise MetadataError(f"redis index at {self.address}: script {name} could not be loaded")
 
-    def _reset(self) -> None:
+    def _reset(self, slot: int | None = None) -> None:
         """Drop idle connections: the next attempt connects anew (asking Sentinel where the
-        primary is), and none is left pointing at a primary that was since demoted. Drop the
-        write leases taken ahead too: a new primary may not know them (its copy can be
-        behind) and may hand their slots to others."""
+        primary is, or the cluster which node serves ``slot``), and none is left pointing at
+        a primary that was since demoted. Drop the write leases taken ahead too: a new
+        primary may not know them (its copy can be behind) and may hand their slots to
+        others."""
         self.reconnects += 1
         with self._lock:
-            self._replicas = None  # another primary, perhaps: ask it how many replicas it has
+            self._replicas.clear()  # another primary, perhaps: ask it how many replicas it has
             for pool in self._leases.values():
                 pool.chunks.clear()
                 pool.stale = ([], [])
+        if self._slots is not None:
+            self._slots.invalidate(slot)
+            return
         try:
             self._r.connection_pool.disconnect(inuse_connections=False)
         except Exception:  # noqa: BLE001 - best effort
             pass
 
-    def _call(self, what: str, fn):
-        """``fn(deadline)`` with retries of transient failures, all within ``timeout``."""
+    def _call(self, what: str, fn, route: str):
+        """``fn(deadline)`` with retries of transient failures, all within ``timeout``;
+        ``route`` is a key of the call (on a cluster: whose slot cools off after a failure)."""
+        from kvconnect.connectors.hf3fs.redis_slots import SlotUnserved
+
         R = self._redis.exceptions
         now = time.monotonic()
-        if now < self._down_until:
+        slot = self._slot(route)
+        if now < self._down_until.get(slot, 0.0):
             raise MetadataError(f"redis index at {self.address} is down (cooling off)")
         deadline = now + self.timeout
         delay = 0.02
@@ -366,18 +416,22 @@ class RedisMetadata(LeasedWrites):
             except (R.AuthenticationError, R.NoPermissionError, R.AuthenticationWrongNumberOfArgsError) as e:
                 raise AuthError(f"redis index at {self.address} refused the credentials (config keys "
                                 f"'metadata_server_url' (user), 'auth_token_file'): {e}") from e
-            except (R.ReadOnlyError, R.BusyLoadingError, R.ClusterDownError, R.TryAgainError) as e:
-                last = e  # a demoted primary, a server loading its data, ...
-                self._reset()
+            except R.AskError as e:  # MOVED (and ASK): the slot is served elsewhere now; ask at once
+                last = e
+                self._reset(slot)
+                continue
+            except (R.ReadOnlyError, R.BusyLoadingError, R.ClusterDownError, R.TryAgainError, SlotUnserved) as e:
+                last = e  # a demoted primary, a server loading its data, a shard without a primary ...
+                self._reset(slot)
             except R.ResponseError as e:
                 if not str(e).startswith(_TRANSIENT):
                     self.failed_calls += 1
                     raise MetadataError(f"redis index {what} at {self.address}: {e}") from e
                 last = e
-                self._reset()
+                self._reset(slot)
             except (R.ConnectionError, R.TimeoutError, OSError) as e:  # MasterNotFoundError included
                 last = e
-                self._reset()
+                self._reset(slot)
             except MetadataError:
                 raise
             except Exception as e:  # noqa: BLE001 - a malformed reply is a failed call, never a crash
@@ -387,28 +441,30 @@ class RedisMetadata(LeasedWrites):
                 time.sleep(max(0.0, min(delay * (1 + random.random()), deadline - time.monotonic())))
                 delay *= 2
         with self._lock:
-            self._down_until = time.monotonic() + self.cooldown
+            self._down_until[slot] = time.monotonic() + self.cooldown
             self.failed_calls += 1
         raise MetadataError(f"redis index {what} at {self.address} failed: {last!r}" if last else
                             f"redis index {what} at {self.address}: no time left")
 
     def _script(self, name: str, ns: str, args) -> object:
         keys = self._ns_keys(ns)
-        return self._call(name, lambda deadline: self._eval(name, keys, args, deadline)[0])
+        return self._call(name, lambda deadline: self._eval(name, keys, args, deadline)[0], keys[0])
 
-    def _cmds(self, what: str, cmds: list[tuple]) -> list:
+    def _cmds(self, what: str, cmds: list[tuple], route: str) -> list:
+        """``cmds`` in one round trip to the node serving key ``route`` (every key of them
+        in its slot)."""
         def run(deadline):
-            out = self._exec(cmds, deadline)
+            out = self._exec(cmds, deadline, route)
             for r in out:
                 if isinstance(r, Exception):
                     raise r
             return out
 
-        return self._call(what, run)
+        return self._call(what, run, route)
 
     def connect(self) -> None:
         """One round trip (fails like any call: ``MetadataError`` / ``AuthError``)."""
-        self._cmds("ping", [("PING",)])
+        self._cmds("ping", [("PING",)], self._registry)
 
     def identity(self) -> str:
         """This index's identity (``ownership.py``): the value of ``{key_prefix}:id``, set by
@@ -416,7 +472,7 @@ class RedisMetadata(LeasedWrites):
         server (or Sentinel group), database and key prefix names the same index, across
         restarts and failovers. Flushing the keys makes a new index (a new identity)."""
         key = f"{self.prefix}:id"
-        _, got = self._cmds("identity", [("SET", key, new_identity("redis"), "NX"), ("GET", key)])
+        _, got = self._cmds("identity", [("SET", key, new_identity("redis"), "NX"), ("GET", key)], key)
         return got.decode() if isinstance(got, bytes) else str(got)
 
     # -- the index ------------------------------------------------------------------------
@@ -431,7 +487,7 @@ class RedisMetadata(LeasedWrites):
             raise ConfigError("page_bytes", f"namespace {ns!r} holds pages of {pb} bytes, not {page_bytes}: engines "
                               "sharing a file must use the same page geometry (or another file_path_prefix)")
         if np_:
-            self._cmds("register", [("HSET", self._registry, ns, f"{np_} {pb}")])
+            self._cmds("register", [("HSET", self._registry, ns, f"{np_} {pb}")], self._registry)
         return NamespaceInfo(ns, np_, pb, int(rl) / 1000.0, int(wl) / 1000.0)
 
     def reserve_call(self, ns, keys):
@@ -465,37 +521,39 @@ class RedisMetadata(LeasedWrites):
         runs without ``WAIT`` and the write is reported unacknowledged at once."""
         nsk = self._ns_keys(ns)
         if not (wait and self.wait_replicas):
-            return self._call(name, lambda deadline: self._eval(name, nsk, args, deadline)[0]), True
+            return self._call(name, lambda deadline: self._eval(name, nsk, args, deadline)[0], nsk[0]), True
+        slot = self._slot(nsk[0])
 
         def attempt(deadline):
-            have = self._attached_replicas(deadline)
+            have = self._attached_replicas(deadline, nsk[0])
             if have is not None and have < self.wait_replicas:
                 return self._eval(name, nsk, args, deadline)[0], None
             return self._eval(name, nsk, args, deadline, self.wait_replicas)
 
-        rep, acked = self._call(name, attempt)
+        rep, acked = self._call(name, attempt, nsk[0])
         if acked is None:
-            self._note_no_replicas()
+            self._note_no_replicas(slot)
             return rep, False
         if acked >= self.wait_replicas:
             return rep, True
         with self._lock:
             self.wait_shortfalls += 1
-            self._replicas = None  # a replica went away (or stalls): count them again before the next WAIT
+            self._replicas.pop(slot, None)  # a replica went away (or stalls): count them again before the next WAIT
         return rep, False
 
-    def _attached_replicas(self, deadline: float) -> int | None:
-        """Replicas attached to the primary and acknowledging (``INFO replication``: state
+    def _attached_replicas(self, deadline: float, route: str) -> int | None:
+        """Replicas attached to the primary serving key ``route`` and acknowledging (``INFO replication``: state
         ``online``, last acknowledgement at most ``REPLICA_MAX_LAG_S`` old), cached (see the
         module docstring); None where unknown (not a primary: the write will meet
         ``READONLY`` and reconnect; an ACL user without ``INFO``: always ``WAIT``)."""
         if self._replicas_unknowable:
             return None
         now = time.monotonic()
-        known = self._replicas
+        slot = self._slot(route)
+        known = self._replicas.get(slot)
         if known is not None and now < known[1]:
             return known[0]
-        rep = self._exec([("INFO", "replication")], deadline)[0]
+        rep = self._exec([("INFO", "replication")], deadline, route)[0]
         if isinstance(rep, self._redis.exceptions.NoPermissionError):
             self._replicas_unknowable = True
             log.warning("hf3fs: redis index at %s: the ACL user may not run INFO, so writes cannot tell that no "
@@ -508,10 +566,11 @@ class RedisMetadata(LeasedWrites):
         if have is None:
             return None
         with self._lock:
-            self._replicas = (have, now + (REPLICAS_TRUSTED_S if have >= self.wait_replicas else REPLICAS_RECHECK_S))
+            self._replicas[slot] = (have, now + (REPLICAS_TRUSTED_S if have >= self.wait_replicas
+                                                 else REPLICAS_RECHECK_S))
         return have
 
-    def _note_no_replicas(self) -> None:
+    def _note_no_replicas(self, slot: int | None) -> None:
         now = time.monotonic()
         with self._lock:
             self.no_replica_writes += 1
@@ -519,7 +578,7 @@ class RedisMetadata(LeasedWrites):
             if now - self._no_replica_logged < NO_REPLICA_LOG_S:
                 return
             n, self._no_replica_unlogged, self._no_replica_logged = self._no_replica_unlogged, 0, now
-            have = self._replicas[0] if self._replicas else 0
+            have = self._replicas[slot][0] if slot in self._replicas else 0
         log.warning("hf3fs: redis index at %s: the primary has %d replica(s) attached, metadata_wait_replicas "
                     "needs %d: %d write(s) failed at once since the last report (pages stay readable; the "
                     "engine recomputes them; docs/hf3fs_ha.md: a layout that keeps writing after one loss)",
@@ -599,7 +658,7 @@ class RedisMetadata(LeasedWrites):
     def usage(self, ns):
         m, k, _l, f, p = self._ns_keys(ns)[:5]
         (np_, pb, ev, ex, fr, leased), keys, reserved, free = self._cmds(
-            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr", "ls"), ("HLEN", k), ("HLEN", p), ("ZCARD", f)])
+            "usage", [("HMGET", m, "np", "pb", "ev", "ex", "fr", "ls"), ("HLEN", k), ("HLEN", p), ("ZCARD", f)], m)
         if np_ is None:
             return {"keys": 0, "num_pages": 0, "page_bytes": 0}
         return {"keys": max(0, keys - 1),  # less the field that keeps the hash a hash table (redis_lua.py)
@@ -608,7 +667,7 @@ class RedisMetadata(LeasedWrites):
                 "wait_shortfalls": self.wait_shortfalls, "no_replica_writes": self.no_replica_writes}
 
     def spaces(self, prefix):
-        flat = self._cmds("spaces", [("HGETALL", self._registry)])[0]
+        flat = self._cmds("spaces", [("HGETALL", self._registry)], self._registry)[0]
         out = []
         pairs = flat.items() if isinstance(flat, dict) else zip(flat[::2], flat[1::2])  # RESP3 / RESP2
         for name, v in pairs:
@@ -624,11 +683,14 @@ class RedisMetadata(LeasedWrites):
         self.timeout = min(self.timeout, 1.0)
         for ns in list(self._leases):
             self.release_leases(ns)
-        try:
-            self._r.close()
-            self._r.connection_pool.disconnect()
-        except Exception:  # noqa: BLE001 - closing
-            pass
+        if self._slots is not None:
+            self._slots.close()
+        else:
+            try:
+                self._r.close()
+                self._r.connection_pool.disconnect()
+            except Exception:  # noqa: BLE001 - closing
+                pass
         if self._sentinel is not None:
             for s in self._sentinel.sentinels:
                 try:

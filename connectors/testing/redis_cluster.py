@@ -10,6 +10,19 @@
   (node 0: primary + sentinel, node 1: replica + sentinel, node 2: sentinel, node 3 and
   up: clients), so that a test can cut the primary off the network. ``url`` is the
   ``redis+sentinel://`` URL a store uses.
+* ``RedisClusterSet``: a Redis Cluster (``redis-server --cluster-enabled yes``) of
+  ``shards`` primaries (the 16384 hash slots split evenly) and ``replicas`` replicas per
+  primary, every node on 127.0.0.1 on a free port, formed with ``CLUSTER MEET`` /
+  ``ADDSLOTSRANGE`` / ``REPLICATE`` (so one shard works too, which ``redis-cli --cluster
+  create`` refuses). Settings for a failover within a few seconds (``CLUSTER_SETTINGS``, as
+  docs/hf3fs_ha.md documents). ``url`` is the ``redis+cluster://`` URL a store (or any
+  client of the page index) uses; ``primary_for(key)`` / ``primary_of_slot(slot)`` name the
+  node serving a key now, ``nodes[i].kill9()`` and ``nodes[i].start()`` crash and restart a
+  node (it rejoins from its ``nodes.conf``, as a replica if it was failed over),
+  ``wait_failover(old, slot)`` waits for another primary of a slot. Use::
+
+      with RedisClusterSet(shards=3, replicas=1) as cluster:
+          store_config["metadata_server_url"] = cluster.url
 
 Nothing here listens on anything but loopback or addresses inside namespaces it made.
 """
@@ -27,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvconnect.connectors.testing.processes import stop as stop_process
+
+SLOTS = 16384
 
 MASTER = "kvc"
 
@@ -372,6 +387,179 @@ class RedisHA:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "RedisHA":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# Redis Cluster settings for a failover within a few seconds (documented in docs/hf3fs_ha.md):
+# a primary silent for 1 s is failing; once most primaries agree, its replica is elected
+# (~0.5-1.5 s more). ``replica-validity-factor 0``: a replica always stands, however long its
+# link was down (else a shard can stay without a primary). ``require-full-coverage no``: the
+# other shards keep serving while one shard has no primary. No replica migration: the
+# test's shards keep their own replica.
+CLUSTER_SETTINGS = {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-node-timeout": "1000",
+                    "cluster-replica-validity-factor": "0", "cluster-require-full-coverage": "no",
+                    "cluster-allow-replica-migration": "no"}
+
+
+def _text(rep) -> str:
+    return rep.decode() if isinstance(rep, bytes) else str(rep)
+
+
+@dataclass
+class RedisClusterSet:
+    """A Redis Cluster on 127.0.0.1 (see the module docstring).
+
+    Args:
+        shards: primaries, each serving an even share of the hash slots.
+        replicas: replicas per primary (0: none; a shard then cannot fail over).
+        durability: server settings of every node.
+        settings: ``CLUSTER_SETTINGS`` overrides.
+        password: ``requirepass`` / ``masterauth`` of every node.
+        extra: more server settings of every node (e.g. ``io-threads``).
+    """
+
+    shards: int = 3
+    replicas: int = 1
+    durability: Durability = field(default_factory=lambda: DURABILITY["async"])
+    workdir: Path | None = None
+    settings: dict | None = None
+    password: str | None = None
+    extra: dict | None = None
+    nodes: list[RedisProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.shards < 1 or self.replicas < 0:
+            raise ValueError(f"shards must be >= 1 and replicas >= 0, got {self.shards}, {self.replicas}")
+        self._own_dir = self.workdir is None
+        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvc-redis-cluster-"))
+
+    def start(self, timeout: float = 30.0) -> "RedisClusterSet":
+        """Start the nodes (primaries first: node ``i < shards`` is shard ``i``'s primary,
+        node ``shards * (1 + r) + i`` its replica ``r``) and form the cluster."""
+        conf = {**CLUSTER_SETTINGS, **(self.settings or {}), **(self.extra or {})}
+        try:
+            for i in range(self.shards * (1 + self.replicas)):
+                # the bus port named, not the default (port + 10000: above 65535 for a high free port)
+                self.nodes.append(RedisProcess("127.0.0.1", free_port(), self.workdir / f"node{i}", self.durability,
+                                               extra={**conf, "cluster-port": str(free_port())},
+                                               password=self.password).start())
+            first = self.nodes[0]
+            for n in self.nodes[1:]:
+                n.command("CLUSTER", "MEET", first.host, first.port, first.extra["cluster-port"])
+            for i in range(self.shards):
+                lo, hi = i * SLOTS // self.shards, (i + 1) * SLOTS // self.shards - 1
+                self.nodes[i].command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+            self._wait(lambda: all(len(self._node_lines(n)) == len(self.nodes) for n in self.nodes), timeout,
+                       "every node to know every other")
+            for j, n in enumerate(self.nodes[self.shards:]):
+                n.command("CLUSTER", "REPLICATE", self.node_id(self.nodes[j % self.shards]))
+            self.wait_ready(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    # -- what the cluster says ----------------------------------------------------------
+    def _node_lines(self, node: RedisProcess) -> list[list[str]]:
+        """``CLUSTER NODES`` as split lines (id, addr, flags, master, ..., slots)."""
+        return [line.split() for line in _text(node.command("CLUSTER", "NODES")).splitlines() if line.strip()]
+
+    def node_id(self, node: RedisProcess) -> str:
+        return _text(node.command("CLUSTER", "MYID"))
+
+    def _wait(self, ok, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                if ok():
+                    return
+            except Exception as e:  # noqa: BLE001 - not yet
+                last = f" ({e!r})"
+            time.sleep(0.05)
+        raise TimeoutError(f"redis cluster: no {what} within {timeout:g} s{last}")
+
+    def wait_ready(self, timeout: float = 30.0, nodes: list[RedisProcess] | None = None) -> None:
+        """Every live node (or those of ``nodes``) says ``cluster_state:ok`` with all slots
+        served, and every replica's link to its primary is up."""
+        def ready() -> bool:
+            live = [n for n in self.nodes if n.proc and n.proc.poll() is None]
+            for n in nodes or live:
+                if len(live) == len(self.nodes):  # all up: every node knows every node's role, none failing
+                    flags = [line[2] for line in self._node_lines(n)]
+                    if sum("slave" in f for f in flags) != self.shards * self.replicas or any(
+                            x in f for f in flags for x in ("fail", "handshake", "noaddr")):
+                        return False
+                info = _text(n.command("CLUSTER", "INFO"))
+                if "cluster_state:ok" not in info or f"cluster_slots_ok:{SLOTS}" not in info:
+                    return False
+                repl = n.command("INFO", "replication")  # parsed into a dict by the client
+                if repl.get("role") == "slave" and repl.get("master_link_status") != "up":
+                    return False
+            return True
+
+        self._wait(ready, timeout, "settled cluster")
+
+    def slots(self, via: RedisProcess | None = None) -> list[tuple[int, int, tuple[str, int]]]:
+        """(first slot, last slot, primary address) per slot range, as a live node says."""
+        for n in [via] if via else [n for n in self.nodes if n.proc and n.proc.poll() is None]:
+            try:
+                rep = n.command("CLUSTER", "SLOTS", timeout=0.5)
+            except Exception:  # noqa: BLE001 - that node is down: ask another
+                continue
+            return [(int(r[0]), int(r[1]), (_text(r[2][0]) or n.host, int(r[2][1]))) for r in rep]
+        raise RuntimeError("no live node answers CLUSTER SLOTS")
+
+    @staticmethod
+    def slot_of(key: str | bytes) -> int:
+        from redis.crc import key_slot
+
+        return key_slot(key.encode() if isinstance(key, str) else key)
+
+    def primary_of_slot(self, slot: int, via: RedisProcess | None = None) -> RedisProcess | None:
+        for lo, hi, addr in self.slots(via):
+            if lo <= slot <= hi:
+                return self.node_at(addr)
+        return None
+
+    def primary_for(self, key: str | bytes) -> RedisProcess | None:
+        """The node serving ``key`` now (None: no primary for its slot)."""
+        return self.primary_of_slot(self.slot_of(key))
+
+    def primaries(self) -> list[RedisProcess]:
+        return [self.node_at(addr) for _, _, addr in self.slots()]
+
+    def node_at(self, addr: tuple[str, int]) -> RedisProcess:
+        return next(n for n in self.nodes if (n.host, n.port) == addr)
+
+    def wait_failover(self, old: RedisProcess, slot: int, timeout: float = 30.0) -> float:
+        """Seconds until a live node names a primary other than ``old`` for ``slot``."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            try:
+                now = self.primary_of_slot(slot)
+            except RuntimeError:
+                now = None
+            if now is not None and now is not old:
+                return time.monotonic() - t0
+            time.sleep(0.05)
+        raise TimeoutError(f"no failover of slot {slot} away from {old.addr} within {timeout:g} s")
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` with every node as a seed (any one that answers will do)."""
+        return "redis+cluster://" + ",".join(n.addr for n in self.nodes)
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.terminate()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "RedisClusterSet":
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -26,6 +26,10 @@ def cfg(**kw):
      dict(sentinel=True, master="kvc", hosts=(("10.0.0.1", 26379), ("10.0.0.2", 26379), ("10.0.0.3", 26379)))),
     ("rediss+sentinel://u@[::1]:26379/kvc/2", dict(tls=True, sentinel=True, hosts=(("::1", 26379),), db=2,
                                                      username="u")),
+    ("redis+cluster://kvc@10.0.0.1:7000,10.0.0.2:7001,10.0.0.3", dict(
+        cluster=True, sentinel=False, master=None, db=0, username="kvc",
+        hosts=(("10.0.0.1", 7000), ("10.0.0.2", 7001), ("10.0.0.3", 6379)))),
+    ("redis+cluster://10.0.0.1:7000/", dict(cluster=True, hosts=(("10.0.0.1", 7000),))),
 ])
 def test_redis_urls(url, want):
     assert is_redis_url(url)
@@ -43,6 +47,10 @@ def test_redis_urls(url, want):
     ("redis://h:6379/db0", "database number"),
     ("redis://h:6379?ssl=1", "query"),
     ("redis://", "no host"),
+    ("redis+cluster://h1:7000,h2:7000/3", "one database"),
+    ("redis+cluster://h1:7000/kvc", "nothing may follow"),
+    ("redis+cluster://h1:7000,,h2:7000", "no host"),
+    ("redis+cluster://kvc:pw@h1:7000", "password in the URL"),
 ])
 def test_bad_redis_urls_name_the_key_and_the_forms(url, match):
     with pytest.raises(ConfigError, match=match) as e:
