@@ -15,6 +15,8 @@ Two layers (object_store's "contract" split):
   ``_clear`` primitives (and optionally ``_clear_prefix``, ``_register_memory``), declares
   its ``capabilities`` and is built as ``Store(config, context)``: its typed config and the
   engine's ``EngineContext`` (None when no engine built it).
+* Optional: a store that evicts pages in this process declares ``EVICTION_EVENTS`` and calls
+  ``_report_evicted(keys)`` as it evicts; callers subscribe with ``add_eviction_listener``.
 
 Contract for every store:
   * every call is batched and thread-safe; results keep the order of ``keys``;
@@ -33,15 +35,18 @@ key is a caller's bug, not a miss, and no store may accept a key another store w
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 if TYPE_CHECKING:
     from kvconnect.connectors.context import EngineContext
+
+_log = logging.getLogger("kvconnect.store")
 
 Segment = tuple[int, int]
 
@@ -114,6 +119,9 @@ class Capability(str, Enum):
     ANY_PAGE_SIZE = "any_page_size"
     """Pages of many different sizes cost nothing extra (a store that keeps one file or
     slot table per page size lacks it: callers should keep to a few sizes)."""
+    EVICTION_EVENTS = "eviction_events"
+    """The store tells ``add_eviction_listener`` listeners which keys it evicted, as it
+    evicts them (a store whose evictions happen in another process, unseen here, lacks it)."""
 
     @property
     def meaning(self) -> str:
@@ -126,6 +134,7 @@ _MEANINGS = {
     Capability.DEVICE_MEMORY: "reads and writes pages in accelerator (GPU) memory",
     Capability.ZERO_COPY: "moves bytes without a staging copy",
     Capability.ANY_PAGE_SIZE: "takes pages of any size at no extra cost",
+    Capability.EVICTION_EVENTS: "reports the pages it evicts to listeners in this process",
 }
 
 
@@ -229,6 +238,7 @@ class PageStore(ABC):
         self._stats = StoreStats(store=self.name)
         self._closed = False
         self._call_causes = threading.local()  # the causes of the current call's misses (``_miss``)
+        self._eviction_listeners: tuple = ()  # replaced, never mutated: reporters iterate without a lock
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -349,6 +359,33 @@ class PageStore(ABC):
         if nbytes <= 0:
             raise ValueError(f"register_memory: nbytes must be > 0, got {nbytes}")
         self._register_memory(address, nbytes)
+
+    def add_eviction_listener(self, listener: Callable[[list[str]], None]) -> Callable[[], None]:
+        """Call ``listener(keys)`` with the keys this store evicts (to make room) from now on,
+        soon after each eviction; returns the function that removes the listener.
+
+        Only stores with ``Capability.EVICTION_EVENTS`` (others raise ``Unsupported``). Deletes
+        and clears a caller asked for are not evictions: the caller knows of them. A listener
+        may run on a store thread under the store's locks: it must be quick, must not block and
+        must not call the store; whatever it raises is logged and dropped."""
+        if not self.supports(Capability.EVICTION_EVENTS):
+            raise Unsupported("reporting evictions (Capability.EVICTION_EVENTS)", self.name)
+        with self._stats_lock:
+            self._eviction_listeners = self._eviction_listeners + (listener,)
+
+        def remove() -> None:
+            with self._stats_lock:
+                self._eviction_listeners = tuple(x for x in self._eviction_listeners if x is not listener)
+
+        return remove
+
+    def _report_evicted(self, keys: Sequence[str]) -> None:
+        """Stores call this with the keys they just evicted (see ``add_eviction_listener``)."""
+        for listener in self._eviction_listeners:
+            try:
+                listener(list(keys))
+            except Exception:  # noqa: BLE001 - a listener never breaks the store's write
+                _log.exception("kvconnect: eviction listener of store %r failed", self.name)
 
     def stats(self) -> StoreStats:
         with self._stats_lock:

@@ -35,7 +35,8 @@ class MemoryStore(PageStore):
 
     name = "memory"
     config_class = MemoryStoreConfig
-    capabilities = frozenset({Capability.ANY_PAGE_SIZE})  # one process's memory: shared with nobody
+    capabilities = frozenset({Capability.ANY_PAGE_SIZE,  # one process's memory: shared with nobody
+                              Capability.EVICTION_EVENTS})
 
     def __init__(self, config: MemoryStoreConfig | None = None, context=None):
         super().__init__(context)
@@ -80,6 +81,7 @@ class MemoryStore(PageStore):
         # copies outside the lock, all pages of the batch at once
         datas = [bytearray(page_nbytes(pages[i])) for i in new]
         gather_many([pages[i] for i in new], [buffer_address(d) if d else 0 for d in datas])
+        victims: list[str] = []
         with self._lock:
             for i, data in zip(new, datas):
                 k, n = keys[i], len(data)
@@ -90,12 +92,15 @@ class MemoryStore(PageStore):
                     victim, old = self._pages.popitem(last=False)
                     self._used -= len(old)
                     self._evictions += 1
+                    victims.append(victim)
                     self._evicted[victim] = None
                     if len(self._evicted) > _EVICTED_KEPT:
                         self._evicted.popitem(last=False)
                 self._evicted.pop(k, None)
                 self._pages[k] = data
                 self._used += n
+        if victims:
+            self._report_evicted(victims)
         return out
 
     def _delete(self, keys: list[str]) -> list[bool]:

@@ -47,6 +47,17 @@ class PrefixedStore(PageStore):
     def supports(self, capability) -> bool:
         return self.inner.supports(capability)
 
+    def add_eviction_listener(self, listener: Callable[[list[str]], None]) -> Callable[[], None]:
+        """The inner store's evictions of keys under this prefix, as the view's keys."""
+        p, n = self.prefix, len(self.prefix)
+
+        def mine(keys: list[str]) -> None:
+            own = [k[n:] for k in keys if k.startswith(p)]
+            if own:
+                listener(own)
+
+        return self.inner.add_eviction_listener(mine)
+
     def _exists(self, keys: list[str]) -> list[bool]:
         return self.inner.exists(self.inner_keys(keys))
 

@@ -66,6 +66,7 @@ from kvconnect.connectors.engines.common import (
     start_stack_dumps,
     stop_stack_dumps,
 )
+from kvconnect.connectors.engines.kv_events import StoreEvents, events_config
 from kvconnect.connectors.engines.sglang_pools import ADAPTER, PoolIO, describe_pool, pool_buffers, tensor_segment
 from kvconnect.connectors.engines.sglang_shims import (
     KV,
@@ -266,7 +267,7 @@ class KVConnectStorage(HiCacheStorage):
         self._rlog = RateLimitedLog(log)
         self.context = engine_context(storage_config)
         self.store, self.options = build_store(storage_config.extra_config or {}, where=ADAPTER,
-                                               ignore=SGLANG_KEYS, engine_keys=("write_behind", "kv_cache_dtype"),
+                                               ignore=SGLANG_KEYS, engine_keys=("write_behind", "kv_cache_dtype", "kv_events"),
                                                context=self.context,
                                                require=required_capabilities(self.context))
         try:
@@ -274,12 +275,14 @@ class KVConnectStorage(HiCacheStorage):
                                                weights=self.options.model_fingerprint)
             self.kv_cache_dtype = self.options.extra.get("kv_cache_dtype")
             logical_kv_dtype(self.kv_cache_dtype, where=ADAPTER)  # a bad name fails here, naming the key
+            self._events_config = events_config(self.options.extra.get("kv_events"), where=ADAPTER)
             wb = self.options.extra.get("write_behind", 0)
             self._write_behind_bytes = parse_size(0 if wb in (None, "", False) else wb, "write_behind", ADAPTER)
         except (ValueError, ConfigError):
             self.store.close()
             raise
         self._write_behind: Optional[WriteBehind] = None
+        self._events: Optional[StoreEvents] = None  # KV events of the KV pool (kv_events.py)
         self.is_writer = self.context.is_writer
         self._pools: dict[str, PoolIO] = {}
         self.kv: Optional[PoolIO] = None
@@ -319,8 +322,13 @@ class KVConnectStorage(HiCacheStorage):
         self._pools["kv"] = self.kv
         self._register_buffers(mem_pool_host)
         log.info("kvconnect: KV pages keyed as %s", self.kv.keyspace.describe())
+        if self._events_config and self._events is None and self.context.tp_rank == 0 \
+                and self.context.pp_rank == 0 and self.context.cp_rank == 0:  # SGLang's publisher ranks
+            self._events = StoreEvents.create(self._events_config, dp_rank=self.context.dp_rank, where=ADAPTER)
+            self._events.watch(self.kv.store, block_size=self.kv.pool.page_size)
         if self._write_behind_bytes and self.kv.is_writer and self._write_behind is None:
-            self._write_behind = WriteBehind(self.kv.store, self._write_behind_bytes, self.kv.page_nbytes)
+            self._write_behind = WriteBehind(self.kv.store, self._write_behind_bytes, self.kv.page_nbytes,
+                                             put_from=self._put_fn(self.kv))
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
@@ -360,6 +368,17 @@ class KVConnectStorage(HiCacheStorage):
             raise RuntimeError("no KV host pool registered")
         return self.kv
 
+    def _put_fn(self, io: PoolIO, parent: Optional[str] = None) -> Callable[[List[str], List[Page]], List[bool]]:
+        """``io.store.put_from``, announcing what it stored where this pool's events are on."""
+        if self._events is None or io is not self.kv:
+            return io.store.put_from
+        return lambda keys, pages: self._events.put(io.store.put_from, keys, pages, parent)
+
+    def _get_fn(self, io: PoolIO) -> Callable[[List[str], List[Page]], List[bool]]:
+        if self._events is None or io is not self.kv:
+            return io.store.get_into
+        return lambda keys, pages: self._events.get(io.store.get_into, keys, pages)
+
     # -- zero-copy v1 ---------------------------------------------------------------
     @guarded(_misses)
     @_in_flight
@@ -370,7 +389,7 @@ class KVConnectStorage(HiCacheStorage):
         t0 = time.perf_counter()
         try:
             pages, finish = kv.plan_read(keys, host_indices)
-            ok = kv.store.get_into(keys, pages)
+            ok = self._get_fn(kv)(keys, pages)
             finish(ok)
         finally:
             self._lookups.loaded(reported, ok)  # a load that raised counts as not loaded too
@@ -386,7 +405,9 @@ class KVConnectStorage(HiCacheStorage):
             return [True] * len(keys)  # rank-replicated KV: the writer rank stores it
         t0 = time.perf_counter()
         pages, _keep = kv.plan_write(keys, host_indices)
-        ok = (self._write_behind.submit if self._write_behind else kv.store.put_from)(keys, pages)
+        prefix = getattr(extra_info, "prefix_keys", None)
+        ok = (self._write_behind.submit if self._write_behind else self._put_fn(kv, prefix[-1] if prefix else None))(
+            keys, pages)
         self._record(False, sum(ok), kv.page_nbytes, time.perf_counter() - t0)
         return ok
 
@@ -395,7 +416,7 @@ class KVConnectStorage(HiCacheStorage):
         kv = self._kv_io()
         work = [t if t.is_contiguous() else t.contiguous() for t in targets]
         t0 = time.perf_counter()
-        ok = kv.store.get_into(keys, [[tensor_segment(t)] for t in work])
+        ok = self._get_fn(kv)(keys, [[tensor_segment(t)] for t in work])
         for t, w, good in zip(targets, work, ok):
             if good and w is not t:
                 t.copy_(w)
@@ -408,7 +429,7 @@ class KVConnectStorage(HiCacheStorage):
             return [True] * len(keys)
         work = [v.contiguous() for v in values]
         t0 = time.perf_counter()
-        ok = kv.store.put_from(keys, [[tensor_segment(v)] for v in work])
+        ok = self._put_fn(kv)(keys, [[tensor_segment(v)] for v in work])
         self._record(False, sum(ok), kv.page_nbytes, time.perf_counter() - t0)
         return ok
 
@@ -449,7 +470,7 @@ class KVConnectStorage(HiCacheStorage):
     def _read_addresses(self, keys: List[str], pages: List[Page]) -> List[bool]:
         kv = self._kv_io()
         t0 = time.perf_counter()
-        ok = kv.store.get_into(keys, pages)
+        ok = self._get_fn(kv)(keys, pages)
         self._record(True, leading_hits(ok), _mean_nbytes(pages), time.perf_counter() - t0)
         return ok
 
@@ -458,7 +479,7 @@ class KVConnectStorage(HiCacheStorage):
         if not kv.is_writer:
             return [True] * len(keys)  # rank-replicated KV: the writer rank stores it
         t0 = time.perf_counter()
-        ok = kv.store.put_from(keys, pages)
+        ok = self._put_fn(kv)(keys, pages)
         self._record(False, sum(ok), _mean_nbytes(pages), time.perf_counter() - t0)
         return ok
 
@@ -586,10 +607,13 @@ class KVConnectStorage(HiCacheStorage):
                 self._lookups.loading(list(t.keys or []))
         for name, io, keys, (pages, finish) in self._planned(transfers, results, write=False):
             calls.append((io.store, keys, pages))
-            plans.append((name, finish))
-        for (name, finish), ok in zip(plans, get_many(calls) if calls else []):
+            plans.append((name, finish, io))
+        token = self._events_begin(calls)
+        for (_, keys, _), (name, finish, io), ok in zip(calls, plans, get_many(calls) if calls else []):
             finish(ok)
             results[name] = ok
+            if io is self.kv and self._events is not None:
+                self._events.loaded(list(keys), ok, token=token)
         return results
 
     @guarded(_per_pool_misses)
@@ -601,9 +625,22 @@ class KVConnectStorage(HiCacheStorage):
             keep.append(staged)  # staged tensors live until the store call returned
             calls.append((io.store, keys, pages))
             names.append(name)
-        for name, ok in zip(names, put_many(calls) if calls else []):
+        token = self._events_begin(calls)
+        prefix = getattr(extra_info, "prefix_keys", None)
+        for (view, keys, _), name, ok in zip(calls, names, put_many(calls) if calls else []):
             results[name] = ok
+            if self.kv is not None and view is self.kv.store and self._events is not None:
+                self._events.stored(list(keys), ok, prefix[-1] if prefix else None, token=token)
         return results
+
+    def _events_begin(self, calls: List[tuple]) -> Optional[list]:
+        """``begin`` of the KV pool's call among a v2 batch's (None: no events or no KV call)."""
+        if self._events is None or self.kv is None:
+            return None
+        for view, keys, _ in calls:
+            if view is self.kv.store:
+                return self._events.begin(list(keys))
+        return None
 
     def _planned(self, transfers: List[Any], results: dict, write: bool) -> Iterator[tuple]:
         """(name, pool I/O, keys, plan) of each transfer its pool planned; the answers of the
@@ -642,6 +679,8 @@ class KVConnectStorage(HiCacheStorage):
         for io in self._pools.values():
             if io.is_writer:
                 io.store.clear()
+                if io is self.kv and self._events is not None:
+                    self._events.cleared()
         return True
 
     @guarded(lambda self, keys, *a, **k: [False] * len(keys))
@@ -651,7 +690,10 @@ class KVConnectStorage(HiCacheStorage):
         gone = [False] * len(keys)
         for io in self._pools.values():
             if io.is_writer and keys:
-                gone = [a or b for a, b in zip(gone, io.store.delete(keys))]
+                deleted = io.store.delete(keys)
+                if io is self.kv and self._events is not None:
+                    self._events.removed(keys, deleted)
+                gone = [a or b for a, b in zip(gone, deleted)]
         return gone
 
     def delete(self, key: str) -> bool:
@@ -678,6 +720,8 @@ class KVConnectStorage(HiCacheStorage):
 
             if self._write_behind is not None:
                 self._write_behind.close()
+            if self._events is not None:
+                self._events.close()
             stop_stack_dumps(self._stack_dump)
 
             metrics.unexport_store(self.store)

@@ -21,7 +21,7 @@ import logging
 import mmap
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 from kvconnect.connectors.base import Page, PageStore
 
@@ -31,13 +31,17 @@ log = logging.getLogger("kvconnect.engines")
 class WriteBehind:
     """A staging buffer of ``budget_bytes // page_nbytes`` page slots and one writer thread."""
 
-    def __init__(self, store: PageStore, budget_bytes: int, page_nbytes: int, *, name: str = "kv"):
+    def __init__(self, store: PageStore, budget_bytes: int, page_nbytes: int, *, name: str = "kv",
+                 put_from: Optional[Callable[[list, list], list]] = None):
+        """``put_from``: how a staged batch is stored (default ``store.put_from``; the HiCache
+        adapter passes one that also publishes KV events)."""
         if page_nbytes <= 0:
             raise ValueError(f"write-behind: page size must be > 0, got {page_nbytes}")
         slots = budget_bytes // page_nbytes
         if slots < 1:
             raise ValueError(f"write-behind: {budget_bytes} bytes hold no {page_nbytes}-byte page")
         self.store, self.page_nbytes, self.name = store, page_nbytes, name
+        self._put_from = put_from or store.put_from
         self.slots = slots
         self._buf = mmap.mmap(-1, slots * page_nbytes)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
@@ -109,7 +113,7 @@ class WriteBehind:
                 keys, slots = self._queue.popleft()
                 self._busy += 1
             try:
-                ok = self.store.put_from(keys, [[(self._base + s * pb, pb)] for s in slots])
+                ok = self._put_from(keys, [[(self._base + s * pb, pb)] for s in slots])
             except Exception as e:  # noqa: BLE001 - the writer thread never dies
                 log.error("kvconnect: write-behind store write of %d page(s) failed: %s", len(keys), e)
                 ok = [False] * len(keys)

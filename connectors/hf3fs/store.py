@@ -27,7 +27,8 @@ stores what it is given.
 
 Capabilities: with a metadata service the pages are shared between processes and hosts
 and durable (the index survives a restart of the engine and of the service); without one
-the index lives in this process.
+the index lives in this process, and so do its LRU evictions, which the store reports to
+eviction listeners (``EVICTION_EVENTS``).
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class HF3FSStore(PageStore):
 
     name = "hf3fs"
     config_class = HF3FSConfig
-    capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.ZERO_COPY})
+    capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.ZERO_COPY,
+                              Capability.EVICTION_EVENTS})
     metric_counters = frozenset({"validations", "rejected_reads", "stale_reads", "index_wait_shortfalls",
                                  "index_no_replica_writes"})
     # the Redis index's write counters (redis_index.py), in stats().extra as index_<name>
@@ -142,6 +144,8 @@ class HF3FSStore(PageStore):
         have = set(cls.capabilities)
         if config is None or not config.metadata_server_url:
             have -= {Capability.SHARED, Capability.DURABLE}  # the index lives in this process
+        else:
+            have.discard(Capability.EVICTION_EVENTS)  # the service evicts, out of this process's sight
         if config is not None and config.client == "usrbio" and not config.use_mock_hf3fs_client:
             have.discard(Capability.ZERO_COPY)  # usrbio stages pages through its shared ring buffers
         return frozenset(have)
@@ -196,6 +200,10 @@ class HF3FSStore(PageStore):
             # naming), else the first free one (another process of the same TP rank, e.g. a
             # second pipeline stage, holds it). Without a rank: the first free one.
             self._take_free_local_file(config, suffix, prefer=rank)
+        index = getattr(self.meta, "index", None)  # the in-process index evicts here: report it
+        self._evict_index = index if index is not None and self.supports(Capability.EVICTION_EVENTS) else None
+        if self._evict_index is not None:
+            self._evict_index.evict_listeners += (self._index_evicted,)
         # Page identities: where the index may answer stale mappings (a Redis failover), or on request.
         self.verify = config.verify_pages == "on" or (config.verify_pages == "auto" and self.meta.may_serve_stale)
         try:
@@ -633,7 +641,16 @@ class HF3FSStore(PageStore):
         log.warning("hf3fs: %s failed, treated as a miss: %s", op, e)
 
     # ------------------------------------------------------------------ lifecycle
+    def _index_evicted(self, ns: str, keys: list) -> None:
+        """The in-process index evicted ``keys`` of ``ns`` (under its lock: only report)."""
+        if any(lane.ns == ns for lane in list(self._lanes.values())):
+            self._report_evicted([k.decode() for k in keys])
+
     def _release(self) -> None:
+        index = getattr(self, "_evict_index", None)
+        if index is not None:
+            index.evict_listeners = tuple(x for x in index.evict_listeners if x != self._index_evicted)
+            self._evict_index = None
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
