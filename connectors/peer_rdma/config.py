@@ -37,6 +37,15 @@ class PeerRdmaConfig(StoreConfig):
         "extra nodes (besides the owner) holding each directory entry"))
     disk_path: str = field(default="", metadata=field_doc("write-through disk tier directory (empty: none)"))
     disk_size: Size = field(default=100 << 30, metadata=field_doc("disk tier capacity"))
+    membership_url: str = field(default="", metadata=field_doc(
+        "where the live set is kept: empty = heartbeats between all members (no master; pools of "
+        "up to ~100 nodes), or a registry in Redis, redis://host:port[/db] or "
+        "redis+sentinel://host:port,.../master-name[/db] (one call per node per heartbeat_interval "
+        "whatever the pool size; docs/operations.md, sizing)"))
+    membership_password_file: str = field(default="", metadata=field_doc(
+        "file holding the password of the membership registry's Redis user (the URL may name the user)"))
+    membership_pool: str = field(default="default", metadata=field_doc(
+        "name of this pool in the membership registry (pools sharing one Redis differ by name)"))
     heartbeat_interval: float = field(default=1.0, metadata=field_doc("seconds between heartbeats"))
     member_ttl: float = field(default=4.0, metadata=field_doc("a member silent this long is dropped (s)"))
     rpc_timeout: float = field(default=0.5, metadata=field_doc("deadline of one control-plane call (s)"))
@@ -75,6 +84,16 @@ class PeerRdmaConfig(StoreConfig):
             raise ConfigError("global_segment_size", "must be >= 0")
         if self.directory_replicas < 0:
             raise ConfigError("directory_replicas", "must be >= 0")
+        if self.membership_url:
+            from kvconnect.connectors.hf3fs.redis_index import URL_FORMS, parse_redis_url
+
+            try:
+                parse_redis_url(self.membership_url)
+            except ConfigError as e:
+                raise ConfigError("membership_url", e.problem, ("''", *URL_FORMS)) from None
+        if not self.membership_pool or any(c in self.membership_pool for c in "{}: "):
+            raise ConfigError("membership_pool", f"{self.membership_pool!r}: needs a name without '{{', '}}', "
+                              "':' or spaces")
         if self.heartbeat_interval <= 0 or self.member_ttl <= self.heartbeat_interval:
             raise ConfigError("member_ttl", "must be > heartbeat_interval > 0")
         if self.rpc_timeout <= 0:
@@ -94,6 +113,13 @@ class PeerRdmaConfig(StoreConfig):
         from kvconnect.connectors.auth import resolve_token
 
         return resolve_token(self.auth_token, self.auth_token_file, "peer") or ""
+
+    @property
+    def membership_password(self) -> str | None:
+        if not self.membership_password_file:
+            return None
+        with open(self.membership_password_file) as f:
+            return f.read().strip() or None
 
     @property
     def devices(self) -> str:

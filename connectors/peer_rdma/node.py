@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvconnect.connectors.base import Page
 from kvconnect.connectors.errors import BackendUnavailable
@@ -42,6 +42,9 @@ from kvconnect.connectors.peer_rdma.writes import Writer
 from kvconnect.connectors.rpc import is_loopback, warn_if_open
 from kvconnect.connectors.shared_memory import SameHostSegments, SharedSegmentFile
 from kvconnect.connectors.transfer_engine import EngineClient, StagingMemory, set_rdma_port
+
+if TYPE_CHECKING:
+    from kvconnect.connectors.peer_rdma.registry_membership import RegistryMembership
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,7 @@ class PeerNode:
         self.segment = self.transport = self.staging = self.clients = self.server = self.disk = None
         self.shared_file: SharedSegmentFile | None = None  # the segment's file (shared_segment)
         self.same_host: SameHostSegments | None = None  # same-host nodes' files (shared_segment)
-        self.membership: Membership | None = None
+        self.membership: Membership | RegistryMembership | None = None
         self._threads: list[threading.Thread] = []
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="peer-io")
         try:
@@ -166,8 +169,16 @@ class PeerNode:
                                  on_evict=self.announcer.disk_evicted)
         self.me = Member(self.node_id, self.incarnation, self.transport.name, self.segment.base,
                          c.global_segment_size)
-        self.membership = Membership(self.me, c.seeds, self.clients, interval=c.heartbeat_interval,
-                                     ttl=c.member_ttl, on_change=self.rehoming.on_view_change)
+        if c.membership_url:
+            from kvconnect.connectors.peer_rdma.registry_membership import RegistryMembership, registry_client
+
+            self.membership = RegistryMembership(
+                self.me, registry_client(c.membership_url, c.membership_password, c.rpc_timeout), self.clients,
+                pool=c.membership_pool, interval=c.heartbeat_interval, ttl=c.member_ttl,
+                on_change=self.rehoming.on_view_change)
+        else:
+            self.membership = Membership(self.me, c.seeds, self.clients, interval=c.heartbeat_interval,
+                                         ttl=c.member_ttl, on_change=self.rehoming.on_view_change)
         self.clients.on_reply = self.membership.touch
         self._threads += [threading.Thread(target=self.announcer.loop, name="peer-outbox", daemon=True),
                           threading.Thread(target=self.rehoming.loop, name="peer-rehome", daemon=True)]
