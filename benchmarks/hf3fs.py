@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "meta_lease_ahead": args.meta_lease_ahead, "page_cache": "warm",
                                           "layout": "page_first",
                                           "store_options": store_options})
-    result.notes.append("machine shared with other engineers' work: figures move with load (see machine.loadavg); "
+    result.notes.append("machine shared with other work: figures move with load (see machine.loadavg); "
                         "compare ratios, which come from one run")
     tmp = Path(tempfile.mkdtemp(prefix="kvc-hf3fs-bench-", dir=args.dir))
     try:

@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "store_page": args.page, "store_batch": 128, "store_workers": 4, "reps": reps, "scenarios": scenarios,
         "modes": {k: vars(v) for k, v in DURABILITY.items()}, "sentinel": SENTINEL_SETTINGS,
         "failover_client": {"client_timeout": 1.0, "meta_retries": 3, "workers": 3, "page": 8192, "batch": 8}})
-    result.notes.append("machine shared with other engineers' work (2 vCPUs): figures move with load "
+    result.notes.append("machine shared with other work (2 vCPUs): figures move with load "
                         "(see machine.loadavg); compare ratios, which come from one run")
     tmp = Path(tempfile.mkdtemp(prefix="kvc-hf3fs-ha-bench-"))
     try:

@@ -15,8 +15,8 @@ because the machines are shared and absolute numbers drift with load.
 
 Ratios written to ``benchmarks/results/limits.json``: ``ctypes.memmove`` against
 ``numpy.copyto`` measured side by side in this run, and each limit against the figure
-published in the shared ENVIRONMENT.md (one earlier run on this machine kind: orientation,
-not a same-run comparison; the JSON says so).
+of an earlier quiet run on a machine of the same kind (``PUBLISHED``: orientation, not a
+same-run comparison; the JSON says so).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ MiB = 1 << 20
 # Page sizes for the per-page memcpy figures: the demo's tiny shape and a Llama-8B page (64 tokens).
 PAGE_SIZES = (128 * 1024, 8 * MiB)
 
-# Published orientation figures (GiB/s) from ENVIRONMENT.md, "Measured limits of this machine kind".
+# Orientation figures (GiB/s) of an earlier quiet run on a machine of the same kind (2 cores, 24 GiB).
 PUBLISHED = {
     "memcpy_gib_s": 20.0,
     "loopback_tcp_gib_s": 5.0,
@@ -304,9 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         res.ratio("memcpy_gib_s", lim["memcpy_gib_s"], lim["numpy_copy_gib_s"], "numpy.copyto on the same buffers, runs interleaved")
     for metric, published in PUBLISHED.items():
         res.ratio(metric, lim[metric], published,
-                  "ENVIRONMENT.md published figure (one earlier run on this machine kind; not the same run)")
-    res.notes.append("The machine is shared with other engineers while this runs: see machine.loadavg. "
-                     "Ratios against ENVIRONMENT.md are orientation only (different run, different load).")
+                  "earlier quiet run on this machine kind (not the same run)")
+    res.notes.append("Other work may share the machine while this runs: see machine.loadavg. "
+                     "Ratios against the earlier run are orientation only (different run, different load).")
     res.notes.append("pagecache_read reads the file just written, so it measures page-cache copies, not the device.")
 
     print(f"{'limit':<28} {'GiB/s':>8}")
