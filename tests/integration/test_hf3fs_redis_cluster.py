@@ -349,3 +349,25 @@ def test_bad_cluster_config_names_the_key(tmp_path):
         parse_config(HF3FSConfig, {**base, "metadata_server_url": "redis+cluster://h:7000",
                                    "metadata_sentinel_auth": True}, where="store 'hf3fs'")
     assert e.value.key == "metadata_sentinel_auth"
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def test_bench_hf3fs_cluster_quick(tmp_path):
+    """``kvconnect bench hf3fs_cluster`` end to end, short: every lookup found all its keys
+    and was one script call on one shard (the servers' call counts add up to the clients')."""
+    import json
+
+    from kvconnect.benchmarks import hf3fs_cluster
+
+    out = tmp_path / "hf3fs_cluster.json"
+    assert hf3fs_cluster.main(["--quick", "--clients", "2", "--seconds", "0.5", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert sum(doc["figures"]["placement_3_shards"].values()) == len(hf3fs_cluster.namespaces()) == 48
+    for shards in ("1", "3"):
+        (p,) = doc["figures"]["passes"][shards]
+        assert p["shards"] == int(shards) and p["calls"] > 0 and p["hit_ratio"] == 1.0
+        assert sum(p["calls_by_shard"].values()) == p["calls"]  # one call per lookup, on one shard
+        assert all(p["calls_by_shard"].values())  # every shard served some namespaces
+    assert {r["metric"] for r in doc["ratios"]} == {"lookup_throughput/3_vs_1_shards", "capacity/3_vs_1_shards"}
