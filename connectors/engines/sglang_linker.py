@@ -186,10 +186,15 @@ class LinkedPool:
         """The segments of layer group ``g`` of the pages at ``rows`` (rows: ``prepare_locations``)."""
         entry = self.entry
         if of == 1:
-            ptrs = [base + row * stride for row in rows for comp in entry.buffer_meta for base, stride, _ in comp]
-            sizes = [size for comp in entry.buffer_meta for _, _, size in comp]
-            per = len(sizes)
-            return [list(zip(ptrs[i * per:(i + 1) * per], sizes)) for i in range(len(rows))]
+            # get_page_buffer_meta's segments, computed with numpy rather than per segment.
+            import numpy as np
+
+            meta = [seg for comp in entry.buffer_meta for seg in comp]
+            bases = np.asarray([m[0] for m in meta], dtype=np.int64)
+            strides = np.asarray([m[1] for m in meta], dtype=np.int64)
+            sizes = [m[2] for m in meta]
+            ptrs = (bases[None, :] + np.asarray(rows, dtype=np.int64)[:, None] * strides[None, :]).tolist()
+            return [list(zip(row, sizes)) for row in ptrs]
         pages: List[Page] = [[] for _ in rows]
         for layer in self.groups[g] or ():
             meta = entry.get_prepared_layer_range_meta(rows, layer)

@@ -362,3 +362,23 @@ def test_a_bad_linker_config_names_the_key(extra, key):
     with pytest.raises((ConfigError, UnknownConfigKey)) as err:
         LinkedServer(extra)
     assert key in str(err.value)
+
+
+# ---------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------
+
+
+def test_bench_linker_quick_writes_its_ratios(tmp_path):
+    """``kvconnect bench linker --quick``: both readers load the same pages of one key space
+    (the benchmark asserts it) and the JSON holds a linker / HiCache ratio per variant."""
+    import json
+
+    from kvconnect.connectors.cli import main
+
+    out = tmp_path / "linker.json"
+    assert main(["bench", "linker", "--quick", "--reps", "2", "--batch", "16", "--out", str(out)]) == 0
+    ratios = {r["metric"]: r for r in json.loads(out.read_text())["ratios"]}
+    assert set(ratios) == {"load/memory", "load/memory/median", "load/memory/linker_lg4",
+                           "load/memory/linker_lg4/median"}
+    assert all(r["ours"] > 0 and r["reference"] > 0 for r in ratios.values())
