@@ -1,0 +1,261 @@
+"""The floor of an L3 hit's load path on this host: store reads into pinned host pages, the copy to the GPU, memcpy.
+
+An L3 hit in SGLang HiCache pays a store read into host-pool pages, then the same host-to-device
+copy an L2 hit pays. This measures, for one prefix (``--tokens`` tokens of ``--bytes-per-token``,
+64-token pages: a Llama-3-8B prefix of 2,048 tokens is 32 pages of 8 MiB by default), on the
+machine it runs on:
+
+* ``memcpy``: ``ctypes.memmove`` of the prefix's bytes, one thread and ``--threads`` threads
+  (``limits.measure_memcpy``): the most any host-memory store can do here;
+* ``get``: each store (``memory``; ``hf3fs`` with the serving benchmark's settings, ``numjobs`` 16
+  and ``entries`` 8, on ``--dir``) reading the prefix's pages into one host buffer (pinned when a
+  GPU is there, as SGLang's host pool is), alone and while another thread keeps writing other
+  pages into the same store (write-through puts of other requests); every read is checked byte
+  for byte on its first and last page;
+* ``h2d``: the same bytes from that pinned buffer to the GPU, one copy per page on one stream
+  (torch): what an L2 hit costs in copies.
+
+Ratios (``benchmarks/results/l3_floor.json``): each store's read against memcpy with as many
+threads; reads under puts against reads alone; the L3 floor (store read + h2d) against the L2
+floor (h2d). The serving benchmark's measured store time per L3 hit can be set beside them.
+Without CUDA the h2d figures are left out (the JSON says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvconnect.benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
+from kvconnect.benchmarks.limits import measure_memcpy  # noqa: E402
+
+MiB = 1 << 20
+
+
+class PinnedPages:
+    """``n`` pages of ``page_bytes`` in one host buffer: pinned torch memory where CUDA is
+    there (``tensor``), else a bytearray."""
+
+    def __init__(self, n: int, page_bytes: int, torch: Any = None):
+        from kvconnect.connectors.buffers import buffer_address
+
+        self.n, self.page_bytes, self.tensor = n, page_bytes, None
+        if torch is not None:
+            self.tensor = torch.empty(n * page_bytes, dtype=torch.uint8, pin_memory=True)
+            self.address = self.tensor.data_ptr()
+        else:
+            self._raw = bytearray(n * page_bytes)
+            self.address = buffer_address(self._raw)
+
+    def page(self, i: int) -> list[tuple[int, int]]:
+        return [(self.address + i * self.page_bytes, self.page_bytes)]
+
+    def read(self, i: int) -> bytes:
+        import ctypes
+
+        return ctypes.string_at(self.address + i * self.page_bytes, self.page_bytes)
+
+
+def page_pattern(i: int, page_bytes: int) -> bytes:
+    """A page's bytes that differ from every other page's (its index in the first 8 bytes)."""
+    head = i.to_bytes(8, "little")
+    return (head + bytes(((i * 7 + j) & 0xFF for j in range(56)))) * (page_bytes // 64)
+
+
+def open_stores(names: list[str], directory: Path, page_bytes: int, pages: int) -> dict[str, Any]:
+    from kvconnect.connectors.registry import create_store
+
+    room = (pages + 64) * page_bytes  # the prefix, the writer's batches, slack
+    options = {
+        "memory": {"capacity": room},
+        # the serving benchmark's hf3fs settings (benchmarks/serving/configs.py)
+        "hf3fs": {"file_path_prefix": str(directory / "floor"), "file_size": room, "numjobs": 16, "entries": 8,
+                  "page_bytes": page_bytes},
+    }
+    return {n: create_store(n, options[n]) for n in names}
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def summary(nbytes: int, seconds: list[float]) -> dict[str, Any]:
+    med = statistics.median(seconds)
+    return {"ms_median": round(med * 1e3, 3), "ms_best": round(min(seconds) * 1e3, 3),
+            "gib_per_s": round(gib_per_s(nbytes, med), 3), "repeats": len(seconds)}
+
+
+class BackgroundWriter:
+    """A thread writing batches of fresh keys into ``store`` (deleting each after it is stored)
+    until stopped: the write-through puts that run beside a prefetch on a busy server."""
+
+    def __init__(self, store: Any, page_bytes: int, batch: int, torch: Any = None):
+        self.store, self.batch = store, batch
+        self.src = PinnedPages(batch, page_bytes, torch)
+        self.page_bytes = page_bytes
+        self.written = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, name="floor-writer", daemon=True)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            keys = [f"writer-{n}-{i}" for i in range(self.batch)]
+            ok = self.store.put_from(keys, [self.src.page(i) for i in range(self.batch)])
+            self.written += sum(1 for x in ok if x) * self.page_bytes
+            self.store.delete(keys)
+            n += 1
+
+    def __enter__(self) -> "BackgroundWriter":
+        self.t0 = time.perf_counter()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._t.join(timeout=30)
+        self.seconds = time.perf_counter() - self.t0
+
+
+def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: int,
+                  torch: Any) -> dict[str, Any]:
+    pb = dst.page_bytes
+    keys = [f"prefix-{i}" for i in range(pages)]
+    src = PinnedPages(pages, pb)
+    import ctypes
+
+    for i in range(pages):
+        data = page_pattern(i, pb)
+        ctypes.memmove(src.address + i * pb, data, pb)
+    assert all(store.put_from(keys, [src.page(i) for i in range(pages)])), f"{name}: the prefix was not stored"
+    want = {0: src.read(0), pages - 1: src.read(pages - 1)}
+
+    def read() -> None:
+        ctypes.memset(dst.address, 0, pb)
+        ok = store.get_into(keys, [dst.page(i) for i in range(pages)])
+        if not all(ok) or any(dst.read(i) != b for i, b in want.items()):
+            raise AssertionError(f"{name}: a read missed or returned other bytes ({sum(ok)}/{pages} hits)")
+
+    read()  # warm: files mapped, pages faulted in
+    nbytes = pages * pb
+    alone = summary(nbytes, timed(read, repeats))
+    with BackgroundWriter(store, pb, 8, torch) as w:
+        under = summary(nbytes, timed(read, repeats))
+    under["writer_gib_per_s"] = round(gib_per_s(w.written, w.seconds), 3)
+    store.delete(keys)
+    return {"get": alone, "get_under_puts": under}
+
+
+def measure_h2d(torch: Any, src: PinnedPages, repeats: int) -> dict[str, Any]:
+    dev = torch.empty(src.n * src.page_bytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    pb = src.page_bytes
+
+    def copy() -> None:
+        with torch.cuda.stream(stream):
+            for i in range(src.n):
+                dev[i * pb:(i + 1) * pb].copy_(src.tensor[i * pb:(i + 1) * pb], non_blocking=True)
+        stream.synchronize()
+
+    copy()
+    out = summary(src.n * pb, timed(copy, repeats))
+    if not torch.equal(dev[:pb].cpu(), src.tensor[:pb]):
+        raise AssertionError("h2d: the device copy differs from the host page")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvconnect bench l3_floor", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="256 tokens, 3 repeats (seconds; for CI)")
+    p.add_argument("--tokens", type=int, default=2048, help="prefix tokens (default 2048)")
+    p.add_argument("--bytes-per-token", type=int, default=128 << 10,
+                   help="KV bytes per token, all layers (default 131072: Llama-3-8B, bf16)")
+    p.add_argument("--page-tokens", type=int, default=64, help="tokens per page (default 64)")
+    p.add_argument("--repeats", type=int, default=10, help="timed reads per figure (default 10)")
+    p.add_argument("--threads", type=int, default=16, help="memcpy threads beside one (default 16: hf3fs numjobs)")
+    p.add_argument("--stores", default="memory,hf3fs", help="stores to read from (default memory,hf3fs)")
+    p.add_argument("--dir", default=None, help="hf3fs data directory (default: a temporary one under /dev/shm "
+                                               "where it exists, so the file system is not the limit)")
+    p.add_argument("--store-s-per-l3-hit", type=float, default=None,
+                   help="the serving benchmark's measured store seconds per L3 hit, set beside the floor")
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/l3_floor.json)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.tokens, a.repeats = 256, 3
+    if a.tokens % a.page_tokens:
+        p.error(f"--tokens must be a multiple of --page-tokens ({a.page_tokens})")
+    try:
+        import torch
+
+        torch = torch if torch.cuda.is_available() else None
+    except ImportError:
+        torch = None
+    pages, pb = a.tokens // a.page_tokens, a.page_tokens * a.bytes_per_token
+    nbytes = pages * pb
+    base = a.dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
+    res = BenchResult("l3_floor", params={"tokens": a.tokens, "bytes_per_token": a.bytes_per_token,
+                                          "page_tokens": a.page_tokens, "pages": pages, "page_bytes": pb,
+                                          "repeats": a.repeats, "threads": a.threads, "cuda": torch is not None})
+    figs: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    print(f"[l3_floor] {pages} pages of {pb / MiB:.1f} MiB ({nbytes / MiB:.0f} MiB), cuda={torch is not None}",
+          flush=True)
+    figs["memcpy_1t"] = measure_memcpy(nbytes, a.repeats, 1)
+    figs["memcpy_nt"] = measure_memcpy(nbytes, a.repeats, a.threads)
+    dst = PinnedPages(pages, pb, torch)
+    with tempfile.TemporaryDirectory(prefix="kvc-floor-", dir=base) as d:
+        stores = open_stores([s for s in a.stores.split(",") if s], Path(d), pb, pages)
+        try:
+            for name, store in stores.items():
+                print(f"[l3_floor] {name} ...", flush=True)
+                figs[name] = measure_store(store, name, dst, pages, a.repeats, torch)
+        finally:
+            for store in stores.values():
+                store.close()
+    if torch is not None:
+        figs["h2d"] = measure_h2d(torch, dst, a.repeats)
+        figs["gpu"] = torch.cuda.get_device_name(0)
+    else:
+        res.notes.append("no CUDA here: the host-to-device figures (h2d, the L2 and L3 floors) are not measured")
+    mem = figs["memcpy_nt"]["gib_per_s"]
+    for name in stores:
+        g, u = figs[name]["get"], figs[name]["get_under_puts"]
+        res.ratio(f"{name}_get_over_memcpy_{a.threads}t", g["gib_per_s"], mem,
+                  f"ctypes.memmove with {a.threads} threads, same bytes, same run")
+        res.ratio(f"{name}_get_under_puts_over_alone", u["gib_per_s"], g["gib_per_s"],
+                  f"{name} reads with no writer, same run")
+        if torch is not None:
+            l3 = g["ms_median"] + figs["h2d"]["ms_median"]
+            figs[name]["l3_floor_ms"] = round(l3, 3)
+            res.ratio(f"{name}_l3_floor_over_l2_floor", l3, figs["h2d"]["ms_median"],
+                      "host-to-device copy alone (what an L2 hit copies), same run", higher_is_better=False)
+    if a.store_s_per_l3_hit:
+        figs["serving_store_ms_per_l3_hit"] = round(a.store_s_per_l3_hit * 1e3, 3)
+        for name in stores:
+            res.ratio(f"serving_store_time_over_{name}_get_floor", figs[name]["get"]["ms_median"],
+                      a.store_s_per_l3_hit * 1e3, "the serving benchmark's store time per L3 hit (another run)",
+                      higher_is_better=False)
+    figs["wall_s"] = round(time.perf_counter() - t0, 2)
+    res.figures = figs
+    res.notes.append("get: one get_into of every page of the prefix into one (pinned) host buffer; get_under_puts: "
+                     "the same while a thread writes 8-page batches of other keys into the same store")
+    res.finish(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""``kvconnect bench l3_floor --quick``: the L3 load path's floor on this host (memory and hf3fs
+reads into one host buffer, alone and under a writer, beside memcpy). Real stores and files
+(/dev/shm); no GPU here, so the host-to-device part is absent and the JSON says so (on a GPU
+node it is measured by the same code)."""
+
+from __future__ import annotations
+
+import json
+
+from kvconnect.benchmarks import l3_floor
+
+
+def test_quick_floor_measures_every_store_and_checks_its_bytes(tmp_path):
+    out = tmp_path / "l3_floor.json"
+    assert l3_floor.main(["--quick", "--out", str(out), "--store-s-per-l3-hit", "0.039"]) == 0
+    doc = json.loads(out.read_text())
+    figs = doc["figures"]
+    assert doc["params"]["pages"] == 4 and doc["params"]["page_bytes"] == 8 << 20
+    for store in ("memory", "hf3fs"):
+        g, u = figs[store]["get"], figs[store]["get_under_puts"]
+        assert g["gib_per_s"] > 0 and u["gib_per_s"] > 0 and g["repeats"] == 3
+        assert u["writer_gib_per_s"] > 0  # the writer really wrote while the reads ran
+    names = {r["metric"] for r in doc["ratios"]}
+    assert {"memory_get_over_memcpy_16t", "hf3fs_get_under_puts_over_alone",
+            "serving_store_time_over_hf3fs_get_floor"} <= names
+    if not doc["params"]["cuda"]:
+        assert "h2d" not in figs and any("no CUDA" in n for n in doc["notes"])
+
+
+def test_a_read_that_returns_other_bytes_fails_the_run(tmp_path):
+    """The byte check is real: a store whose reads hit but land other bytes fails the figure."""
+    import ctypes
+
+    import pytest
+
+    store = l3_floor.open_stores(["memory"], tmp_path, 1 << 20, 4)["memory"]
+
+    class Torn:
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def get_into(self, keys, pages):
+            ok = store.get_into(keys, pages)
+            addr, n = pages[0][0]
+            ctypes.memset(addr + n // 2, 0xAB, 64)  # half a page from elsewhere
+            return ok
+
+    try:
+        with pytest.raises(AssertionError, match="other bytes"):
+            l3_floor.measure_store(Torn(), "torn", l3_floor.PinnedPages(4, 1 << 20), 4, 2, None)
+    finally:
+        store.close()
