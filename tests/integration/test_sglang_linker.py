@@ -142,6 +142,90 @@ def test_hybrid_swa_pool_set_is_its_own_key_space():
         b.close()
 
 
+def _mamba_linker(space: str):
+    """kvconnect's linker over a hybrid FULL (MLA) + Mamba model's real CPU pools
+    (``HybridLinearKVPool``, ``HybridReqToTokenPool`` with a ``MambaPool``), the pool group
+    assembled by SGLang's own ``resolve_hybrid_device_pool_group``, built by SGLang's factory."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_cache.linker_factory import create_unified_cache_linker
+
+    from kvconnect.connectors.testing.linker import LINKER_CONFIG, publish_runtime
+
+    server_args = publish_runtime(4)
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=16, n_groups=1, num_heads=2, head_dim=4,
+                                    state_size=4, conv_kernel=4)
+    req_pool = HybridReqToTokenPool(size=8, mamba_size=8, mamba_spec_state_size=0, max_context_len=1024,
+                                    device="cpu", enable_memory_saver=False,
+                                    cache_params=Mamba2CacheParams(shape=shape, layers=[1]), mamba_layer_ids=[1],
+                                    enable_mamba_extra_buffer=False, enable_overlap_schedule=False)
+    kv = HybridLinearKVPool(256, torch.bfloat16, 4, 1, 16, [0, 2], "cpu", req_pool.mamba_pool, use_mla=True,
+                            kv_lora_rank=16, qk_rope_head_dim=8)
+    params = CacheInitParams(disable=False, req_to_token_pool=req_pool, page_size=4,
+                             token_to_kv_pool_allocator=PagedTokenToKVPoolAllocator(256, 4, torch.bfloat16, "cpu",
+                                                                                    kv, False),
+                             tree_components=(ComponentType.FULL, ComponentType.MAMBA))
+    linker = create_unified_cache_linker(
+        server_args, params, backend="dynamic",
+        config={**LINKER_CONFIG, "linker_extra_config": {"store": SHARED, "space": space}},
+        components={ComponentType.FULL, ComponentType.MAMBA})
+    return linker, kv.full_kv_pool, req_pool.mamba_pool.mamba_cache
+
+
+def _mamba_state(cache, slot: int) -> bytes:
+    return b"".join(t[:, slot].contiguous().view(torch.uint8).numpy().tobytes()
+                    for t in (cache.temporal, *cache.conv))
+
+
+def test_hybrid_mamba_state_is_its_own_key_space_and_restores_at_node_ends():
+    """FULL (MLA) + Mamba: the Mamba state is a TP-sharded key space of its own; a lookup
+    stops only where a state was offloaded (a node's last page), and a load brings back the
+    KV pages and the state byte for byte, as SGLang's wrapper calls the linker."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    from kvconnect.connectors.testing.sglang import storage_page_keys
+
+    writer, kv_a, mamba_a = _mamba_linker("mamba")
+    reader, kv_b, mamba_b = _mamba_linker("mamba")
+    try:
+        spaces = {n: p.store.keyspace for n, p in writer.linked.items()}
+        assert set(spaces) == {"kv", "mamba"} and not spaces["mamba"].rank_replicated
+        keys = storage_page_keys(prompt(12, 12), 4)
+        gen = torch.Generator().manual_seed(3)
+        slots = torch.arange(16, 24, dtype=torch.int64)  # the first two pages' device slots
+        for buf in kv_a.kv_buffer:
+            buf[slots] = torch.randn(buf[slots].shape, generator=gen).to(buf.dtype)
+        for t in (mamba_a.temporal, *mamba_a.conv):
+            t[:, 3] = torch.randn(t[:, 3].shape, generator=gen).to(t.dtype)
+        # One node of two pages: its KV and the state at its end.
+        assert writer.offload([PoolTransfer(name=PoolName.KV, device_indices=slots, keys=keys[:2]),
+                               PoolTransfer(name=PoolName.MAMBA, device_indices=torch.tensor([3]), keys=[keys[1]],
+                                            hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        deadline = time.monotonic() + 10
+        while writer.num_completed_offloads() == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert writer.pop_completed_offload()
+
+        lookup = [PoolTransfer(name=PoolName.KV, keys=keys),
+                  PoolTransfer(name=PoolName.MAMBA, keys=[keys[-1]], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        assert reader.lookup("r", lookup) == [2]  # page 1 alone has no state to resume from
+
+        dst = torch.arange(40, 48, dtype=torch.int64)
+        assert reader.load("r", [PoolTransfer(name=PoolName.KV, device_indices=dst, keys=keys[:2]),
+                                 PoolTransfer(name=PoolName.MAMBA, device_indices=torch.tensor([5]),
+                                              keys=[keys[1]], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        assert reader.finish_layer_wise_loading(reader.start_layer_wise_loading())
+        for a, b in zip(kv_a.kv_buffer, kv_b.kv_buffer):
+            assert torch.equal(a[slots].view(torch.uint8), b[dst].view(torch.uint8))
+        assert _mamba_state(mamba_b, 5) == _mamba_state(mamba_a, 3)
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_keys_are_salted_with_extra_key_and_cache_salt():
     """SGLang's tree hashes pages with the request's ``extra_key`` and ``cache_salt``: the
     same tokens under another salt or extra key find nothing; under the same ones, every page."""
