@@ -29,6 +29,7 @@ first): ``(1 / us_per_call_1) ... (1 / max_i(share_i * us_per_call_i))``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -59,7 +60,8 @@ def namespaces() -> list[tuple[str, str]]:
 
 
 def ns_keys(prefix: str, ns: str) -> list[bytes]:
-    return [f"{prefix}/{ns}/page-{i}".encode() for i in range(KEYS_PER_NS)]
+    """Page keys as SGLang sends them: SHA-256 hex (the index reads their digest, no hashing)."""
+    return [hashlib.sha256(f"{prefix}/{ns}/page-{i}".encode()).hexdigest().encode() for i in range(KEYS_PER_NS)]
 
 
 def _client(url: str, prefix: str):

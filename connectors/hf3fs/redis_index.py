@@ -75,7 +75,7 @@ from kvconnect.connectors.hf3fs.redis_lua import MAX_PAGES, SCRIPTS, SUFFIXES
 
 log = logging.getLogger("kvconnect.hf3fs")
 
-SCHEMES = ("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster")
+SCHEMES = ("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster")
 URL_FORMS = ("redis://[user@]host:port[/db]", "rediss://[user@]host:port[/db]",
              "redis+sentinel://[user@]host:port,host:port,.../master-name[/db]",
              "rediss+sentinel://[user@]host:port,.../master-name[/db]",
@@ -158,6 +158,10 @@ def parse_redis_url(url: str) -> RedisURL:
         username = userinfo or None
     sentinel = scheme.endswith("+sentinel")
     cluster = scheme.endswith("+cluster")
+    if cluster and scheme.startswith("rediss"):
+        raise ConfigError(KEY, f"{url!r}: TLS to a Redis Cluster is not supported (untested: the nodes' TLS "
+                               "ports and certificates); use redis+cluster:// on a private network, or "
+                               "rediss+sentinel://", URL_FORMS)
     items = [h for h in netloc.split(",")]
     if not netloc or any(not h.strip() for h in items):
         raise ConfigError(KEY, f"no host in {url!r}", URL_FORMS)

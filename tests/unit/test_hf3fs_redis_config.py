@@ -51,6 +51,7 @@ def test_redis_urls(url, want):
     ("redis+cluster://h1:7000/kvc", "nothing may follow"),
     ("redis+cluster://h1:7000,,h2:7000", "no host"),
     ("redis+cluster://kvc:pw@h1:7000", "password in the URL"),
+    ("rediss+cluster://h1:7000", "TLS to a Redis Cluster"),
 ])
 def test_bad_redis_urls_name_the_key_and_the_forms(url, match):
     with pytest.raises(ConfigError, match=match) as e:
