@@ -95,6 +95,15 @@ def register_store(name: str, target: str, *, extra: str | None = None, summary:
         _registry[name] = StoreSpec(name, target, extra, summary, requires, harness=harness)
 
 
+def unregister_store(name: str) -> None:
+    """Forget a store ``register_store`` added (tests that add one for a while); built-in
+    stores stay."""
+    if name in _BUILTIN:
+        raise ValueError(f"store {name!r} is built in")
+    with _lock:
+        _registry.pop(name, None)
+
+
 def _load_entry_points() -> None:
     global _entry_points_loaded
     if _entry_points_loaded:

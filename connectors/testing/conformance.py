@@ -368,6 +368,8 @@ class CapabilityChecks:
     * ``any_page_size``: one batch of pages of many sizes round-trips, then each size again;
     * ``zero_copy``: pages written from and read into memory registered with ``register_memory``
       round-trip (the path a zero-copy store takes; that no copy happens is the store's own test);
+    * ``eviction_events``: a store bounded to 64 pages (``harness.bounded_options``) and
+      written 192 reports exactly the keys it no longer holds;
     * ``device_memory``: needs an accelerator, which a CPU run has not (a store claims it only
       where one is usable: ``capabilities_of`` checks).
     """
@@ -379,11 +381,9 @@ class CapabilityChecks:
         return Worker(harness.netns, opts, name=f"{harness.label}-{tag}", log_dir=harness.workdir,
                       store=opts.pop("store"))
 
-    def _claimed(self, harness, cap) -> None:
-        from kvconnect.connectors.base import Capability
-
-        if Capability(cap) not in harness.claims:
-            pytest.skip(f"{harness.label} does not claim {Capability(cap).value}")
+    def _claimed(self, harness, cap: str) -> None:
+        if cap not in {c.value for c in harness.claims}:
+            pytest.skip(f"{harness.label} does not claim {cap}")
 
     def _store(self, harness) -> PageStore:
         if not harness.in_process:
@@ -464,6 +464,44 @@ class CapabilityChecks:
             assert store.put_from(keys, [src.page(i) for i in range(8)]) == [True] * 8
             assert store.get_into(keys, [dst.page(i) for i in range(8)]) == [True] * 8
             assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
+        finally:
+            store.close()
+
+    def test_eviction_events_name_the_keys_that_went(self, store_harness):
+        self._claimed(store_harness, "eviction_events")
+        if not store_harness.in_process:
+            pytest.skip(f"{store_harness.label}'s clients run only inside its namespace")
+        capacity = 64 * PAGE
+        opts = store_harness.bounded_options(capacity)
+        if opts is None:
+            pytest.skip(f"{store_harness.label} cannot be bounded to {capacity} bytes")
+        store = create_store(None, opts)
+        try:
+            evicted: list[str] = []
+            lock = threading.Lock()
+
+            def heard(keys: list[str]) -> None:
+                with lock:
+                    evicted.extend(keys)
+
+            store.add_eviction_listener(heard)
+            keys = [f"evict-{store_harness.label}-{i}" for i in range(3 * 64)]
+            buf = HostBuffer(16, PAGE, 2)
+            for i in range(0, len(keys), 16):
+                for j, k in enumerate(keys[i:i + 16]):
+                    buf.fill(j, page_bytes(k))
+                assert store.put_from(keys[i:i + 16], [buf.page(j) for j in range(16)]) == [True] * 16
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with lock:
+                    gone = set(evicted)
+                present = store.exists(keys)
+                if gone and gone == {k for k, p in zip(keys, present) if not p}:
+                    break
+                time.sleep(0.1)
+            assert gone, "nothing was reported evicted"
+            assert gone <= set(keys)
+            assert gone == {k for k, p in zip(keys, store.exists(keys)) if not p}, "reported keys differ from the absent"
         finally:
             store.close()
 

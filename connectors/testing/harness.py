@@ -97,6 +97,11 @@ class StoreHarness:
         every instance shares the same store, each with options of its own (ports, segments)."""
         raise NotImplementedError
 
+    def bounded_options(self, nbytes: int) -> dict[str, Any] | None:
+        """Options of instance 0 holding at most about ``nbytes`` of pages (so a test can make
+        it evict), or None where the store cannot be made that small."""
+        return None
+
     def restart(self) -> None:
         """Restart the store's services (kill, then start on the same state); pages a
         ``durable`` store held must be found again after it."""
@@ -163,6 +168,9 @@ class MemoryHarness(StoreHarness):
     def options(self, instance: int = 0) -> dict[str, Any]:
         return {"store": "memory", "capacity": "64mb"}
 
+    def bounded_options(self, nbytes: int) -> dict[str, Any] | None:
+        return {"store": "memory", "capacity": nbytes}
+
 
 # ---------------------------------------------------------------------------------
 # The registered harnesses, and the pytest pieces
@@ -198,7 +206,7 @@ def harness_params(names: list[str] | None = None, variants: bool = True) -> lis
     for name in harness_names() if names is None else names:
         try:
             cls = harness_class(name)
-        except ImportError:  # the kit's own imports are missing: the fixture says so
+        except (ImportError, LookupError):  # missing imports, or registered later: the fixture says so
             out.append((name, ""))
             continue
         out += [(name, v) for v in (cls.variants if variants else ("",))]
@@ -235,13 +243,15 @@ def harness_fixture(names: list[str] | None = None, scope: str = "module", *, va
     return store_harness
 
 
-def in_harness_namespace(module_file: str, timeout: float = 600):
+def in_harness_namespace(module_file: str, timeout: float = 600, skip_reason=None):
     """The test that re-runs ``module_file`` inside a fresh loopback-only namespace with
     ``NS_ENV`` set, where every harness starts its services (and every store client runs);
-    None in that run (assigned to a ``test_*`` name, pytest then collects nothing)."""
+    None in that run (assigned to a ``test_*`` name, pytest then collects nothing).
+    ``skip_reason``: why the inner run could not run anything here (default: namespaces
+    cannot be made)."""
     from kvconnect.connectors.testing.netns import netns_available, outer_test
 
     if inside_harness_namespace():
         return None
-    return outer_test(module_file, NS_ENV, netns_available, prefix="kvc-h", timeout=timeout)
+    return outer_test(module_file, NS_ENV, skip_reason or netns_available, prefix="kvc-h", timeout=timeout)
 

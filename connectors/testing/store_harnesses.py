@@ -52,6 +52,11 @@ class HF3FSHarness(StoreHarness):
             return {**opts, "file_path_prefix": str(self.workdir / f"files{instance}" / "kv")}
         return {**opts, "file_path_prefix": str(self.workdir / "files" / "kv"), "metadata_server_url": self.meta.url}
 
+    def bounded_options(self, nbytes: int) -> dict[str, Any] | None:
+        """A data file of ``nbytes`` (the index evicts when its pages are all taken)."""
+        return {**self.options(0), "file_size": nbytes,
+                "file_path_prefix": str(self.workdir / f"bounded-{nbytes}" / "kv")}
+
     def restart(self) -> None:
         if self.meta is None:
             return

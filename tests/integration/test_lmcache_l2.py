@@ -11,9 +11,7 @@ the dead-service case kills the real HF3FS metadata service.
 
 from __future__ import annotations
 
-import argparse
 import json
-import select
 import subprocess
 import sys
 import threading
@@ -27,108 +25,35 @@ import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.base", reason="needs lmcache (pip install \"kvconnect[lmcache]\")")
 
-import torch  # noqa: E402
-
 from lmcache.lmcache_native import Bitmap  # noqa: E402
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
-from lmcache.v1.distributed.internal_api import L1MemoryDesc, L2StoreResult  # noqa: E402
-from lmcache.v1.distributed.l2_adapters import create_l2_adapter  # noqa: E402
-from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
-from lmcache.v1.platform import consume_fd  # noqa: E402
+from lmcache.v1.distributed.internal_api import L2StoreResult  # noqa: E402
 
 from kvconnect.connectors.base import ConfigError  # noqa: E402
 from kvconnect.connectors.engines.lmcache_l2 import KVConnectL2Adapter, ObjectKeyMapper  # noqa: E402
 from kvconnect.connectors.memory import MemoryStore  # noqa: E402
 
 from kvconnect.connectors.testing.lmcache import LMCACHE_BIN, EngineClient, Server, plugin_json, wait_for  # noqa: E402
+from kvconnect.connectors.testing.lmcache_adapter import (  # noqa: E402,F401
+    CHUNK,
+    L1,
+    WAIT_S,
+    load,
+    lookup,
+    make_adapter,
+    okeys,
+    store,
+    wait_fd,
+    wait_result,
+    wait_store,
+)
+from kvconnect.connectors.testing.harness import harness_class, harness_names  # noqa: E402
 from kvconnect.connectors.testing.processes import child_env  # noqa: E402
-
-CHUNK = 64 * 1024
-WAIT_S = 20.0
 
 
 # ---------------------------------------------------------------------------------
 # In-process: the adapter as LMCache's factory builds it
 # ---------------------------------------------------------------------------------
-
-
-class L1:
-    """A CPU buffer carved into LMCache ``TensorMemoryObj``s, as the server's L1 is."""
-
-    def __init__(self, n: int, size: int = CHUNK):
-        self.buf = torch.zeros(n * size, dtype=torch.uint8)
-        self.size = size
-        self.objs = []
-        for i in range(n):
-            raw = self.buf[i * size:(i + 1) * size]
-            meta = MemoryObjMetadata(shape=torch.Size([size]), dtype=torch.uint8, address=i * size,
-                                     phy_size=size, fmt=MemoryFormat.KV_2LTD, ref_count=1)
-            self.objs.append(TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None))
-
-    def desc(self) -> L1MemoryDesc:
-        return L1MemoryDesc(ptr=self.buf.data_ptr(), size=self.buf.numel(), align_bytes=1)
-
-    def fill_random(self, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.buf.copy_(torch.randint(0, 256, (self.buf.numel(),), dtype=torch.uint8, generator=g))
-
-    def data(self, i: int) -> bytes:
-        return bytes(self.objs[i].byte_array)
-
-
-def make_adapter(params: dict, l1: L1 | None = None):
-    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[plugin_json(params)]))
-    return create_l2_adapter(cfg.adapters[0], l1_memory_desc=(l1 or L1(1)).desc())
-
-
-def okeys(n: int, *, model: str = "m", kv_rank: int = 0, group: int = 0, salt: str = "", base: int = 0):
-    return [ObjectKey(chunk_hash=(base + i).to_bytes(32, "big"), model_name=model, kv_rank=kv_rank,
-                      object_group_id=group, cache_salt=salt) for i in range(n)]
-
-
-def _wait_fd(fd: int, deadline: float) -> None:
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    if p.poll(max(0, deadline - time.monotonic()) * 1000):
-        consume_fd(fd)
-
-
-def wait_store(adapter, tid: int, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done = adapter.pop_completed_store_tasks()
-        if tid in done:
-            return done[tid]
-        assert not done, f"unexpected store results {done}"
-        _wait_fd(adapter.get_store_event_fd(), min(deadline, time.monotonic() + 0.2))
-    raise AssertionError(f"store task {tid} did not complete in {timeout}s")
-
-
-def wait_result(query, fd: int, tid: int, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r = query(tid)
-        if r is not None:
-            return r
-        _wait_fd(fd, min(deadline, time.monotonic() + 0.2))
-    raise AssertionError(f"task {tid} did not complete in {timeout}s")
-
-
-def lookup(adapter, keys, *args) -> list[int]:
-    tid = adapter.submit_lookup_and_lock_task(keys, *args)
-    bm = wait_result(adapter.query_lookup_and_lock_result, adapter.get_lookup_and_lock_event_fd(), tid)
-    return bm.get_indices_list()
-
-
-def load(adapter, keys, objs) -> list[int]:
-    tid = adapter.submit_load_task(keys, objs)
-    bm = wait_result(adapter.query_load_result, adapter.get_load_event_fd(), tid)
-    return bm.get_indices_list()
-
-
-def store(adapter, keys, objs):
-    return wait_store(adapter, adapter.submit_store_task(keys, objs))
 
 
 @pytest.fixture
@@ -250,7 +175,7 @@ def test_concurrent_tasks_each_result_once_and_locks_balance(memory_adapter):
         for tid, r in a.pop_completed_store_tasks().items():
             assert tid not in seen, f"store task {tid} reported twice"
             seen[tid] = r
-        _wait_fd(a.get_store_event_fd(), min(deadline, time.monotonic() + 0.2))
+        wait_fd(a.get_store_event_fd(), min(deadline, time.monotonic() + 0.2))
     assert sorted(seen) == sorted(tids) and len(set(tids)) == len(tids)
     assert all(r.is_successful() for r in seen.values())
 
@@ -423,41 +348,17 @@ def _module_exists(name: str) -> bool:
 
 @contextmanager
 def store_env(name: str, tmp_path: Path):
-    """(adapter params, command prefix) for one store; the prefix runs the command inside
-    the store's loopback-only network namespace where it needs one."""
-    if name == "memory":
-        yield {"store": "memory", "capacity": "256mb"}, []
-    elif name == "hf3fs":
-        yield {"store": "hf3fs", "file_path_prefix": str(tmp_path / "kv"), "file_size": "64mb",
-               "numjobs": 4, "entries": 8}, []
-    elif name == "mooncake":
-        from kvconnect.connectors.testing.mooncake import cluster_for_test
-
-        # the master and the bench process share a loopback-only namespace of their own
-        with cluster_for_test(tmp_path) as (cluster, options):
-            yield {"store": "mooncake", **options}, cluster.exec_prefix()
-    elif name == "peer_rdma":
-        from kvconnect.connectors.testing.netns import loopback_ns, netns_available
-
-        why = netns_available()
-        if why:
-            pytest.skip(why)
-        with loopback_ns() as ns:
-            yield {"store": "peer_rdma", "protocol": "tcp", "global_segment_size": "64mb",
-                   "discovery_addr": "127.0.0.1:31998", "join_timeout": 2}, ns.exec_prefix()
-    else:
-        raise AssertionError(name)
+    """(adapter params, command prefix) of store ``name`` as its harness starts it; the prefix
+    runs the command where the store's clients must run (its loopback-only namespace)."""
+    cls = harness_class(name)
+    why = cls.skip_reason()
+    if why:
+        pytest.skip(why)
+    with cls(tmp_path / f"harness-{name}") as harness:
+        yield harness.options(0), harness.exec_prefix()
 
 
-STORES = [
-    pytest.param("memory"),
-    pytest.param("hf3fs", marks=pytest.mark.skipif(not _module_exists("kvconnect.connectors.hf3fs.store"),
-                                                   reason="connectors/hf3fs not written yet")),
-    pytest.param("mooncake", marks=pytest.mark.skipif(not _module_exists("kvconnect.connectors.mooncake.store"),
-                                                      reason="connectors/mooncake not written yet")),
-    pytest.param("peer_rdma", marks=pytest.mark.skipif(not _module_exists("kvconnect.connectors.peer_rdma.store"),
-                                                       reason="connectors/peer_rdma not written yet")),
-]
+STORES = harness_names()
 
 
 def bench_l2(adapter_json: str, prefix: list[str], *extra: str, keys: int = 8, rounds: int = 2,
@@ -622,7 +523,6 @@ def test_dead_metadata_service_gives_misses_not_a_hung_server(servers):
     assert a.stop() is not None
 
 
-@pytest.mark.skipif(not _module_exists("kvconnect.connectors.mooncake.store"), reason="connectors/mooncake not written yet")
 def test_two_servers_share_one_mooncake_cluster(tmp_path):
     """Two ``lmcache server`` processes over one Mooncake cluster (real ``mooncake_master``,
     TCP) in a loopback-only namespace: what A stores (``skip_l1``), B finds and retrieves

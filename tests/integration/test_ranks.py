@@ -6,7 +6,8 @@ ranks 0 and 1, two engines of TP 2: an MHA model (per-rank KV) and an MLA model
 (rank-replicated KV), each with a real SGLang 0.5.23 host KV pool
 and a real ``MambaPoolHost`` side pool (TP-sharded state), kvconnect's backend built by
 SGLang's ``StorageBackendFactory`` and registered as SGLang's controller registers it.
-The stores are the real shared ones: HF3FS with its metadata service, Mooncake with a
+The stores are every registered store harness that claims ``shared``
+(``kvconnect.connectors.testing.harness``): HF3FS with its metadata service, Mooncake with a
 ``mooncake_master`` and a segment holder (in a loopback-only network namespace), and a
 peer pool whose nodes are the rank processes plus a memory-only seed node (same).
 
@@ -21,19 +22,17 @@ per-rank KV and one shared file for replicated KV.
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
 
-from kvconnect.connectors.testing.processes import child_env, stop  # noqa: E402
+from kvconnect.connectors.base import Capability  # noqa: E402
+from kvconnect.connectors.testing.harness import harness_class, harness_params  # noqa: E402
 from kvconnect.connectors.testing.ranks import RankProcess  # noqa: E402
 
-STORES = ["hf3fs", "mooncake", "peer_rdma"]
+STORES = harness_params()
 PAGE_GEOMETRY = {"page_size": 4, "layers": 2, "host_pages": 48}
 
 
@@ -44,50 +43,19 @@ def _keys(n: int, tag: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def shared_store(name: str, tmp: Path):
-    """(store options, command prefix for the rank processes, where HF3FS keeps its files)."""
-    if name == "hf3fs":
-        pytest.importorskip("grpc", reason="the HF3FS metadata service needs grpcio")
-        from kvconnect.connectors.testing.hf3fs import MetaProcess
-
-        meta = MetaProcess(tmp / "meta").start()
-        try:
-            yield {"file_path_prefix": str(tmp / "files" / "kv"), "file_size": "16mb", "numjobs": 2, "entries": 8,
-                   "metadata_server_url": meta.url, "client": "posix"}, [], tmp / "files"
-        finally:
-            meta.stop()
-    elif name == "mooncake":
-        from kvconnect.connectors.testing.mooncake import cluster_for_test
-
-        with cluster_for_test(tmp, holder="256mb", global_segment_size=0, lease_wait=1.0) as (cluster, options):
-            yield options, cluster.exec_prefix(), None
-    else:
-        from kvconnect.connectors.testing.netns import Netns
-        from kvconnect.connectors.testing.peer import skip_reason
-
-        why = skip_reason("grpc", "mooncake")
-        if why:
-            pytest.skip(why)
-        ns = Netns("kvc-rk")
-        seed = None
-        try:
-            ready = tmp / "seed.ready"
-            seed = subprocess.Popen(ns.exec_prefix() + [
-                sys.executable, "-m", "kvconnect", "--log-level", "WARNING", "peer", "serve", "--discovery-addr",
-                "127.0.0.1:31998", "--global-segment-size", "64mb", "--protocol", "tcp", "--set",
-                "heartbeat_interval=0.5", "--set", "member_ttl=3", "--ready-file", str(ready)],
-                env=child_env(), stdout=subprocess.DEVNULL, stderr=open(tmp / "seed.log", "w"))
-            deadline = time.monotonic() + 60
-            while not ready.exists():
-                assert seed.poll() is None and time.monotonic() < deadline, (tmp / "seed.log").read_text()
-                time.sleep(0.1)
-            yield {"discovery_addr": "127.0.0.1:31998", "protocol": "tcp", "local_hostname": "127.0.0.1",
-                   "control_port": 0, "global_segment_size": "8mb", "heartbeat_interval": 0.5, "member_ttl": 3,
-                   "join_timeout": 10}, ns.exec_prefix(), None
-        finally:
-            if seed is not None:
-                stop(seed)
-            ns.delete()
+def shared_store(name: str, variant: str, tmp: Path):
+    """(store options, command prefix for the rank processes, where HF3FS-style stores keep
+    their per-rank files) of one registered harness; skips a store that is not shared."""
+    cls = harness_class(name)
+    why = cls.skip_reason()
+    if why:
+        pytest.skip(why)
+    with cls(tmp / "harness", variant) as harness:
+        if Capability.SHARED not in harness.claims:
+            pytest.skip(f"{harness.label} does not claim shared: ranks in processes of their own cannot share it")
+        options = harness.options(0)
+        prefix = options.get("file_path_prefix")
+        yield options, harness.exec_prefix(), Path(prefix).parent if prefix else None
 
 
 def _engines(rank: int) -> list[dict]:
@@ -103,20 +71,22 @@ def _engines(rank: int) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module", params=STORES)
+@pytest.fixture(scope="module", params=STORES, ids=[f"{n}-{v}" if v else n for n, v in STORES])
 def ranks(request, tmp_path_factory):
     """Four rank processes over one shared store, started together (each imports SGLang)."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    with shared_store(request.param, tmp) as (options, prefix, files):
+    name, variant = request.param
+    tmp = tmp_path_factory.mktemp(name)
+    with shared_store(name, variant, tmp) as (options, prefix, files):
+        store = options["store"]
         procs: list[RankProcess] = []
         try:
             import concurrent.futures as cf
 
             with cf.ThreadPoolExecutor(4) as pool:
-                futures = [pool.submit(RankProcess, f"{request.param}-rank{r}", request.param, options, _engines(r),
+                futures = [pool.submit(RankProcess, f"{name}-rank{r}", store, options, _engines(r),
                                        prefix=prefix, log_dir=tmp) for r in range(4)]
                 procs = [f.result() for f in futures]
-            yield request.param, procs, files
+            yield store, procs, files
         finally:
             for p in procs:
                 p.close()
