@@ -326,10 +326,27 @@ class Marker:
         return cls(room, npages, block_pages, page_bytes, aux_bytes, tuple(counts))
 
 
-def room_namespace(prefix: str, prefill_ip: str, prefill_port: int, room: int) -> str:
+def room_namespace(prefix: str, prefill_ip: str, prefill_port: int, room: int, kv_dtype: str = "") -> str:
     """The key space of one room written by one prefill rank (its ZMQ endpoint names the
-    rank instance): the relay sees the store through a view under ``<namespace>.``."""
-    return f"{prefix}.{prefill_ip.replace(':', '_')}_{prefill_port}.{room}"
+    rank instance): the relay sees the store through a view under ``<namespace>.``.
+    ``kv_dtype`` (``kv_dtype_tag``): a decode of another KV dtype finds no room to read."""
+    base = f"{prefix}.{prefill_ip.replace(':', '_')}_{prefill_port}.{room}"
+    return f"{base}.{kv_dtype}" if kv_dtype else base
+
+
+def kv_dtype_tag(kv_cache_dtype: Any) -> str:
+    """The room-namespace tag of SGLang's ``--kv-cache-dtype`` (``KVArgs.kv_cache_dtype_str``):
+    its logical dtype and stored scale format (``float8_e4m3fn``, ``float8_e4m3fn+mxfp8``);
+    ``auto`` (the model's own dtype, alike on both sides of a pair) and older SGLang: ``""``."""
+    from kvconnect.namespace import logical_kv_dtype
+
+    try:
+        pair = logical_kv_dtype(kv_cache_dtype, key="kv_cache_dtype", where="kvconnect pd")
+    except ConfigError:
+        return str(kv_cache_dtype).replace(".", "_")  # a name kvconnect does not know: its own space
+    if pair is None:
+        return ""
+    return pair[0] + (f"+{pair[1]}" if pair[1] else "")
 
 
 class RelayKeys:

@@ -59,6 +59,7 @@ from kvconnect.connectors.engines.pd_transport import (
     aux_blocks,
     kv_blocks,
     load_pd_config,
+    kv_dtype_tag,
     room_namespace,
     state_blocks,
 )
@@ -415,10 +416,14 @@ class KVConnectKVManager(ManagerBase):
             else:  # every destination is a dummy rank (MLA fan-in): nothing to write
                 self.update_status(room, KVPoll.Success)
 
+    def _kv_dtype_tag(self) -> str:
+        """This side's KV dtype in its room namespaces: a pair of another dtype shares no room."""
+        return kv_dtype_tag(getattr(self.kv_args, "kv_cache_dtype_str", None))
+
     # -- relay (prefill) ----------------------------------------------------------
     def relay_open(self, room: int, num_pages: int) -> None:
-        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, self.local_ip, self.rank_port, room),
-                               num_pages)
+        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, self.local_ip, self.rank_port, room,
+                                              self._kv_dtype_tag()), num_pages)
         self._relay_out[room] = _RelayRoomOut(keys, np.full(num_pages, -1, dtype=np.int64))
 
     def _relay_send(self, chunk: TransferChunk, pages: np.ndarray) -> None:
@@ -523,8 +528,8 @@ class KVConnectKVManager(ManagerBase):
                      state_indices: Optional[List]) -> None:
         dst = np.asarray(kv_indices, dtype=np.int64)
         counts = [0 if s is None else int(np.asarray(s).size) for s in (state_indices or [])]
-        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, prefill_ip, prefill_port, room),
-                               int(dst.size), counts)
+        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, prefill_ip, prefill_port, room,
+                                              self._kv_dtype_tag()), int(dst.size), counts)
         entry = _RelayRoomIn(room, keys, dst, int(aux_index), state_indices,
                              NetworkAddress(prefill_ip, prefill_port).to_tcp())
         with self._relay_lock:

@@ -70,6 +70,7 @@ from kvconnect.connectors.engines.vllm_pages import (
     page_hashes,
     rank_keyspaces,
     salt_seed,
+    vllm_kv_dtype,
 )
 from kvconnect.connectors.views import PrefixedStore, exists_many, get_many, put_many
 from kvconnect.namespace import KeySpace, leading_hits
@@ -196,8 +197,10 @@ def _model_geometry(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     else:
         layers = [total]
     dtype = spec.dtype
+    # vLLM keeps every fp8 variant as uint8: --kv-cache-dtype names what the bytes are
+    logical, scales = vllm_kv_dtype(dtype, getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None))
     geo = PageGeometry(layers=layers[0], kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size),
-                       block_size=int(spec.block_size), dtype=str(dtype).replace("torch.", ""),
+                       block_size=int(spec.block_size), dtype=logical, kv_scales=scales,
                        itemsize=int(getattr(dtype, "itemsize", 2)))
     return geo, layers
 

@@ -34,7 +34,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from kvconnect.connectors.base import ConfigError
 from kvconnect.connectors.config import parse_size
 from kvconnect.connectors.engines.common import split_engine_options
-from kvconnect.namespace import KeySpace
+from kvconnect.namespace import KeySpace, resolve_kv_dtype
+from kvconnect.namespace.dtypes import dtype_name
 
 PAGE_LAYOUTS = ("native", "layer_first", "page_first")
 SGLANG_LAYOUTS = ("layer_first", "page_first")
@@ -163,10 +164,11 @@ class PageGeometry:
     kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # torch dtype name without "torch."
+    dtype: str  # the logical KV dtype (``vllm_kv_dtype``), torch's name without "torch."
     itemsize: int
     layout: str = "native"
     backend_block: str = ""  # native layout: the backend's per-layer block shape
+    kv_scales: str = ""  # quantization scales stored in the blocks, by format ("" for none)
 
     @property
     def page_elems(self) -> int:
@@ -187,8 +189,19 @@ class PageGeometry:
         """The key space of this rank's pages: SGLang's for ``layer_first`` / ``page_first``."""
         layout = self.layout if self.layout in SGLANG_LAYOUTS else "vllm-native"
         return KeySpace(model=model, weights=weights, tenant=tenant, layout=layout,
-                        page_size=self.block_size, dtype=self.dtype, geometry=self.geometry_tag(),
+                        page_size=self.block_size, dtype=self.dtype, kv_scales=self.kv_scales,
+                        geometry=self.geometry_tag(),
                         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
+
+
+def vllm_kv_dtype(stored: Any, cache_dtype: Any) -> tuple[str, str]:
+    """``(dtype, kv_scales)`` of a vLLM KV cache: its spec's dtype (``uint8`` for every fp8
+    variant) named by ``--kv-cache-dtype`` (``cache_config.cache_dtype``). vLLM names no other
+    engine knows (``fp8_inc``, ``fp8_ds_mla``, ...) stay key spaces of their own."""
+    try:
+        return resolve_kv_dtype(stored, cache_dtype, key="cache_dtype", where=WHERE)
+    except ConfigError:
+        return f"{dtype_name(stored)}:{dtype_name(cache_dtype)}", ""
 
 
 def lora_weights(weights: str, lora_name: str | None) -> str:

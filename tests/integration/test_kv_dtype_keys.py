@@ -110,3 +110,71 @@ def test_declared_dtype_names_byte_containers_never_overrides_a_real_buffer_dtyp
     assert resolve_kv_dtype("torch.bfloat16", "auto") == ("bfloat16", "")
     assert resolve_kv_dtype("torch.bfloat16", "fp8_e4m3") == ("bfloat16", "")  # a draft's own bf16 KV
     assert resolve_kv_dtype("float8_e4m3fn", "mxfp8") == ("float8_e4m3fn", "mxfp8")
+
+
+@pytest.mark.parametrize("written, other", [
+    (("uint8", "fp8_e4m3"), ("uint8", "fp8_e5m2")),  # what vLLM's KV spec says for both: uint8
+    (("uint8", "fp8"), ("uint8", "fp8_per_token_head")),  # a format kvconnect does not know: its own space
+    (("bfloat16", "auto"), ("float16", "auto")),
+])
+def test_vllm_blocks_of_one_cache_dtype_are_misses_for_another(written, other):
+    """vLLM's connector keys blocks by ``vllm_kv_dtype(spec.dtype, cache_config.cache_dtype)``
+    (``_model_geometry``); the spec dtypes here are those vLLM 0.32 gives for the cache dtypes."""
+    import numpy as np
+
+    from kvconnect.connectors.buffers import buffer_address
+    from kvconnect.connectors.engines.vllm_pages import PageGeometry, vllm_kv_dtype
+    from kvconnect.connectors.memory import MemoryStore
+    from kvconnect.connectors.views import PrefixedStore
+
+    def geometry(stored, cache_dtype):
+        dtype, scales = vllm_kv_dtype(stored, cache_dtype)
+        return PageGeometry(layers=2, kv_heads=2, head_dim=8, block_size=16, dtype=dtype, kv_scales=scales,
+                            itemsize=1 if stored == "uint8" else 2, layout="layer_first")
+
+    store = MemoryStore()
+    w, o = geometry(*written), geometry(*other)
+    assert w.page_nbytes == o.page_nbytes
+    keys = _keys(3, "vllm")
+    blocks = [np.random.default_rng(i).integers(0, 255, w.page_nbytes, dtype=np.uint8) for i in range(3)]
+    wv = PrefixedStore.for_keyspace(store, w.keyspace(model="m"))
+    assert wv.put_from(keys, [[(buffer_address(b), b.nbytes)] for b in blocks]) == [True] * 3
+    out = [np.zeros(w.page_nbytes, np.uint8) for _ in range(3)]
+    ov = PrefixedStore.for_keyspace(store, o.keyspace(model="m"))
+    assert ov.exists(keys) == [False] * 3
+    assert ov.get_into(keys, [[(buffer_address(b), b.nbytes)] for b in out]) == [False] * 3
+    assert all(not b.any() for b in out)
+    same = PrefixedStore.for_keyspace(store, geometry(*written).keyspace(model="m"))
+    assert same.get_into(keys, [[(buffer_address(b), b.nbytes)] for b in out]) == [True] * 3
+    assert all((a == b).all() for a, b in zip(out, blocks))
+    assert vllm_kv_dtype("uint8", "fp8_e4m3") == ("float8_e4m3fn", "")
+    assert vllm_kv_dtype("bfloat16", "auto") == ("bfloat16", "")  # unchanged keys for unquantized caches
+
+
+def test_pd_relay_rooms_of_one_kv_dtype_are_not_found_by_a_decode_of_another():
+    """The PD relay's room namespace carries ``KVArgs.kv_cache_dtype_str``: a decode whose KV
+    dtype differs from the prefill's finds no room (SGLang's own bootstrap check aside)."""
+    import numpy as np
+
+    from kvconnect.connectors.buffers import buffer_address
+    from kvconnect.connectors.engines.pd_transport import (
+        BufferLayout, PDConfig, StoreRelay, kv_dtype_tag, room_namespace)
+
+    kv = np.arange(4 * 256, dtype=np.uint8)
+    aux = np.zeros(4 * 16, np.uint8)
+    layout = BufferLayout(kv_ptrs=(buffer_address(kv),), kv_lens=(kv.nbytes,), kv_item_lens=(256,),
+                          aux_ptrs=(buffer_address(aux),), aux_lens=(aux.nbytes,), aux_item_lens=(16,))
+    relay = StoreRelay(PDConfig(transport="relay", store={"store": SHARED, "space": "pd-dtype"}), layout)
+    try:
+        def keys(kv_cache_dtype):
+            return relay.keys(room_namespace("kvcpd", "127.0.0.1", 5000, 7, kv_dtype_tag(kv_cache_dtype)), 4)
+
+        prefill = keys("fp8_e4m3")
+        relay.put_blocks(prefill, np.arange(4), list(range(prefill.nblocks)))
+        relay.put_tail(prefill, 0, None, 7)
+        assert relay.markers_present([keys("fp8_e4m3"), keys("fp8_e5m2"), keys("mxfp8"), keys("auto")]) == \
+            [True, False, False, False]
+        assert kv_dtype_tag("auto") == kv_dtype_tag(None) == ""  # rooms of unquantized pairs: as before
+        assert kv_dtype_tag("mxfp8") == "float8_e4m3fn+mxfp8"
+    finally:
+        relay.close()
