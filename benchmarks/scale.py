@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import logging
+import os
 import random
 import statistics
 import tempfile
@@ -163,7 +164,7 @@ class Ticker:
         self._heap: list[tuple[float, int, Engine]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._pools = {False: ThreadPoolExecutor(8, "beat"), True: ThreadPoolExecutor(8, "beat-cut")}
+        self._pools = {False: ThreadPoolExecutor(8, "beat"), True: ThreadPoolExecutor(32, "beat-cut")}
         self._seq = 0
         self._thread = threading.Thread(target=self._run, name="ticker", daemon=True)
         self._thread.start()
@@ -322,13 +323,13 @@ class Simulation:
         self.n = n
         self.interval, self.ttl = interval, ttl
         self.rng = random.Random(seed)
-        timeout = min(0.25, interval)
+        timeout = min(0.5, interval)  # rpc_timeout's default, or less for quick intervals
         # the product's client; the engines share a few connections (a thousand would be a
         # thousand sockets); behind the relay a call stalls for its timeout, so waiting for a
         # connection there fails fast
         self._clients = {
             False: registry_client(f"redis://127.0.0.1:{redis_port}", None, timeout, connections=16, pool_wait=1.0),
-            True: registry_client(f"redis://127.0.0.1:{relay_port}", None, timeout, connections=8, pool_wait=0.02),
+            True: registry_client(f"redis://127.0.0.1:{relay_port}", None, timeout, connections=32, pool_wait=0.02),
         }
         self.pool = f"scale{n}x{seed}"
         self.engines: list[Engine] = []
@@ -414,6 +415,10 @@ class Simulation:
             time.sleep(0.02)
         return time.monotonic() - t0
 
+    def health(self) -> str:
+        t = [e.membership.traffic for e in self.engines]
+        return f"(so far: {sum(x.snapshots for x in t)} snapshots, {sum(x.failures for x in t)} failed beats)"
+
     def traffic(self) -> tuple[int, int]:
         msgs = sum(e.membership.traffic.messages for e in self.engines)
         nbytes = sum(e.membership.traffic.bytes_out + e.membership.traffic.bytes_in for e in self.engines)
@@ -439,9 +444,12 @@ def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: f
     import redis
 
     admin = redis.Redis(host="127.0.0.1", port=index_port)
+    registry_admin = redis.Redis(host="127.0.0.1", port=redis_port)
     sim = Simulation(n, redis_port=redis_port, index_port=index_port, relay_port=relay.port, interval=interval,
                      ttl=ttl, rate=rate,
                      rows=rows)
+    for r in (admin, registry_admin):  # after the index's one-time initialize
+        r.config_resetstat()
     out: dict[str, Any] = {"engines": n}
     limit = 6 * ttl
     try:
@@ -495,13 +503,14 @@ def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: f
         sim.partitioned = True
         out["partition_engines"] = sum(1 for e in sim.engines_alive() if e.cut_group)
         out["partition_converge_s"] = sim.converge(t0, limit)
-        log(f"  [{n}] {out['partition_engines']} cut off: both sides converged in {out['partition_converge_s']}")
+        log(f"  [{n}] {out['partition_engines']} cut off: both sides converged in {out['partition_converge_s']} "
+            f"{sim.health()}")
         time.sleep(interval)
         t0 = time.monotonic()
         relay.heal()
         sim.partitioned = False
         out["heal_converge_s"] = sim.converge(t0, limit)
-        log(f"  [{n}] partition healed: converged in {out['heal_converge_s']}")
+        log(f"  [{n}] partition healed: converged in {out['heal_converge_s']} {sim.health()}")
         m_ev1, b_ev1 = sim.traffic()
         ev_dt = time.monotonic() - t_ev0
         live = len(sim.engines_alive())
@@ -520,6 +529,11 @@ def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: f
         for k in range(2000):
             owners(f"p{k}", ids, 1 + DIRECTORY_REPLICAS)
         out["placement_us_per_key"] = (time.perf_counter() - t) / 2000 * 1e6
+        # the servers' own CPU per script call: what one shard / one registry can carry
+        for tag, r in (("index", admin), ("registry", registry_admin)):
+            st = r.info("commandstats").get("cmdstat_evalsha", {})
+            out[f"{tag}_server_us_per_call"] = float(st.get("usec_per_call", 0.0))
+        out["index_calls_per_request"] = (_index_calls(admin) / w.requests) if w.requests else 0.0
         sizes = [len(e.shard) for e in sim.engines_alive()]
         out.update(
             requests=w.requests, pages=w.pages, lookup_errors=w.errors,
@@ -535,6 +549,7 @@ def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: f
             relay.heal()
         sim.close()
         admin.close()
+        registry_admin.close()
 
 
 def trace_rows(limit: int) -> list[dict]:
@@ -615,7 +630,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = trace_rows(4000)
     gaps = [max(1e-3, (b["timestamp"] - a["timestamp"]) / 1000.0) for a, b in zip(rows, rows[1:])]
 
-    res = BenchResult("scale", params={"engines": sizes, "mesh_engines": mesh_sizes, "heartbeat_interval": interval,
+    load_at_start = os.getloadavg()
+    res = BenchResult("scale", params={"loadavg_at_start": load_at_start, "engines": sizes, "mesh_engines": mesh_sizes,
+                                       "heartbeat_interval": interval,
                                        "member_ttl": ttl, "requests_per_engine_s": args.rate,
                                        "steady_window_s": window, "directory_replicas": DIRECTORY_REPLICAS,
                                        "trace": "Mooncake conversation trace, first 4,000 rows",

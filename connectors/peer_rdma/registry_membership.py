@@ -123,6 +123,8 @@ class Traffic:
         self.messages = 0
         self.bytes_out = 0
         self.bytes_in = 0
+        self.snapshots = 0  # full reads of the live set (a start, a gap, a return from a cut-off)
+        self.failures = 0  # calls that got no answer in time
 
     def add(self, out: int, inb: int) -> None:
         self.messages += 1
@@ -254,6 +256,7 @@ class RegistryMembership:
             self._publish()
             return True
         except Exception as e:  # noqa: BLE001 - an unreachable registry is a state, not an error
+            self.traffic.failures += 1
             log.debug("peer registry beat failed: %s", e)
             if not self._cut_off and time.monotonic() - self._last_ok > self.ttl:
                 # everybody else has dropped us by now: keep no view they do not share
@@ -279,6 +282,7 @@ class RegistryMembership:
 
     def _snapshot(self) -> None:
         seq, records = self._run("snapshot", [])
+        self.traffic.snapshots += 1
         members = {self.me.node_id: self.me}
         for rec in records:
             m = _member(rec)
