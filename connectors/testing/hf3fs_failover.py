@@ -60,6 +60,31 @@ def expected(key: str, nbytes: int) -> bytes:
     return (d * (nbytes // 32 + 1))[:nbytes]
 
 
+def wait_until(cond, timeout: float, what: str) -> float:
+    """Seconds until ``cond()`` is true, polled every 50 ms; AssertionError naming ``what``
+    after ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout:g} s")
+
+
+def check_all(store, keys: list[str], batch: int = 16) -> None:
+    """Every key a hit holding its own conformance page (``conformance.page_bytes``), read in
+    batches; AssertionError on a miss, another key's bytes or a torn page."""
+    from kvconnect.connectors.testing.conformance import PageStoreConformance, check_page
+
+    t = PageStoreConformance()
+    for i in range(0, len(keys), batch):
+        part = keys[i:i + batch]
+        ok, buf = t.read(store, part)
+        assert ok == [True] * len(part), f"{ok.count(False)} of {len(part)} confirmed pages missing"
+        for j, k in enumerate(part):
+            check_page(k, buf.read(j))
+
+
 def bound_s(client_timeout: float, retries: int) -> float:
     """How long a store call may take: two metadata calls in sequence (a write's reserve and
     confirm; after a failed call the next fails fast), each within ``client_timeout`` plus

@@ -243,8 +243,35 @@ class SentinelProcess(_Proc):
         return [sentinel_binary(), str(path)]
 
 
+class _NodeGroup:
+    """What ``RedisHA`` and ``RedisClusterSet`` share: their processes (``_processes``), a
+    work directory they may own, a node by address, and the context manager."""
+
+    def _own_workdir(self, prefix: str) -> None:
+        self._own_dir = self.workdir is None
+        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix=prefix))
+
+    def _processes(self) -> list[_Proc]:
+        raise NotImplementedError
+
+    def node_at(self, addr: tuple[str, int]) -> RedisProcess:
+        return next(n for n in self.nodes if (n.host, n.port) == addr)
+
+    def close(self) -> None:
+        for p in self._processes():
+            p.terminate()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 @dataclass
-class RedisHA:
+class RedisHA(_NodeGroup):
     """A primary, ``replicas`` replicas and three sentinels (see the module docstring).
 
     Args:
@@ -264,8 +291,7 @@ class RedisHA:
     sentinels: list[SentinelProcess] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self._own_dir = self.workdir is None
-        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvc-redis-ha-"))
+        self._own_workdir("kvc-redis-ha-")
 
     def _place(self, i: int) -> tuple[str, str | None]:
         """(address, namespace) of node ``i`` (data node i; sentinel i)."""
@@ -377,20 +403,8 @@ class RedisHA:
             time.sleep(0.05)
         raise TimeoutError(f"no failover away from {old} within {timeout:g} s")
 
-    def node_at(self, addr: tuple[str, int]) -> RedisProcess:
-        return next(n for n in self.nodes if (n.host, n.port) == addr)
-
-    def close(self) -> None:
-        for p in self.sentinels + self.nodes:
-            p.terminate()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> "RedisHA":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _processes(self) -> list[_Proc]:
+        return self.sentinels + self.nodes
 
 
 # Redis Cluster settings for a failover within a few seconds (documented in docs/hf3fs_ha.md):
@@ -409,7 +423,7 @@ def _text(rep) -> str:
 
 
 @dataclass
-class RedisClusterSet:
+class RedisClusterSet(_NodeGroup):
     """A Redis Cluster on 127.0.0.1 (see the module docstring).
 
     Args:
@@ -433,8 +447,7 @@ class RedisClusterSet:
     def __post_init__(self) -> None:
         if self.shards < 1 or self.replicas < 0:
             raise ValueError(f"shards must be >= 1 and replicas >= 0, got {self.shards}, {self.replicas}")
-        self._own_dir = self.workdir is None
-        self.workdir = Path(self.workdir or tempfile.mkdtemp(prefix="kvc-redis-cluster-"))
+        self._own_workdir("kvc-redis-cluster-")
 
     def start(self, timeout: float = 30.0) -> "RedisClusterSet":
         """Start the nodes (primaries first: node ``i < shards`` is shard ``i``'s primary,
@@ -532,9 +545,6 @@ class RedisClusterSet:
     def primaries(self) -> list[RedisProcess]:
         return [self.node_at(addr) for _, _, addr in self.slots()]
 
-    def node_at(self, addr: tuple[str, int]) -> RedisProcess:
-        return next(n for n in self.nodes if (n.host, n.port) == addr)
-
     def wait_failover(self, old: RedisProcess, slot: int, timeout: float = 30.0) -> float:
         """Seconds until a live node names a primary other than ``old`` for ``slot``."""
         t0 = time.monotonic()
@@ -553,14 +563,5 @@ class RedisClusterSet:
         """``redis+cluster://`` with every node as a seed (any one that answers will do)."""
         return "redis+cluster://" + ",".join(n.addr for n in self.nodes)
 
-    def close(self) -> None:
-        for n in self.nodes:
-            n.terminate()
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> "RedisClusterSet":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _processes(self) -> list[_Proc]:
+        return self.nodes

@@ -33,7 +33,7 @@ from kvconnect.connectors.hf3fs.config import HF3FSConfig
 from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S
 from kvconnect.connectors.hf3fs.store import HF3FSStore
 from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance, check_page
-from kvconnect.connectors.testing.hf3fs_failover import bound_s
+from kvconnect.connectors.testing.hf3fs_failover import bound_s, check_all, wait_until
 from kvconnect.connectors.testing.redis_cluster import DURABILITY, RedisClusterSet, redis_skip_reason
 
 SKIP = redis_skip_reason()
@@ -64,24 +64,6 @@ def options(cluster: RedisClusterSet, tmp_path, **kw) -> dict:
 
 def make_store(opts: dict, rank: int = 0, size: int = 1) -> HF3FSStore:
     return HF3FSStore(HF3FSConfig(**opts), EngineContext(tp_rank=rank, tp_size=size))
-
-
-def check_all(s: HF3FSStore, keys: list[str]) -> None:
-    for i in range(0, len(keys), 16):
-        batch = keys[i:i + 16]
-        ok, buf = T.read(s, batch)
-        assert ok == [True] * len(batch), f"{ok.count(False)} of {len(batch)} confirmed pages missing"
-        for j, k in enumerate(batch):
-            check_page(k, buf.read(j))
-
-
-def wait_for(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout:g} s")
 
 
 def commandstat(node, name: str = "evalsha") -> int:
@@ -158,13 +140,13 @@ def test_manual_failover_is_followed_through_moved(cluster, tmp_path):
         refreshes = s.meta._slots.refreshes
         replica.command("CLUSTER", "FAILOVER")
         cluster.wait_failover(old, slot, 15)
-        wait_for(lambda: old.command("INFO", "replication").get("role") == "slave", 15, "the old primary demoted")
+        wait_until(lambda: old.command("INFO", "replication").get("role") == "slave", 15, "the old primary demoted")
         failed = s.meta.failed_calls
         check_all(s, keys)  # the old primary answers MOVED: followed within the call
         assert s.meta.failed_calls == failed
         assert s.meta._slots.refreshes > refreshes
         more = T.keys(16, "after")
-        assert wait_for(lambda: T.write(s, more) == [True] * 16, 10, "confirmed writes on the new primary") < 10
+        assert wait_until(lambda: T.write(s, more) == [True] * 16, 10, "confirmed writes on the new primary") < 10
         check_all(s, keys + more)
         cluster.wait_ready(20)
     finally:
@@ -241,9 +223,9 @@ def test_shard_primary_killed_under_writers_loses_no_confirmed_page(own_cluster,
             ok, buf = T.read(s0, early)
             return ok == [True] * len(early) and all(check_page(k, buf.read(j)) >= 0 for j, k in enumerate(early))
 
-        wait_for(serves, SERVE_AGAIN_S + 5, "hits on the failed-over shard")
+        wait_until(serves, SERVE_AGAIN_S + 5, "hits on the failed-over shard")
         reads_again_s = time.monotonic() - t_kill
-        wait_for(lambda: any(t > time.monotonic() - 0.5 for _, t in confirmed[0][-1:]), SERVE_AGAIN_S + 5,
+        wait_until(lambda: any(t > time.monotonic() - 0.5 for _, t in confirmed[0][-1:]), SERVE_AGAIN_S + 5,
                  "confirmed writes on the failed-over shard")
         writes_again_s = time.monotonic() - t_kill
         time.sleep(0.5)
@@ -286,7 +268,7 @@ def test_replica_that_missed_writes_taken_over_serves_misses_not_other_keys(own_
             return primary.command("INFO", "replication")["master_repl_offset"], \
                 replica.command("INFO", "replication").get("slave_repl_offset")
 
-        wait_for(lambda: offsets()[0] == offsets()[1], 10, "the replica in sync")
+        wait_until(lambda: offsets()[0] == offsets()[1], 10, "the replica in sync")
         replica.kill9()  # its AOF holds the old keys
         new = T.keys(8, "new")
         assert T.write(s, new) == [True] * 8  # evicts the old keys, overwrites their pages
@@ -304,12 +286,12 @@ def test_replica_that_missed_writes_taken_over_serves_misses_not_other_keys(own_
             assert ok == [False] * 8, "a read returned the bytes now in an old key's slot"
             return s.stale_reads >= stale + 8
 
-        wait_for(stale_seen, 10, "reads through the taken-over replica")  # the first ones may meet the dead node
+        wait_until(stale_seen, 10, "reads through the taken-over replica")  # the first ones may meet the dead node
         assert T.read(s, old)[0] == [False] * 8  # the stale entries were dropped: plain misses now
         assert T.read(s, new)[0] == [False] * 8  # unknown to the replica
         again = T.keys(4, "again")
         # the new primary takes writes once the stale reads' read leases on the file's 8 slots end
-        wait_for(lambda: T.write(s, again) == [True] * 4, DEFAULT_READ_LEASE_S + 5, "writes on the new primary")
+        wait_until(lambda: T.write(s, again) == [True] * 4, DEFAULT_READ_LEASE_S + 5, "writes on the new primary")
         check_all(s, again)
     finally:
         s.close()
@@ -334,7 +316,7 @@ def test_dead_cluster_is_a_miss_within_the_bound_and_serves_again(own_cluster, t
             make_store({**opts, "file_path_prefix": str(tmp_path / "other")})
         assert time.monotonic() - t0 < bound + 1.0
         c.nodes[0].start()
-        wait_for(lambda: T.read(s, keys)[0] == [True] * 16, 10, "served again")  # AOF: the page index survived
+        wait_until(lambda: T.read(s, keys)[0] == [True] * 16, 10, "served again")  # AOF: the page index survived
         check_all(s, keys)
     finally:
         s.close()

@@ -26,7 +26,8 @@ from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.hf3fs.config import HF3FSConfig
 from kvconnect.connectors.hf3fs.redis_index import REPLICA_MAX_LAG_S, REPLICAS_TRUSTED_S
 from kvconnect.connectors.hf3fs.store import HF3FSStore
-from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance, check_page
+from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance
+from kvconnect.connectors.testing.hf3fs_failover import check_all, wait_until
 from kvconnect.connectors.testing.redis_cluster import DURABILITY, RedisHA, redis_skip_reason
 
 SKIP = redis_skip_reason()
@@ -66,24 +67,6 @@ def attached(node) -> int:
     return int(info["connected_slaves"]) if isinstance(info, dict) else -1
 
 
-def wait_for(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout:g} s")
-
-
-def check_all(s: HF3FSStore, keys: list[str]) -> None:
-    for i in range(0, len(keys), 16):
-        batch = keys[i:i + 16]
-        ok, buf = T.read(s, batch)
-        assert ok == [True] * len(batch)
-        for j, k in enumerate(batch):
-            check_page(k, buf.read(j))
-
-
 def timed_writes(s: HF3FSStore, n: int, tag: str) -> tuple[list[list[bool]], list[float], list[str]]:
     oks, times, written = [], [], []
     for i in range(n):
@@ -107,7 +90,7 @@ def test_only_replica_lost_writes_fail_at_once_counted_and_logged(ha_factory, tm
     assert "index_no_replica_writes" in s.metric_counters
 
     ha.nodes[1].kill9()
-    wait_for(lambda: attached(ha.primary) == 0, 10, "the primary notices its replica is gone")
+    wait_until(lambda: attached(ha.primary) == 0, 10, "the primary notices its replica is gone")
     time.sleep(REPLICAS_TRUSTED_S + 0.1)  # past the count the client trusts
     caplog.set_level(logging.WARNING, logger="kvconnect.hf3fs")
     oks, times, _ = timed_writes(s, 25, "lonely")
@@ -130,7 +113,7 @@ def test_only_replica_lost_writes_fail_at_once_counted_and_logged(ha_factory, tm
             return True
         return False
 
-    print(f"confirmed again {wait_for(confirmed, 15, 'writes confirmed after the replica returned'):.2f} s "
+    print(f"confirmed again {wait_until(confirmed, 15, 'writes confirmed after the replica returned'):.2f} s "
           "after the replica's restart")
     check_all(s, early + back)
     s.close()
@@ -173,7 +156,7 @@ def test_primary_lost_promoted_replica_alone_writes_fail_at_once(ha_factory, tmp
         assert T.write(s, T.keys(4, "probe")) == [False] * 4
         return no_replica_writes(s) > before
 
-    wait_for(through_new_primary, 15, "the store writes through the promoted replica")
+    wait_until(through_new_primary, 15, "the store writes through the promoted replica")
     oks, times, _ = timed_writes(s, 25, "alone")
     print(f"failed-at-once writes after the failover: max {max(times) * 1000:.1f} ms")
     assert all(ok == [False] * 4 for ok in oks), oks
@@ -190,7 +173,7 @@ def test_two_replicas_keep_writing_after_one_loss_then_after_a_primary_loss(ha_f
     assert T.write(s, early[:32]) == [True] * 32 and T.write(s, early[32:]) == [True] * 32
 
     ha.nodes[2].kill9()  # one replica lost: WAIT 1 is still answered by the other
-    wait_for(lambda: attached(ha.primary) == 1, 10, "the primary notices one replica is gone")
+    wait_until(lambda: attached(ha.primary) == 1, 10, "the primary notices one replica is gone")
     oks, times, more = timed_writes(s, 25, "one-lost")
     print(f"writes with one of two replicas lost: max {max(times) * 1000:.1f} ms")
     assert all(ok == [True] * 4 for ok in oks), oks
@@ -213,7 +196,7 @@ def test_two_replicas_keep_writing_after_one_loss_then_after_a_primary_loss(ha_f
             return True
         return False
 
-    wait_for(confirmed, 10 - (time.monotonic() - t0), "writes confirmed within 10 s of the primary loss")
+    wait_until(confirmed, 10 - (time.monotonic() - t0), "writes confirmed within 10 s of the primary loss")
     print(f"writes confirmed again {time.monotonic() - t0:.2f} s after the primary's kill -9")
     check_all(s, early + more + last)  # nothing confirmed was lost
     s.close()
