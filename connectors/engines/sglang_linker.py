@@ -208,6 +208,11 @@ class LinkedPool:
         return pages
 
 
+def _page_nbytes(entry: DevicePoolEntry) -> int:
+    """Bytes of one page of a linker pool view (all its segments)."""
+    return sum(size for comp in entry.buffer_meta for _, _, size in comp)
+
+
 def _kv_kind(pool: Any) -> Optional[str]:
     """"mha" / "mla" for SGLang's plain KV device pools (keyed as the HiCache adapter keys
     their host pools), None for any other pool."""
@@ -223,6 +228,18 @@ def _kv_kind(pool: Any) -> Optional[str]:
 def _layer_groups(num_layers: int, groups: int) -> List[range]:
     bounds = [round(i * num_layers / groups) for i in range(groups + 1)]
     return [range(bounds[i], bounds[i + 1]) for i in range(groups)]
+
+
+def _serve(queue: Queue, task: Any) -> None:
+    """A worker thread: ``task(*item)`` for each item of ``queue`` until a None."""
+    while True:
+        item = queue.get()
+        try:
+            if item is None:
+                return
+            task(*item)
+        finally:
+            queue.task_done()
 
 
 # ---------------------------------------------------------------------------------
@@ -253,12 +270,16 @@ class KVConnectLinker(UnifiedCacheLinker):
             tp_size = torch.distributed.get_world_size(group=group)
         device = str(next(iter(self.pools.values())).kv_buffer[0].device.type)
         model = get_serving().served_model_name or get_model().model_path
+        extra = dict(extra_config or {})
+        self.options = LinkerOptions.parse(extra, self.num_layers)
+        kv = self.pools.get(PoolName.KV)
         self.context = EngineContext(
             engine="sglang-linker", model=str(model or ""), tp_rank=tp_rank, tp_size=tp_size,
             pp_rank=params.pp_rank, pp_size=params.pp_size, cp_rank=params.attn_cp_rank,
-            cp_size=params.attn_cp_size, rank_replicated=self.pool_group.rank_replicated, device=device)
-        extra = dict(extra_config or {})
-        self.options = LinkerOptions.parse(extra, self.num_layers)
+            cp_size=params.attn_cp_size, rank_replicated=self.pool_group.rank_replicated, device=device,
+            # the KV page size up front, so a store keeping one file per size finds its pages
+            # before it wrote any (layer groups: several sizes, none told)
+            page_bytes=_page_nbytes(kv) if kv is not None and self.options.layer_groups == 1 else None)
         require = dict(required_capabilities(self.context))
         if self.context.on_device:
             require[Capability.DEVICE_MEMORY] = (f"the linker moves pages straight into SGLang's {device} pools, "
@@ -295,8 +316,10 @@ class KVConnectLinker(UnifiedCacheLinker):
         self.counts = {"lookups": 0, "lookup_hit_pages": 0, "lookup_timeouts": 0, "loads": 0, "loaded_pages": 0,
                        "failed_loads": 0, "offloads": 0, "offloaded_pages": 0, "failed_offloads": 0}
         self._closed = False
-        self._threads = [threading.Thread(target=self._load_loop, daemon=True, name="kvconnect-linker-load"),
-                         threading.Thread(target=self._offload_loop, daemon=True, name="kvconnect-linker-offload")]
+        self._threads = [threading.Thread(target=_serve, args=(self._load_queue, self._load_task), daemon=True,
+                                          name="kvconnect-linker-load"),
+                         threading.Thread(target=_serve, args=(self._offload_queue, self._offload_task), daemon=True,
+                                          name="kvconnect-linker-offload")]
         for t in self._threads:
             t.start()
         log.info("kvconnect linker on store %r: %s, %d layer group(s)", self.store.name, self.context.describe(),
@@ -307,14 +330,14 @@ class KVConnectLinker(UnifiedCacheLinker):
         replicated = self.pool_group.rank_replicated and name not in RANK_SHARDED_POOLS
         pool = entry.device_pool
         groups = self.options.layer_groups
-        _, sizes = entry.get_page_buffer_meta(torch.arange(entry.page_size, dtype=torch.int64))
-        page_nbytes = sum(int(s) for s in sizes)
+        page_nbytes = _page_nbytes(entry)
+        segments = sum(len(comp) for comp in entry.buffer_meta)
         kind = _kv_kind(pool)
         if kind is not None:
             geometry, layout = kv_geometry(kind, pool), "layer_first"
         else:
             # The linker's own row geometry: no host-pool format to match.
-            geometry, layout = f"linker:{type(pool).__module__}.{type(pool).__name__}:S{len(sizes)}", "device_rows"
+            geometry, layout = f"linker:{type(pool).__module__}.{type(pool).__name__}:S{segments}", "device_rows"
         geometry += f":B{page_nbytes}"
         if groups > 1:
             geometry += f":LG{groups}"
@@ -445,23 +468,15 @@ class KVConnectLinker(UnifiedCacheLinker):
         event.record()
         return event
 
-    def _load_loop(self) -> None:
-        while True:
-            task = self._load_queue.get()
-            try:
-                if task is None:
-                    return
-                index, request_transfers, ready = task
-                try:
-                    if ready is not None:
-                        ready.synchronize()
-                    self._load_batch(index, request_transfers)
-                except BaseException as e:  # noqa: BLE001 - the batch fails, SGLang aborts its requests
-                    self.counts["failed_loads"] += 1
-                    self._failed("load", e)
-                    self.layer_done_counter.fail(index, e)
-            finally:
-                self._load_queue.task_done()
+    def _load_task(self, index: int, request_transfers: List[List[PoolTransfer]], ready: Any) -> None:
+        try:
+            if ready is not None:
+                ready.synchronize()
+            self._load_batch(index, request_transfers)
+        except BaseException as e:  # noqa: BLE001 - the batch fails, SGLang aborts its requests
+            self.counts["failed_loads"] += 1
+            self._failed("load", e)
+            self.layer_done_counter.fail(index, e)
 
     def _load_batch(self, index: int, request_transfers: List[List[PoolTransfer]]) -> None:
         """Read every layer group of every page, in group order; each group's layers are
@@ -509,24 +524,16 @@ class KVConnectLinker(UnifiedCacheLinker):
             self._failed("offload", e)
             return False
 
-    def _offload_loop(self) -> None:
-        while True:
-            task = self._offload_queue.get()
-            try:
-                if task is None:
-                    return
-                transfers, events = task
-                ok = False
-                try:
-                    for event in events:
-                        event.synchronize()
-                    ok = self._store_transfers(transfers)
-                except Exception as e:  # noqa: BLE001 - a failed offload, reported as such
-                    self._failed("offload", e)
-                self.counts["offloads" if ok else "failed_offloads"] += 1
-                self._offload_results.put(ok)
-            finally:
-                self._offload_queue.task_done()
+    def _offload_task(self, transfers: List[PoolTransfer], events: List[Any]) -> None:
+        ok = False
+        try:
+            for event in events:
+                event.synchronize()
+            ok = self._store_transfers(transfers)
+        except Exception as e:  # noqa: BLE001 - a failed offload, reported as such
+            self._failed("offload", e)
+        self.counts["offloads" if ok else "failed_offloads"] += 1
+        self._offload_results.put(ok)
 
     def _store_transfers(self, transfers: List[PoolTransfer]) -> bool:
         groups = self.options.layer_groups

@@ -5,8 +5,8 @@ Real: SGLang's ``ServerArgs`` with the linker flags, ``create_unified_cache_link
 ``UnifiedRadixCache`` and its ``UnifiedCacheLinkerWrapper`` (match -> lookup, init_load_back ->
 load, write-through -> offload, ``check_hicache_events`` -> offload commits, the layer counter),
 device pools ``MHATokenToKVPool`` / ``MLATokenToKVPool`` / ``SWAKVPool`` on ``device="cpu"``, the
-HiCache adapter on a real ``MHATokenToKVPoolHost``, kvconnect's stores (memory shared by name,
-and hf3fs on POSIX files with its metadata service as a process).
+HiCache adapter on a real ``MHATokenToKVPoolHost``, kvconnect's memory store shared by name
+(every registered store: ``test_sglang_linker_stores.py``).
 
 Not real, and why: the model's forward (no GPU): computed KV is bytes drawn from each page's
 SGLang storage hash (``connectors/testing/linker.py``). Two servers sharing a store are two
@@ -15,7 +15,6 @@ caches in one process.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 
@@ -41,32 +40,6 @@ def _spaces():
     clear_spaces()
 
 
-@pytest.fixture
-def meta(tmp_path_factory):
-    """The HF3FS metadata service, a real process with a token (one per test: each test's
-    files are its own)."""
-    pytest.importorskip("grpc", reason="the HF3FS metadata service needs grpcio")
-    from kvconnect.connectors.testing.hf3fs import MetaProcess
-
-    d = tmp_path_factory.mktemp("hf3fs-meta")
-    token = d / "token"
-    token.write_text("linker-" + hashlib.sha256(str(d).encode()).hexdigest()[:16])
-    m = MetaProcess(d / "meta", token, fsync="never").start()
-    yield m
-    m.stop()
-
-
-@pytest.fixture(params=["memory", "hf3fs"])
-def store_extra(request, tmp_path):
-    """The ``linker_extra_config`` of one shared store (every server of a test gets the same)."""
-    if request.param == "memory":
-        return {"store": SHARED, "space": "linker", "capacity": "16mb"}
-    m = request.getfixturevalue("meta")
-    return {"store": "hf3fs", "file_path_prefix": str(tmp_path / "files" / "kv"), "file_size": "16mb",
-            "numjobs": 2, "entries": 8, "client": "posix", "client_timeout": 3,
-            "metadata_server_url": m.url, "auth_token_file": str(m.token_file)}
-
-
 def prompt(n_tokens: int, tag: int) -> list:
     import random
 
@@ -86,10 +59,12 @@ def assert_pages_are_computed_bytes(server: LinkedServer, result) -> None:
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])
-def test_a_prompt_in_the_store_loads_with_no_recomputed_page(store_extra, kind):
+def test_a_prompt_in_the_store_loads_with_no_recomputed_page(kind):
     """Server A computes and offloads a prompt; server B (its own cache and pools, the same
     store) loads every full page through SGLang's tree and recomputes none; B's KV bytes
-    are the bytes A computed. A prompt sharing only a prefix loads that prefix."""
+    are the bytes A computed. A prompt sharing only a prefix loads that prefix. (Every
+    registered store: ``test_sglang_linker_stores.py``.)"""
+    store_extra = {"store": SHARED, "space": "linker", "capacity": "16mb"}
     a = LinkedServer(store_extra, kind=kind)
     b = LinkedServer(store_extra, kind=kind)
     try:
