@@ -298,6 +298,9 @@ class KVConnectLinker(UnifiedCacheLinker):
             raise
         for p in self.linked.values():
             log.info("kvconnect linker: pool %s keyed as %s", p.name, p.store.keyspace.describe())
+        if getattr(server_args, "enable_linker_mla_dedup", False) and self.context.sharing_ranks > 1:
+            log.warning("kvconnect linker: --enable-linker-mla-dedup is not implemented here; every TP rank "
+                        "reads the replicated KV from the store")
         self._metrics_port = None
         if self.engine_options.metrics_port is not None:
             port = self.engine_options.metrics_port
