@@ -164,15 +164,14 @@ def device_pool_group(kvcache: Any, params: Any, components: set) -> DevicePoolG
 
 @dataclass
 class LinkedPool:
-    """One physical device pool under its key space: ``groups[g]`` is the key suffix and
-    buffer items (buffer index per component) of layer group ``g`` (None where the pool has
-    no layer in it)."""
+    """One physical device pool under its key space. ``groups[g]``: the transfer layers of
+    this pool in layer group ``g`` (None where it has none; with one group, all its layers)."""
 
     name: str
     entry: DevicePoolEntry
     store: PrefixedStore
     context: EngineContext
-    groups: List[Optional[List[int]]]  # per layer group: the transfer layers of this pool in it
+    groups: List[Optional[List[int]]]
     page_nbytes: int
 
     @property
