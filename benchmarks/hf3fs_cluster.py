@@ -5,7 +5,7 @@ Run: ``kvconnect bench hf3fs_cluster [--quick]`` or ``python benchmarks/hf3fs_cl
 Two Redis Clusters side by side (``RedisClusterSet``: real ``redis-server --cluster-enabled
 yes`` on 127.0.0.1, AOF every second, no replicas: lookups do not replicate), one of 1 primary
 and one of 3 (the hash slots split evenly), each holding the same namespaces with the same
-keys. ``--clients`` worker processes (4) send lookups through ``RedisMetadata`` over
+keys. ``--clients`` worker processes (12) send lookups through ``RedisMetadata`` over
 ``redis+cluster://``: ``exists`` of 128 keys (what SGLang's ``batch_exists`` asks; one script
 call on one shard), cycling over the namespaces; passes of ``--seconds`` alternate between
 the two clusters, ``--reps`` times.
@@ -223,7 +223,9 @@ def _median(xs):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvconnect bench hf3fs_cluster", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one repetition of 1 s passes (~30 s)")
-    ap.add_argument("--clients", type=int, default=4, help="client processes, the same for both clusters (default 4)")
+    ap.add_argument("--clients", type=int, default=12,
+                    help="client processes, the same for both clusters (default 12: enough lookups in flight "
+                         "to keep a server busy, not woken per call)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per pass (default 4; quick 1)")
     ap.add_argument("--reps", type=int, default=None, help="passes per cluster, alternating (default 5; quick 1)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/hf3fs_cluster.json)")
