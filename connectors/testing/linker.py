@@ -75,11 +75,12 @@ class PrefillResult:
 
 class LinkedServer:
     """One SGLang scheduler's cache on CPU with kvconnect's linker attached (see module
-    docstring). ``kind``: ``"mha"``, ``"mla"`` or ``"swa"`` (FULL + SWA layers)."""
+    docstring). ``kind``: ``"mha"``, ``"mla"`` or ``"swa"`` (FULL + SWA layers); ``tp_group``:
+    the torch.distributed group of this server's TP ranks (None: one rank)."""
 
     def __init__(self, extra_config: dict, *, kind: str = "mha", page_size: int = 4, layers: int = 3,
                  heads: int = 2, head_dim: int = 8, tokens: int = 512, swa_layers: tuple = (1,),
-                 sliding_window: int = 8, dtype: Any = None):
+                 sliding_window: int = 8, dtype: Any = None, tp_group: Any = None):
         import torch
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -117,7 +118,8 @@ class LinkedServer:
         self.allocator = allocator
         self.params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(16, 4096, "cpu", False),
                                       token_to_kv_pool_allocator=allocator, page_size=page_size,
-                                      tree_components=components, **extra_params)
+                                      tree_components=components, tp_cache_group=tp_group,
+                                      attn_tp_cache_group=tp_group, **extra_params)
         self.cache = UnifiedRadixCache(self.params)
         self.linker = create_unified_cache_linker(
             self.server_args, self.params, backend="dynamic",
@@ -223,3 +225,56 @@ class LinkedServer:
 
     def close(self) -> None:
         self.cache.linker.close()
+
+
+# ---------------------------------------------------------------------------------
+# One TP rank of a server as a process
+# ---------------------------------------------------------------------------------
+
+
+def run_rank(rank: int, world: int, init_port: int, extra: dict, tokens: list, kind: str = "mla") -> dict:
+    """TP rank ``rank`` of ``world`` (gloo on 127.0.0.1:``init_port``): prefill ``tokens``
+    (offloaded), empty the device tree (SGLang's ``cache.reset()``), prefill them again (loaded
+    from the store). Every rank runs the same steps, as SGLang's TP ranks do, since the
+    tree reduces its lookups and offload commits across them."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{init_port}", rank=rank, world_size=world)
+    try:
+        server = LinkedServer(extra, kind=kind, tp_group=dist.group.WORLD)
+        first = server.prefill(tokens)
+        server.cache.reset()
+        second = server.prefill(tokens, offload=False)
+        nbytes = server.page_nbytes()
+        same = [server.page_bytes(second.slots, p) == page_content(h, nbytes) for p, h in enumerate(second.page_hashes)]
+        pool = server.linker.linked["kv"]
+        out = {"rank": rank, "is_writer": pool.is_writer, "rank_in_key": pool.store.keyspace.identity()["tp_rank"],
+               "first": [first.loaded_tokens, first.computed_pages], "failed": second.load_failed,
+               "second": [second.loaded_tokens, second.computed_pages], "bytes_same": same,
+               "put_pages": server.linker.store.stats().put_pages, "counts": server.linker.counts}
+        server.close()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list | None = None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m kvconnect.connectors.testing.linker",
+                                 description="One TP rank of a CPU SGLang server with kvconnect's linker (tests)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--init-port", type=int, required=True, help="gloo rendezvous port on 127.0.0.1")
+    ap.add_argument("--extra", required=True, help="linker_extra_config (JSON)")
+    ap.add_argument("--tokens", required=True, help="the prompt's token ids (JSON list)")
+    ap.add_argument("--kind", default="mla", choices=("mha", "mla"))
+    args = ap.parse_args(argv)
+    print(json.dumps(run_rank(args.rank, args.world, args.init_port, json.loads(args.extra), json.loads(args.tokens),
+                              args.kind)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

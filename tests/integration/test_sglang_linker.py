@@ -441,3 +441,46 @@ def test_bench_linker_quick_writes_its_ratios(tmp_path):
     assert set(ratios) == {"load/memory", "load/memory/median", "load/memory/linker_lg4",
                            "load/memory/linker_lg4/median"}
     assert all(r["ours"] > 0 and r["reference"] > 0 for r in ratios.values())
+
+
+# ---------------------------------------------------------------------------------
+# Rank-replicated MLA over two TP rank processes
+# ---------------------------------------------------------------------------------
+
+
+def test_mla_tp2_ranks_share_one_copy_rank0_writes_both_load(tmp_path):
+    """Two TP rank processes of one MLA server (gloo; SGLang's tree reduces lookups and
+    offload commits across them) over the HF3FS store with its metadata service: the rank is
+    left out of the key, only rank 0 writes, and after the device tree is emptied both ranks
+    load every page of the prompt, byte for byte, rank 1 reading what rank 0 wrote."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("grpc", reason="the HF3FS metadata service needs grpcio")
+    from kvconnect.connectors.testing.hf3fs import MetaProcess
+    from kvconnect.connectors.testing.processes import child_env, free_port
+
+    meta = MetaProcess(tmp_path / "meta").start()
+    try:
+        extra = {"store": "hf3fs", "file_path_prefix": str(tmp_path / "files" / "kv"), "file_size": "16mb",
+                 "numjobs": 2, "entries": 8, "client": "posix", "metadata_server_url": meta.url}
+        port = free_port()
+        cmd = [sys.executable, "-m", "kvconnect.connectors.testing.linker", "--world", "2", "--init-port", str(port),
+               "--extra", json.dumps(extra), "--tokens", json.dumps(prompt(4 * 5, 13))]
+        procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=child_env(HF_HUB_OFFLINE="1"), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        meta.stop()
+    r0, r1 = outs
+    assert (r0["is_writer"], r1["is_writer"]) == (True, False)
+    assert r0["rank_in_key"] is None and r1["rank_in_key"] is None
+    assert r0["first"] == r1["first"] == [0, 5]
+    assert (r0["put_pages"], r1["put_pages"]) == (5, 0)
+    for r in (r0, r1):
+        assert r["second"] == [20, 0] and not r["failed"] and all(r["bytes_same"]) and len(r["bytes_same"]) == 5
