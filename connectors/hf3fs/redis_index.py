@@ -159,9 +159,8 @@ def parse_redis_url(url: str) -> RedisURL:
     sentinel = scheme.endswith("+sentinel")
     cluster = scheme.endswith("+cluster")
     if cluster and scheme.startswith("rediss"):
-        raise ConfigError(KEY, f"{url!r}: TLS to a Redis Cluster is not supported (untested: the nodes' TLS "
-                               "ports and certificates); use redis+cluster:// on a private network, or "
-                               "rediss+sentinel://", URL_FORMS)
+        raise ConfigError(KEY, f"{url!r}: TLS to a Redis Cluster is not supported; use redis+cluster:// on a "
+                               "private network, or rediss+sentinel://", URL_FORMS)
     items = [h for h in netloc.split(",")]
     if not netloc or any(not h.strip() for h in items):
         raise ConfigError(KEY, f"no host in {url!r}", URL_FORMS)

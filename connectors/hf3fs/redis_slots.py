@@ -7,7 +7,9 @@ nodes last seen), one ``redis.Redis`` connection pool per primary. The map is ma
 after a ``MOVED`` reply, a lost connection or ``CLUSTERDOWN`` (``invalidate``) and asked
 again before the next command, so a failover is followed within the caller's retries; a slot
 no live node claims raises ``SlotUnserved`` (a transient error for the caller), never a
-command sent to a guess.
+command sent to a guess. ``ASK`` (a slot being migrated by a resharding) is handled as
+``MOVED``: the map is asked again, and a namespace whose slot is mid-migration misses until the
+migration completes (its multi-key scripts could not run on either side meanwhile).
 """
 
 from __future__ import annotations
