@@ -98,7 +98,7 @@ class TestHF3FSRedisCluster(PageStoreConformance):
 
 
 def test_a_namespace_is_one_slot_and_a_lookup_one_call_on_its_shard(cluster, tmp_path):
-    opts = options(cluster, tmp_path)
+    opts = options(cluster, tmp_path, metadata_key_prefix="kvc-spread")  # fixed: the placement too
     stores = [make_store(opts, r, 8) for r in range(8)]
     other = make_store({**opts, "metadata_key_prefix": opts["metadata_key_prefix"] + "-b",
                         "file_path_prefix": str(tmp_path / "b")})
