@@ -552,7 +552,7 @@ class KVConnectLinker(UnifiedCacheLinker):
             keys, rows = [keys[i] for i in todo], [rows[i] for i in todo]
             for g in self._present_groups(pool):
                 calls.append((pool.store, pool.group_keys(keys, g, groups), pool.group_pages(rows, g, groups)))
-        # The last group goes last: a page whose last group exists has all its groups.
+        # Lookups ask for every group of a page: one a failed put left out makes it a miss.
         results = put_many(calls) if calls else []
         ok = all(all(r) for r in results)
         if ok:
