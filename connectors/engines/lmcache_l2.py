@@ -18,8 +18,10 @@ How LMCache's contract maps onto the store:
 * A chunk's page is its L1 ``MemoryObj`` buffer, ``[(address, nbytes)]``: stores read
   straight from it and loads write straight into it (no intermediate copy here).
 * ``ObjectKey`` (model, kv_rank, object group, chunk hash, cache salt) becomes a page of a
-  ``KeySpace`` of the model, object group and tenant+salt, with the packed kv_rank and the
-  chunk hash in the page hash: two models, ranks, groups or tenants never share a key. Each
+  ``KeySpace`` of the model, object group, tenant+salt and the group's L1 dtype (learned from
+  the objects and layout descriptions LMCache hands over: ``ObjectKey`` has none), with the
+  packed kv_rank and the chunk hash in the page hash: two models, ranks, groups, tenants or
+  dtypes never share a key (LMCache's fp8 objects are ``uint8`` whatever the fp8). Each
   key space is a view of the store (``PrefixedStore``); a batch spanning several goes to
   the store in one call per operation.
 * Lookup "locks" are reference counts that keep LMCache's own L2 eviction (``delete``) off
@@ -62,6 +64,7 @@ from kvconnect.connectors.engines.common import (
     split_engine_options,
 )
 from kvconnect.connectors.views import PrefixedStore, delete_many, exists_many, get_many, put_many
+from kvconnect.namespace.dtypes import dtype_name
 from kvconnect.namespace.keyspace import KeySpace
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
@@ -239,25 +242,43 @@ class ObjectKeyMapper:
 
     The key space carries the model, the pool (``kv`` for object group 0, ``kv.g<N>`` for
     the others), the tenant and the cache salt (separate fields of the key space: no pair
-    of them shares a key space with another pair) and the model fingerprint. The page hash is
-    ``r<kv_rank hex>-<chunk hash hex>``.
+    of them shares a key space with another pair), the model fingerprint and the dtype of the
+    group's L1 objects. The page hash is ``r<kv_rank hex>-<chunk hash hex>``.
+
+    ``ObjectKey`` has no dtype: it is learned per (model, object group) from what LMCache
+    hands over (``learn``): the memory objects of a store or load, the layout descriptions of
+    a lookup. Before anything is learned a key's dtype is ``UNKNOWN_DTYPE`` (lookups miss).
     """
+
+    UNKNOWN_DTYPE = "unknown"
 
     def __init__(self, tenant: str = "", model_fingerprint: str = "", max_spaces: int = 4096):
         self.tenant = tenant
         self.model_fingerprint = model_fingerprint
         self._max = max_spaces
         self._lock = threading.Lock()
-        self._spaces: OrderedDict[tuple[str, int, str], KeySpace] = OrderedDict()
+        self._spaces: OrderedDict[tuple[str, int, str, str], KeySpace] = OrderedDict()
+        self._dtypes: dict[tuple[str, int], str] = {}  # (model, object group) -> its L1 objects' dtype
+
+    def learn(self, key: Any, dtype: str) -> None:
+        """The dtype of ``key``'s (model, object group), from an object or layout LMCache gave."""
+        if dtype:
+            ident = (str(getattr(key, "model_name", "") or ""), int(getattr(key, "object_group_id", 0) or 0))
+            if self._dtypes.get(ident) != dtype:
+                with self._lock:
+                    self._dtypes[ident] = dtype
+                    while len(self._dtypes) > self._max:
+                        self._dtypes.pop(next(iter(self._dtypes)))
 
     def space(self, model: str, group: int, salt: str) -> KeySpace:
-        ident = (model, group, salt)
+        dtype = self._dtypes.get((model, group), self.UNKNOWN_DTYPE)
+        ident = (model, group, salt, dtype)
         with self._lock:
             ks = self._spaces.get(ident)
             if ks is not None:
                 self._spaces.move_to_end(ident)
                 return ks
-        ks = KeySpace(model=model or "<unnamed>", layout=KEY_LAYOUT, dtype="lmcache",
+        ks = KeySpace(model=model or "<unnamed>", layout=KEY_LAYOUT, dtype=dtype,
                       weights=self.model_fingerprint, pool="kv" if group == 0 else f"kv.g{group}",
                       tenant=self.tenant, salt=salt)
         with self._lock:
@@ -333,6 +354,23 @@ class _Views:
 # ---------------------------------------------------------------------------------
 # MemoryObj -> page
 # ---------------------------------------------------------------------------------
+
+
+def _dtype_names(dtypes: Any) -> str:
+    """One name for a list of torch dtypes (one per kernel group of an object), '' if none."""
+    names = [dtype_name(d) for d in (dtypes or []) if d is not None]
+    return "+".join(names)
+
+
+def object_dtype(obj: Any) -> str:
+    """The dtype(s) of an L1 memory object (``metadata.dtypes``, else ``metadata.dtype``)."""
+    meta = getattr(obj, "metadata", None)
+    return _dtype_names(getattr(meta, "dtypes", None) or [getattr(meta, "dtype", None)])
+
+
+def layout_dtype(desc: Any) -> str:
+    """The dtype(s) a lookup's ``MemoryLayoutDesc`` gives an object group ('' if none)."""
+    return _dtype_names(getattr(desc, "dtypes", None))
 
 
 def object_page(obj: Any) -> Page:
@@ -479,13 +517,15 @@ class KVConnectL2Adapter(L2AdapterInterface):
 
     def _prepare(self, keys: Sequence[Any], objects: Sequence[Any] | None) -> tuple[list[Any], _Batch, list[Page] | None]:
         keys = list(keys)
-        batch = self.views.batch(keys)
         pages = None
         if objects is not None:
             objects = list(objects)
             if len(objects) != len(keys):
                 raise ValueError(f"{len(keys)} keys but {len(objects)} objects")
             pages = [object_page(o) for o in objects]
+            for k, o in zip(keys, objects):
+                self.mapper.learn(k, object_dtype(o))
+        batch = self.views.batch(keys)
         return keys, batch, pages
 
     def _guarded(self, what: str, fn: Callable[..., list[bool]], *args: Any, n: int) -> list[bool]:
@@ -550,10 +590,15 @@ class KVConnectL2Adapter(L2AdapterInterface):
     def submit_lookup_and_lock_task(self, keys: list[Any], group_layout_descs: Any = None,
                                     *args: Any, **kwargs: Any) -> int:
         """Which keys the store holds; the hits stay locked against ``delete`` until
-        ``submit_unlock``. ``group_layout_descs`` is advisory and unused."""
+        ``submit_unlock``. ``group_layout_descs`` names each object group's dtype (the key
+        spaces': an engine of another KV dtype misses)."""
         tid = self._new_task("lookup")
         n = len(keys)
         try:
+            if isinstance(group_layout_descs, Mapping):
+                dtypes = {int(g): layout_dtype(d) for g, d in group_layout_descs.items()}
+                for k in keys:
+                    self.mapper.learn(k, dtypes.get(int(getattr(k, "object_group_id", 0) or 0), ""))
             _, batch, _ = self._prepare(keys, None)
         except Exception as e:  # noqa: BLE001
             self._errors.add("lmcache.lookup")

@@ -178,3 +178,46 @@ def test_pd_relay_rooms_of_one_kv_dtype_are_not_found_by_a_decode_of_another():
         assert kv_dtype_tag("mxfp8") == "float8_e4m3fn+mxfp8"
     finally:
         relay.close()
+
+
+def test_lmcache_chunks_of_one_l1_dtype_are_misses_for_another():
+    """LMCache's ``ObjectKey`` carries no dtype: the plugin keys chunks by the dtype of the
+    L1 objects stored and loaded and of the layout a lookup names (what LMCache's prefetch
+    passes), so a bf16 server never reads an fp16 server's chunks of the same size."""
+    pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+    import torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+
+    from kvconnect.connectors.engines.lmcache_l2 import KVConnectL2Adapter
+    from kvconnect.connectors.memory import MemoryStore
+    from kvconnect.connectors.testing.lmcache_adapter import CHUNK, L1, load, lookup, okeys, store
+
+    def typed(n, dtype, seed=None):
+        l1 = L1(n)
+        if seed is not None:
+            l1.fill_random(seed)
+        for o in l1.objs:
+            o.metadata.dtype = dtype
+        return l1
+
+    def layout(dtype):
+        return {0: MemoryLayoutDesc(shapes=[torch.Size([CHUNK // 2])], dtypes=[dtype])}
+
+    shared = MemoryStore()
+    bf16, fp16, bf16_again = (KVConnectL2Adapter({"store": "memory"}, store=shared) for _ in range(3))
+    try:
+        keys = okeys(3, model="org/m")
+        src = typed(3, torch.bfloat16, seed=11)
+        assert store(bf16, keys, src.objs).is_successful()
+        assert lookup(fp16, keys, layout(torch.float16)) == []
+        dst = typed(3, torch.float16)
+        assert load(fp16, keys, dst.objs) == []
+        assert all(dst.data(i) == bytes(CHUNK) for i in range(3))  # untouched
+        assert lookup(bf16_again, keys, layout(torch.bfloat16)) == [0, 1, 2]
+        same = typed(3, torch.bfloat16)
+        assert load(bf16_again, keys, same.objs) == [0, 1, 2]
+        assert [same.data(i) for i in range(3)] == [src.data(i) for i in range(3)]
+        bf16_again.submit_unlock(keys)
+    finally:
+        for a in (bf16, fp16, bf16_again):
+            a.close()

@@ -26,7 +26,8 @@ import pytest
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.base", reason="needs lmcache (pip install \"kvconnect[lmcache]\")")
 
 from lmcache.lmcache_native import Bitmap  # noqa: E402
-from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
+import torch  # noqa: E402
+from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey  # noqa: E402
 from lmcache.v1.distributed.internal_api import L2StoreResult  # noqa: E402
 
 from kvconnect.connectors.base import ConfigError  # noqa: E402
@@ -126,7 +127,8 @@ def test_object_key_fields_never_collide():
         ]
         assert lookup(a, [k] + variants) == [0]
         assert lookup(other_tenant, [k]) == []
-        assert lookup(same_tenant, [k]) == [0]
+        # a second server's lookup names the group's layout (LMCache's prefetch does): its dtype
+        assert lookup(same_tenant, [k], {0: MemoryLayoutDesc(shapes=[torch.Size([CHUNK])], dtypes=[torch.uint8])}) == [0]
         dst = L1(len(variants))
         assert load(a, variants, dst.objs) == []
         assert all(dst.data(i) == bytes(CHUNK) for i in range(len(variants)))  # untouched
