@@ -45,10 +45,13 @@ class PinnedPages:
     """``n`` pages of ``page_bytes`` in one host buffer: pinned torch memory where CUDA is
     there (``tensor``), else a bytearray."""
 
-    def __init__(self, n: int, page_bytes: int, torch: Any = None):
+    def __init__(self, n: int, page_bytes: int, torch: Any = None, segments: int = 1):
         from kvconnect.connectors.buffers import buffer_address
 
-        self.n, self.page_bytes, self.tensor = n, page_bytes, None
+        if page_bytes % segments:
+            raise ValueError(f"page_bytes {page_bytes} is not a multiple of segments {segments}")
+        self.n, self.page_bytes, self.tensor, self.segments = n, page_bytes, None, segments
+        self.seg_bytes = page_bytes // segments
         if torch is not None:
             self.tensor = torch.empty(n * page_bytes, dtype=torch.uint8, pin_memory=True)
             self.address = self.tensor.data_ptr()
@@ -57,12 +60,15 @@ class PinnedPages:
             self.address = buffer_address(self._raw)
 
     def page(self, i: int) -> list[tuple[int, int]]:
-        return [(self.address + i * self.page_bytes, self.page_bytes)]
+        """One segment, or ``segments`` of them in separate regions (SGLang's layer_first host
+        layout: a page is one piece per layer and K/V, each in its layer's buffer)."""
+        region = self.n * self.seg_bytes
+        return [(self.address + s * region + i * self.seg_bytes, self.seg_bytes) for s in range(self.segments)]
 
     def read(self, i: int) -> bytes:
         import ctypes
 
-        return ctypes.string_at(self.address + i * self.page_bytes, self.page_bytes)
+        return b"".join(ctypes.string_at(a, n) for a, n in self.page(i))
 
 
 def page_pattern(i: int, page_bytes: int) -> bytes:
@@ -145,7 +151,8 @@ def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: 
     want = {0: src.read(0), pages - 1: src.read(pages - 1)}
 
     def read() -> None:
-        ctypes.memset(dst.address, 0, pb)
+        for a, n in dst.page(0):
+            ctypes.memset(a, 0, n)
         ok = store.get_into(keys, [dst.page(i) for i in range(pages)])
         if not all(ok) or any(dst.read(i) != b for i, b in want.items()):
             raise AssertionError(f"{name}: a read missed or returned other bytes ({sum(ok)}/{pages} hits)")
@@ -161,19 +168,23 @@ def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: 
 
 
 def measure_h2d(torch: Any, src: PinnedPages, repeats: int) -> dict[str, Any]:
+    """One copy per host piece (a page, or a page's layer piece), on one stream."""
     dev = torch.empty(src.n * src.page_bytes, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
-    pb = src.page_bytes
+    pb, sb = src.page_bytes, src.seg_bytes
+    base = src.address
 
     def copy() -> None:
         with torch.cuda.stream(stream):
             for i in range(src.n):
-                dev[i * pb:(i + 1) * pb].copy_(src.tensor[i * pb:(i + 1) * pb], non_blocking=True)
+                for a, n in src.page(i):
+                    off = a - base
+                    dev[off:off + n].copy_(src.tensor[off:off + n], non_blocking=True)
         stream.synchronize()
 
     copy()
     out = summary(src.n * pb, timed(copy, repeats))
-    if not torch.equal(dev[:pb].cpu(), src.tensor[:pb]):
+    if not torch.equal(dev[:sb].cpu(), src.tensor[:sb]):
         raise AssertionError("h2d: the device copy differs from the host page")
     return out
 
@@ -187,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-tokens", type=int, default=64, help="tokens per page (default 64)")
     p.add_argument("--repeats", type=int, default=10, help="timed reads per figure (default 10)")
     p.add_argument("--threads", type=int, default=16, help="memcpy threads beside one (default 16: hf3fs numjobs)")
+    p.add_argument("--segments", type=int, default=1,
+                   help="pieces per host page (default 1: SGLang's page_first layout; 2 x layers, e.g. 64: "
+                        "layer_first, where each page is one piece per layer and K/V)")
     p.add_argument("--stores", default="memory,hf3fs", help="stores to read from (default memory,hf3fs)")
     p.add_argument("--dir", default=None, help="hf3fs data directory (default: a temporary one under /dev/shm "
                                                "where it exists, so the file system is not the limit)")
@@ -209,14 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     base = a.dir or ("/dev/shm" if Path("/dev/shm").is_dir() else None)
     res = BenchResult("l3_floor", params={"tokens": a.tokens, "bytes_per_token": a.bytes_per_token,
                                           "page_tokens": a.page_tokens, "pages": pages, "page_bytes": pb,
-                                          "repeats": a.repeats, "threads": a.threads, "cuda": torch is not None})
+                                          "repeats": a.repeats, "threads": a.threads, "segments": a.segments,
+                                          "cuda": torch is not None})
     figs: dict[str, Any] = {}
     t0 = time.perf_counter()
     print(f"[l3_floor] {pages} pages of {pb / MiB:.1f} MiB ({nbytes / MiB:.0f} MiB), cuda={torch is not None}",
           flush=True)
     figs["memcpy_1t"] = measure_memcpy(nbytes, a.repeats, 1)
     figs["memcpy_nt"] = measure_memcpy(nbytes, a.repeats, a.threads)
-    dst = PinnedPages(pages, pb, torch)
+    dst = PinnedPages(pages, pb, torch, a.segments)
     with tempfile.TemporaryDirectory(prefix="kvc-floor-", dir=base) as d:
         stores = open_stores([s for s in a.stores.split(",") if s], Path(d), pb, pages)
         try:
