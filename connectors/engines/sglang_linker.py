@@ -102,6 +102,42 @@ class LinkerOptions:
         return cls(groups, float(timeout))
 
 
+class LinkerCounts:
+    """What the linkers of this process did: per linker (``counts[name]``) and as the process's
+    Prometheus counters ``kvconnect_linker_<name>_total``."""
+
+    HELP = {
+        "lookups": "linker lookups the store answered",
+        "lookup_hit_pages": "pages of the longest restorable prefix of each lookup",
+        "lookup_timeouts": "linker lookups that missed because the store gave no answer in time",
+        "loads": "linker load batches that landed",
+        "loaded_pages": "pages (all pools and layer groups) linker loads brought into device slots",
+        "failed_loads": "linker load batches that failed (SGLang aborts their requests)",
+        "offloads": "linker offloads stored",
+        "offloaded_pages": "pages (all pools and layer groups) linker offloads stored",
+        "failed_offloads": "linker offloads that failed (the node stays unstored)",
+    }
+
+    def __init__(self) -> None:
+        from kvconnect.connectors import metrics
+
+        self._values = dict.fromkeys(self.HELP, 0)
+        self._lock = threading.Lock()
+        self._counters = {n: metrics.process_counter(f"kvconnect_linker_{n}", h) for n, h in self.HELP.items()}
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] += n
+        self._counters[name].inc(n)
+
+    def __getitem__(self, name: str) -> int:
+        return self._values[name]
+
+    def as_dict(self) -> Dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
 # ---------------------------------------------------------------------------------
 # Device pools
 # ---------------------------------------------------------------------------------
@@ -315,8 +351,7 @@ class KVConnectLinker(UnifiedCacheLinker):
         self._offload_results: Queue = Queue()
         self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvconnect-linker-lookup")
         self._stuck_lookup: Optional[concurrent.futures.Future] = None
-        self.counts = {"lookups": 0, "lookup_hit_pages": 0, "lookup_timeouts": 0, "loads": 0, "loaded_pages": 0,
-                       "failed_loads": 0, "offloads": 0, "offloaded_pages": 0, "failed_offloads": 0}
+        self.counts = LinkerCounts()
         self._closed = False
         self._threads = [threading.Thread(target=_serve, args=(self._load_queue, self._load_task), daemon=True,
                                           name="kvconnect-linker-load"),
@@ -377,20 +412,20 @@ class KVConnectLinker(UnifiedCacheLinker):
                 return []
             stuck = self._stuck_lookup
             if stuck is not None and not stuck.done():
-                self.counts["lookup_timeouts"] += 1
+                self.counts.add("lookup_timeouts")
                 return []  # the store has not answered the last lookup yet
             future = self._lookups.submit(self._restorable, transfers)
             try:
                 restorable = future.result(timeout=self.options.lookup_timeout_s)
             except concurrent.futures.TimeoutError:
                 self._stuck_lookup = future
-                self.counts["lookup_timeouts"] += 1
+                self.counts.add("lookup_timeouts")
                 self._rlog.warning("lookup-timeout", "kvconnect linker: store %r gave no lookup answer in %.2f s; "
                                    "a miss", self.store.name, self.options.lookup_timeout_s)
                 return []
-            self.counts["lookups"] += 1
+            self.counts.add("lookups")
             if restorable:
-                self.counts["lookup_hit_pages"] += restorable[-1]
+                self.counts.add("lookup_hit_pages", restorable[-1])
             return restorable
         except Exception as e:  # noqa: BLE001 - nothing raises into SGLang's scheduler
             self._failed("lookup", e)
@@ -476,7 +511,7 @@ class KVConnectLinker(UnifiedCacheLinker):
                 ready.synchronize()
             self._load_batch(index, request_transfers)
         except BaseException as e:  # noqa: BLE001 - the batch fails, SGLang aborts its requests
-            self.counts["failed_loads"] += 1
+            self.counts.add("failed_loads")
             self._failed("load", e)
             self.layer_done_counter.fail(index, e)
 
@@ -505,8 +540,8 @@ class KVConnectLinker(UnifiedCacheLinker):
             for layer in layers:
                 self.layer_done_counter.complete(index, layer)
             done += sum(len(c[1]) for c in calls)
-        self.counts["loads"] += 1
-        self.counts["loaded_pages"] += done
+        self.counts.add("loads")
+        self.counts.add("loaded_pages", done)
 
     # -- offload -------------------------------------------------------------------------------
     def offload(self, transfers: List[PoolTransfer], session_id: Optional[str] = None) -> bool:
@@ -534,7 +569,7 @@ class KVConnectLinker(UnifiedCacheLinker):
             ok = self._store_transfers(transfers)
         except Exception as e:  # noqa: BLE001 - a failed offload, reported as such
             self._failed("offload", e)
-        self.counts["offloads" if ok else "failed_offloads"] += 1
+        self.counts.add("offloads" if ok else "failed_offloads")
         self._offload_results.put(ok)
 
     def _store_transfers(self, transfers: List[PoolTransfer]) -> bool:
@@ -556,7 +591,7 @@ class KVConnectLinker(UnifiedCacheLinker):
         results = put_many(calls) if calls else []
         ok = all(all(r) for r in results)
         if ok:
-            self.counts["offloaded_pages"] += sum(len(c[1]) for c in calls)
+            self.counts.add("offloaded_pages", sum(len(c[1]) for c in calls))
         return ok
 
     def num_completed_offloads(self) -> int:
@@ -589,7 +624,7 @@ class KVConnectLinker(UnifiedCacheLinker):
             t.join(max(0.0, deadline - time.monotonic()))
         self._lookups.shutdown(wait=False, cancel_futures=True)
         busy = [t.name for t in self._threads if t.is_alive()]
-        log.info("kvconnect linker: %s", self.counts)
+        log.info("kvconnect linker: %s", self.counts.as_dict())
         if busy:
             # A store call still writes device memory; the store stays open for it.
             log.warning("kvconnect linker: %s still inside store %r at close; leaving it open", busy, self.store.name)
@@ -609,7 +644,7 @@ class KVConnectLinker(UnifiedCacheLinker):
                          type(e).__name__, e)
 
     def kvconnect_stats(self) -> dict:
-        return {"store": self.store.stats().as_dict(), "linker": dict(self.counts),
+        return {"store": self.store.stats().as_dict(), "linker": self.counts.as_dict(),
                 "errors": self._errors.as_dict(), "context": self.context.describe(),
                 "keyspaces": {n: p.store.keyspace.describe() for n, p in self.linked.items()}}
 

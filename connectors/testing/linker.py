@@ -251,7 +251,7 @@ def run_rank(rank: int, world: int, init_port: int, extra: dict, tokens: list, k
         out = {"rank": rank, "is_writer": pool.is_writer, "rank_in_key": pool.store.keyspace.identity()["tp_rank"],
                "first": [first.loaded_tokens, first.computed_pages], "failed": second.load_failed,
                "second": [second.loaded_tokens, second.computed_pages], "bytes_same": same,
-               "put_pages": server.linker.store.stats().put_pages, "counts": server.linker.counts}
+               "put_pages": server.linker.store.stats().put_pages, "counts": server.linker.counts.as_dict()}
         server.close()
         return out
     finally:

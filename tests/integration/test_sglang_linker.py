@@ -73,10 +73,14 @@ def test_a_prompt_in_the_store_loads_with_no_recomputed_page(kind):
         assert (first.loaded_tokens, first.computed_pages) == (0, 6)
         assert a.linker.counts["offloaded_pages"] == 6
 
+        from prometheus_client import REGISTRY
+
+        before = REGISTRY.get_sample_value("kvconnect_linker_loaded_pages_total")
         second = b.prefill(tokens)
         assert (second.device_hit_tokens, second.loaded_tokens, second.computed_pages) == (0, 24, 0)
         assert not second.load_failed
         assert_pages_are_computed_bytes(b, second)
+        assert REGISTRY.get_sample_value("kvconnect_linker_loaded_pages_total") - before == 6
         assert b.linker.counts["offloaded_pages"] == 0  # already stored: not written again
 
         branch = tokens[:12] + prompt(8, 2)
