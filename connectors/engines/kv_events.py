@@ -166,7 +166,13 @@ class StoreEvents:
         text = events_config(config, where=where)
         if text is None:
             return None
-        return cls(EventPublisherFactory.create(text, attn_dp_rank=dp_rank), **kwargs)
+        try:
+            publisher = EventPublisherFactory.create(text, attn_dp_rank=dp_rank)
+        except Exception as e:  # noqa: BLE001 - a port in use, an endpoint ZMQ cannot parse
+            endpoint = json.loads(text).get("endpoint")
+            raise ConfigError(CONFIG_KEY, f"cannot publish on {endpoint!r} (DP rank {dp_rank}): {e}",
+                              "a free tcp:// or ipc:// endpoint", where) from e
+        return cls(publisher, **kwargs)
 
     def source(self) -> Optional[dict]:
         """Where a subscriber on this host connects (SGLang's ``describe_local_source``:

@@ -751,6 +751,7 @@ class KVConnectStorage(HiCacheStorage):
         """The store's counters plus the errors this adapter turned into misses."""
         return {"store": self.store.stats().as_dict(), "adapter_errors": self._errors.as_dict(),
                 "write_behind": self._write_behind.stats() if self._write_behind else None,
+                "kv_events": dict(self._events.counts) if self._events else None,
                 "reported_not_loaded_pages": self._lookups.not_loaded,
                 "context": self.context.describe(),
                 "keyspaces": {n: io.keyspace.describe() for n, io in self._pools.items()}}

@@ -197,3 +197,20 @@ def test_stores_that_cannot_report_evictions_refuse_listeners_and_bad_config_nam
         with pytest.raises(ConfigError, match=match):
             StorageBackendFactory.create_backend(
                 "dynamic", storage_config(extra_config={"store": "memory", "kv_events": bad}), host)
+
+
+def test_an_endpoint_in_use_fails_the_attach_naming_the_key():
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        host = make_cpu_host_pool("page_first")
+        cfg = storage_config(extra_config={"store": "memory", "kv_events": {
+            "endpoint": f"tcp://127.0.0.1:{port}", "bind": True}})
+        b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+        with pytest.raises(ConfigError, match=r"'kv_events': cannot publish on 'tcp://127.0.0.1:\d+'"):
+            b.register_mem_pool_host(host)
+        b.close()
+    finally:
+        sock.close(linger=0)
