@@ -93,36 +93,16 @@ class Systems:
         if name == "mock":
             return {"type": "mock", "max_size_gb": 2 * self.total_bytes / (1 << 30) + 0.1,
                     "mock_bandwidth_gb": 10000}, []
-        if name == "memory":
-            return {**PLUGIN, "adapter_params": {"store": "memory", "capacity": size}}, []
-        if name == "hf3fs":
-            return {**PLUGIN, "adapter_params": {
-                "store": "hf3fs", "file_path_prefix": str(data / "kvconnect"), "file_size": size,
-                "numjobs": 4, "entries": 8}}, []
-        if name == "mooncake":
-            from kvconnect.connectors.testing.mooncake import MooncakeCluster, mooncake_skip_reason
+        from kvconnect.connectors.config import parse_size
+        from kvconnect.connectors.testing.harness import harness_class
 
-            why = mooncake_skip_reason()
-            if why:
-                raise RuntimeError(why)
-            cluster = MooncakeCluster(lease_ttl_ms=500, log_dir=self.work)
-            self.stack.callback(cluster.close)
-            return {**PLUGIN, "adapter_params": {
-                "store": "mooncake", "master_server_address": cluster.master.address,
-                "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "protocol": "tcp",
-                "global_segment_size": size, "local_buffer_size": "64mb", "setup_timeout": 20}}, \
-                cluster.exec_prefix()
-        if name == "peer_rdma":
-            from kvconnect.connectors.testing.netns import loopback_ns, netns_available
-
-            why = netns_available()
-            if why:
-                raise RuntimeError(why)
-            ns = self.stack.enter_context(loopback_ns(f"kvl2b{os.getpid() % 100000}"))
-            return {**PLUGIN, "adapter_params": {
-                "store": "peer_rdma", "protocol": "tcp", "global_segment_size": size,
-                "discovery_addr": "127.0.0.1:31998", "join_timeout": 2}}, ["ip", "netns", "exec", ns]
-        raise ValueError(name)
+        cls = harness_class(name)  # a kvconnect store, as its test harness runs it
+        why = cls.skip_reason()
+        if why:
+            raise RuntimeError(f"{name}: {why}")
+        harness = self.stack.enter_context(cls(data / name))
+        params = harness.sized_options(parse_size(size)) or harness.options(0)
+        return {**PLUGIN, "adapter_params": params}, harness.exec_prefix()
 
 
 def main(argv: list[str] | None = None) -> int:

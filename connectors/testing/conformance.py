@@ -27,6 +27,7 @@ can be checked to belong to its key and to be untorn, whatever threads did meanw
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import random
@@ -368,7 +369,7 @@ class CapabilityChecks:
     * ``any_page_size``: one batch of pages of many sizes round-trips, then each size again;
     * ``zero_copy``: pages written from and read into memory registered with ``register_memory``
       round-trip (the path a zero-copy store takes; that no copy happens is the store's own test);
-    * ``eviction_events``: a store bounded to 64 pages (``harness.bounded_options``) and
+    * ``eviction_events``: a store bounded to 64 pages (``harness.sized_options``) and
       written 192 reports exactly the keys it no longer holds;
     * ``device_memory``: needs an accelerator, which a CPU run has not (a store claims it only
       where one is usable: ``capabilities_of`` checks).
@@ -385,10 +386,18 @@ class CapabilityChecks:
         if cap not in {c.value for c in harness.claims}:
             pytest.skip(f"{harness.label} does not claim {cap}")
 
-    def _store(self, harness) -> PageStore:
+    @contextlib.contextmanager
+    def _store_here(self, harness, cap: str, options: dict | None = None):
+        """A store built in this process from ``options`` (default ``options(0)``), for a check of
+        ``cap``; skipped where the store does not claim it or its clients cannot run here."""
+        self._claimed(harness, cap)
         if not harness.in_process:
             pytest.skip(f"{harness.label}'s clients run only inside its namespace")
-        return create_store(None, harness.options(0))
+        store = create_store(None, options or harness.options(0))
+        try:
+            yield store
+        finally:
+            store.close()
 
     def test_claims_are_capabilities(self, store_harness):
         from kvconnect.connectors.base import Capability
@@ -433,9 +442,7 @@ class CapabilityChecks:
             b.close()
 
     def test_any_page_size_round_trips_pages_of_many_sizes(self, store_harness):
-        self._claimed(store_harness, "any_page_size")
-        store = self._store(store_harness)
-        try:
+        with self._store_here(store_harness, "any_page_size") as store:
             sizes = [4096, 12288, 65536, 16384 + 512, 8192, 98304]
             keys = [f"sizes-{store_harness.label}-{n}" for n in sizes]
             bufs = [HostBuffer(1, n, 1) for n in sizes]
@@ -448,13 +455,9 @@ class CapabilityChecks:
             for k, n in zip(keys, sizes):  # one size per call too
                 b = HostBuffer(1, n, 1)
                 assert store.get_into([k], [b.page(0)]) == [True] and b.read(0) == page_bytes(k, 0, n)
-        finally:
-            store.close()
 
     def test_zero_copy_round_trips_through_registered_memory(self, store_harness):
-        self._claimed(store_harness, "zero_copy")
-        store = self._store(store_harness)
-        try:
+        with self._store_here(store_harness, "zero_copy") as store:
             keys = [f"zc-{store_harness.label}-{i}" for i in range(8)]
             src, dst = HostBuffer(8, PAGE, 2), HostBuffer(8, PAGE, 2)
             store.register_memory(src.address, len(src.raw))
@@ -464,19 +467,14 @@ class CapabilityChecks:
             assert store.put_from(keys, [src.page(i) for i in range(8)]) == [True] * 8
             assert store.get_into(keys, [dst.page(i) for i in range(8)]) == [True] * 8
             assert all(dst.read(i) == page_bytes(k) for i, k in enumerate(keys))
-        finally:
-            store.close()
 
     def test_eviction_events_name_the_keys_that_went(self, store_harness):
         self._claimed(store_harness, "eviction_events")
-        if not store_harness.in_process:
-            pytest.skip(f"{store_harness.label}'s clients run only inside its namespace")
         capacity = 64 * PAGE
-        opts = store_harness.bounded_options(capacity)
+        opts = store_harness.sized_options(capacity)
         if opts is None:
             pytest.skip(f"{store_harness.label} cannot be bounded to {capacity} bytes")
-        store = create_store(None, opts)
-        try:
+        with self._store_here(store_harness, "eviction_events", opts) as store:
             evicted: list[str] = []
             lock = threading.Lock()
 
@@ -502,8 +500,6 @@ class CapabilityChecks:
             assert gone, "nothing was reported evicted"
             assert gone <= set(keys)
             assert gone == {k for k, p in zip(keys, store.exists(keys)) if not p}, "reported keys differ from the absent"
-        finally:
-            store.close()
 
     def test_device_memory_needs_an_accelerator(self, store_harness):
         self._claimed(store_harness, "device_memory")

@@ -26,8 +26,9 @@ runs it: the writer is engine instance 0, the reader instance 1 where the store 
   writing a room (KV blocks, aux row, marker) from one KV buffer set, decode's reading it
   into other slots of another; a store without ``shared`` is refused naming the capability.
 
-The vLLM connector needs vLLM's own environment and a vLLM process per store: its suite
-lives in ``kvconnect.connectors.testing.vllm`` (``VLLMSuite``).
+* ``VLLMSuite``: vLLM 0.32 (CPU, its own environment) with kvconnect's connector, in a child
+  process under the harness's namespace (so its module needs no namespace run:
+  ``harness_fixture(child_clients=True)``); tokens of store hits equal a cold run's.
 """
 
 from __future__ import annotations
@@ -175,3 +176,41 @@ class PDRelaySuite:
                 decode.close()
         finally:
             prefill.close()
+
+
+class VLLMSuite:
+    """vLLM's native connector (``connectors/engines/vllm_native.py``) over a ``store_harness``
+    (``harness_fixture(child_clients=True)``: vLLM runs in a child process): one real vLLM process (vLLM's own environment,
+    ``VLLM_PY``) under the harness's namespace generates cold, empties its own prefix cache,
+    and generates again: every full block but the last token's comes from the store, and the
+    greedy tokens are the cold run's."""
+
+    BLOCK = 32
+
+    @pytest.fixture(scope="class")
+    def vllm_model(self, tmp_path_factory):
+        from kvconnect.connectors.testing.vllm import make_tiny_model
+
+        return make_tiny_model(tmp_path_factory.mktemp("tiny-llama") / "model")
+
+    def test_vllm_generates_the_same_tokens_from_store_hits(self, store_harness, vllm_model):
+        from kvconnect.connectors.testing.processes import MOONCAKE_QUIET_ENV
+        from kvconnect.connectors.testing.vllm import VLLMProcess, connector_config, prompts, vllm_skip_reason
+
+        why = vllm_skip_reason()
+        if why:
+            pytest.skip(why)
+
+        ps = prompts(9, n=1)
+        ktc = connector_config(dict(store_harness.options(0)))
+        with VLLMProcess(vllm_model, store_harness.workdir / "vllm.log", ktc, ns=store_harness.netns,
+                         env=MOONCAKE_QUIET_ENV) as v:
+            cold = v.generate(ps)
+            assert v.call("reset")["reset"]
+            hit = v.generate(ps)
+            rep = v.worker_report()
+        usable = sum((n - 1) // self.BLOCK * self.BLOCK for n in hit["prompt_tokens"])
+        assert cold["external_hits"] == 0 and hit["local_hits"] == 0
+        assert hit["external_hits"] == usable > 0, hit
+        assert hit["tokens"] == cold["tokens"]
+        assert rep["loaded_pages"] == usable // self.BLOCK and rep["errors"] == {}, rep

@@ -70,7 +70,12 @@ class StoreHarness:
     variants: ClassVar[tuple[str, ...]] = ("",)
     """Configurations worth proving besides the default ``""`` (the cheapest real one)."""
 
-    def __init__(self, workdir: str | os.PathLike | None = None, variant: str = ""):
+    def __init__(self, workdir: str | os.PathLike | None = None, variant: str = "", *, netns: Any = None,
+                 capacity: int | None = None):
+        """``netns``: a ``Netns`` to start the services in (its processes are the clients; the
+        caller removes it); ``capacity``: bytes the store's services hold (None: a small default)."""
+        self.netns = netns
+        self.capacity = capacity
         if variant not in self.variants:
             raise ValueError(f"harness {self.store!r}: variant {variant!r} (accepted: "
                              f"{', '.join(repr(v) for v in self.variants)})")
@@ -97,14 +102,18 @@ class StoreHarness:
         every instance shares the same store, each with options of its own (ports, segments)."""
         raise NotImplementedError
 
-    def bounded_options(self, nbytes: int) -> dict[str, Any] | None:
-        """Options of instance 0 holding at most about ``nbytes`` of pages (so a test can make
-        it evict), or None where the store cannot be made that small."""
+    def sized_options(self, nbytes: int) -> dict[str, Any] | None:
+        """Options of instance 0 holding about ``nbytes`` of pages (small: a test makes it
+        evict; large: a benchmark's working set fits), or None where the store cannot be sized."""
         return None
 
     def restart(self) -> None:
         """Restart the store's services (kill, then start on the same state); pages a
         ``durable`` store held must be found again after it."""
+
+    def outage(self) -> None:
+        """Kill the store's services and leave them down (outage tests); clients must turn
+        it into misses in bounded time."""
 
     # -- common -------------------------------------------------------------------
     @property
@@ -117,7 +126,7 @@ class StoreHarness:
         return cls.capabilities_of(cls.config_from_options(opts))
 
     netns: Any = None
-    """The ``Netns`` the store's clients must run in, or None (this process's namespace)."""
+    """The ``Netns`` the store's services and clients run in, or None (this process's namespace)."""
 
     def exec_prefix(self) -> list[str]:
         """Command prefix that runs a process where the store's clients may run ([] here)."""
@@ -126,7 +135,7 @@ class StoreHarness:
     @property
     def in_process(self) -> bool:
         """Whether this process may build the store's clients itself."""
-        return not self.needs_namespace or (inside_harness_namespace() and self.netns is None)
+        return self.netns is None and (not self.needs_namespace or inside_harness_namespace())
 
     def start(self) -> "StoreHarness":
         why = self.skip_reason()
@@ -166,9 +175,9 @@ class MemoryHarness(StoreHarness):
     store = "memory"
 
     def options(self, instance: int = 0) -> dict[str, Any]:
-        return {"store": "memory", "capacity": "64mb"}
+        return {"store": "memory", "capacity": self.capacity or "64mb"}
 
-    def bounded_options(self, nbytes: int) -> dict[str, Any] | None:
+    def sized_options(self, nbytes: int) -> dict[str, Any] | None:
         return {"store": "memory", "capacity": nbytes}
 
 
@@ -214,14 +223,17 @@ def harness_params(names: list[str] | None = None, variants: bool = True) -> lis
 
 
 def harness_fixture(names: list[str] | None = None, scope: str = "module", *, variants: bool = True,
-                    namespace_run: bool = False):
+                    namespace_run: bool = False, child_clients: bool = False):
     """A pytest fixture, parametrized over ``names`` (default: every registered harness;
     every variant unless ``variants`` is False), that yields a started harness and stops it
     after the last test of its scope.
 
     A harness whose store cannot run here is skipped with its reason; one that needs a
     network namespace is skipped outside ``in_harness_namespace``'s run (which runs it), and
-    with ``namespace_run`` every harness is (the module runs its store tests only there)."""
+    with ``namespace_run`` every harness is (the module runs its store tests only there).
+    ``child_clients``: the tests build no store client themselves, only child processes
+    under ``harness.exec_prefix()``, so every harness runs here (fenced ones in a namespace
+    of their own)."""
     import pytest
 
     params = harness_params(names, variants)
@@ -230,7 +242,8 @@ def harness_fixture(names: list[str] | None = None, scope: str = "module", *, va
     @pytest.fixture(scope=scope, params=params, ids=ids)
     def store_harness(request, tmp_path_factory):
         name, variant = request.param
-        if (namespace_run or harness_class(name).needs_namespace) and not inside_harness_namespace():
+        fenced = harness_class(name).needs_namespace and not child_clients
+        if (namespace_run or fenced) and not inside_harness_namespace():
             pytest.skip(f"{name} runs inside the module's own loopback namespace (in_harness_namespace)")
         cls = harness_class(name)
         why = cls.skip_reason()

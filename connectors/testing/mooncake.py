@@ -140,8 +140,10 @@ class MooncakeCluster:
     """
 
     def __init__(self, *, lease_ttl_ms: int = 500, log_dir: str | os.PathLike | None = None,
-                 inside_current: bool = False):
-        self.netns = None if inside_current else Netns("kvc-mc")
+                 inside_current: bool = False, netns: Netns | None = None):
+        """``netns``: run in this namespace (the caller's, left in place by ``close()``)."""
+        self._own_netns = netns is None and not inside_current
+        self.netns = netns if netns is not None else (None if inside_current else Netns("kvc-mc"))
         self.holders: list[subprocess.Popen] = []
         try:
             log = Path(log_dir) / "mooncake_master.log" if log_dir else None
@@ -218,7 +220,7 @@ class MooncakeCluster:
         self.holders.clear()
         if getattr(self, "master", None):
             self.master.kill()
-        if self.netns:
+        if self.netns and self._own_netns:
             self.netns.delete()
 
 

@@ -626,11 +626,8 @@ def pair(common: dict, prefill: dict, decode: dict, pd_config: dict | None, extr
 
 # ---------------------------------------------------------------------------------
 # Store services for the relay: ``store_service(name, ...)`` yields ``(netns, store_options,
-# outage)``; ``outage()`` kills the backend (master / metadata service) for outage tests.
-# * ``mooncake``: a real ``mooncake_master`` plus a segment-holder process (a standalone
-#   store service) in a loopback-only namespace; PD processes are clients lending nothing.
-# * ``hf3fs``: the real HF3FS metadata service in the same namespace, data files in a
-#   temporary directory (POSIX client: there is no 3FS mount here).
+# outage)`` from the store's test harness (kvconnect.connectors.testing.harness);
+# ``outage()`` kills the store's services (master, metadata service) for outage tests.
 # ---------------------------------------------------------------------------------
 
 
@@ -639,62 +636,36 @@ class StoreUnavailable(Exception):
 
 
 @contextlib.contextmanager
-def mooncake_service(segment: str = "1gb") -> Iterator[tuple[Netns, dict, Callable[[], None]]]:
-    from kvconnect.connectors.testing.mooncake import MooncakeCluster, mooncake_skip_reason
-
-    why = mooncake_skip_reason()
-    if why:
-        raise StoreUnavailable(why)
-    cluster = MooncakeCluster(lease_ttl_ms=2000)  # reads on a loaded 2-core machine can take a while
-    try:
-        cluster.start_holder(segment)
-        opts = {"master_server_address": cluster.master.address, "protocol": "tcp",
-                "local_hostname": "127.0.0.1", "global_segment_size": 0, "local_buffer_size": 0,
-                "setup_timeout": 10, "op_timeout": 5, "lease_wait": 0.5}
-
-        def outage() -> None:
-            cluster.master.kill()
-            for p in cluster.holders:
-                with contextlib.suppress(Exception):
-                    p.kill()
-
-        yield cluster.netns, opts, outage
-    finally:
-        cluster.close()
-
-
-@contextlib.contextmanager
-def hf3fs_service(workdir: str, ns: Netns | None = None,
-                  file_size: str = "1gb") -> Iterator[tuple[Netns, dict, Callable[[], None]]]:
+def store_service(name: str, workdir: str, ns: Netns | None = None,
+                  segment: str = "1gb") -> Iterator[tuple[Netns, dict, Callable[[], None]]]:
+    """Store ``name`` as its test harness runs it, in its first configuration that claims
+    ``shared`` (the relay's need), its services holding ``segment`` bytes, inside ``ns`` (a
+    loopback-only namespace made here if None): (netns, store options, outage)."""
     from pathlib import Path
 
-    from kvconnect.connectors.testing.hf3fs import MetaProcess
+    from kvconnect.connectors.base import Capability
+    from kvconnect.connectors.config import parse_size
+    from kvconnect.connectors.testing.harness import harness_class
 
+    cls = harness_class(name)
+    why = cls.skip_reason()
+    if why:
+        raise StoreUnavailable(why)
     with contextlib.ExitStack() as stack:
         ns = ns or stack.enter_context(loopback_ns("kvcpd"))
-        data = os.path.join(workdir, "hf3fs")
-        meta = MetaProcess(Path(data) / "meta", port=18000 + os.getpid() % 1000, exec_prefix=ns.exec_prefix(),
-                           workers=4, log_path=Path(data) / "meta.log")
-        try:
-            meta.start(timeout=60)
-        except (RuntimeError, TimeoutError) as e:
-            raise StoreUnavailable(f"hf3fs metadata service did not start: {e}") from e
-        stack.callback(meta.kill9)
-        opts = {"file_path_prefix": os.path.join(data, "pd"), "file_size": file_size, "numjobs": 2, "entries": 16,
-                "metadata_server_url": meta.address, "client": "posix", "client_timeout": 5, "meta_retries": 2}
-        yield ns, opts, meta.kill9
-
-
-@contextlib.contextmanager
-def store_service(name: str, workdir: str, ns: object | None = None, segment: str = "1gb"):
-    if name == "mooncake":
-        with mooncake_service(segment) as out:
-            yield out
-    elif name == "hf3fs":
-        with hf3fs_service(workdir, ns, file_size=segment) as out:
-            yield out
-    else:
-        raise ValueError(f"no store service for {name!r}")
+        for variant in cls.variants:
+            harness = cls(Path(workdir) / f"{name}{variant}", variant, netns=ns, capacity=parse_size(segment))
+            try:
+                harness.start()
+            except (RuntimeError, TimeoutError) as e:
+                raise StoreUnavailable(f"{name} services did not start: {e}") from e
+            stack.callback(harness.stop)
+            if Capability.SHARED in harness.claims:
+                opts = dict(harness.options(0))
+                opts.pop("store")
+                yield ns, opts, harness.outage
+                return
+        raise StoreUnavailable(f"no configuration of {name}'s harness claims shared")
 
 
 if __name__ == "__main__":

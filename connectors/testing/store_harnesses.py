@@ -40,19 +40,31 @@ class HF3FSHarness(StoreHarness):
         if self.variant == "service":
             from kvconnect.connectors.testing.hf3fs import MetaProcess
 
-            self.meta = MetaProcess(self.workdir / "meta", log_path=self.workdir / "meta.log").start(timeout=60)
+            self.meta = self._meta().start(timeout=60)
+
+    def _meta(self, port: int | None = None):
+        from kvconnect.connectors.testing.hf3fs import MetaProcess
+
+        # 4 workers: a PD relay's concurrent rooms keep more than one busy on a loaded box
+        return MetaProcess(self.workdir / "meta", port=port, exec_prefix=self.exec_prefix(), workers=4,
+                           log_path=self.workdir / "meta.log")
 
     def _stop(self) -> None:
         if getattr(self, "meta", None) is not None:
             self.meta.stop()
 
+    def outage(self) -> None:
+        if self.meta is not None:
+            self.meta.kill9()
+
     def options(self, instance: int = 0) -> dict[str, Any]:
-        opts = {"store": "hf3fs", "file_size": "64mb", "numjobs": 2, "entries": 8, "client": "posix"}
+        opts = {"store": "hf3fs", "file_size": self.capacity or "64mb", "numjobs": 2, "entries": 8,
+                "client": "posix"}
         if self.meta is None:  # an index per process: each instance its own files
             return {**opts, "file_path_prefix": str(self.workdir / f"files{instance}" / "kv")}
         return {**opts, "file_path_prefix": str(self.workdir / "files" / "kv"), "metadata_server_url": self.meta.url}
 
-    def bounded_options(self, nbytes: int) -> dict[str, Any] | None:
+    def sized_options(self, nbytes: int) -> dict[str, Any] | None:
         """A data file of ``nbytes`` (the index evicts when its pages are all taken)."""
         return {**self.options(0), "file_size": nbytes,
                 "file_path_prefix": str(self.workdir / f"bounded-{nbytes}" / "kv")}
@@ -60,11 +72,8 @@ class HF3FSHarness(StoreHarness):
     def restart(self) -> None:
         if self.meta is None:
             return
-        from kvconnect.connectors.testing.hf3fs import MetaProcess
-
         self.meta.kill9()
-        self.meta = MetaProcess(self.workdir / "meta", port=self.meta.port,
-                                log_path=self.workdir / "meta.log").start(timeout=60)
+        self.meta = self._meta(self.meta.port).start(timeout=60)
 
 
 class _Fenced(StoreHarness):
@@ -79,17 +88,15 @@ class _Fenced(StoreHarness):
 
         return skip_reason("grpc", "mooncake")
 
-    netns = None
-
     def _fence(self) -> None:
-        self.netns = None
-        if not inside_harness_namespace():
+        self._own_netns = self.netns is None and not inside_harness_namespace()
+        if self._own_netns:
             from kvconnect.connectors.testing.netns import Netns
 
             self.netns = Netns(f"kvc-{self.store[:4]}")
 
     def _unfence(self) -> None:
-        if getattr(self, "netns", None) is not None:
+        if getattr(self, "_own_netns", False) and self.netns is not None:
             self.netns.delete()
             self.netns = None
 
@@ -111,23 +118,29 @@ class MooncakeHarness(_Fenced):
     def _start(self) -> None:
         from kvconnect.connectors.testing.mooncake import LEASE_TTL_MS, MooncakeCluster
 
-        self.cluster = MooncakeCluster(lease_ttl_ms=LEASE_TTL_MS, log_dir=self.workdir,
-                                       inside_current=inside_harness_namespace())
-        self.cluster.start_holder("128mb")
+        self.cluster = MooncakeCluster(lease_ttl_ms=LEASE_TTL_MS, log_dir=self.workdir, netns=self.netns,
+                                       inside_current=self.netns is None and inside_harness_namespace())
+        self.netns = self.cluster.netns
+        self.cluster.start_holder(str(self.capacity or "128mb"))
 
     def _stop(self) -> None:
         if getattr(self, "cluster", None) is not None:
             self.cluster.close()
             self.cluster = None
 
-    @property
-    def netns(self):
-        return self.cluster.netns if getattr(self, "cluster", None) is not None else None
+    def outage(self) -> None:
+        self.cluster.master.kill()
+        for p in self.cluster.holders:
+            p.kill()
 
     def options(self, instance: int = 0) -> dict[str, Any]:
         from kvconnect.connectors.testing.mooncake import store_options
 
         return {"store": "mooncake", **store_options(self.cluster, global_segment_size=0, local_buffer_size="16mb")}
+
+    def sized_options(self, nbytes: int) -> dict[str, Any] | None:
+        """The instance lends ``nbytes`` itself (the holder's segment is fixed at start)."""
+        return {**self.options(0), "global_segment_size": nbytes}
 
 
 class PeerRdmaHarness(_Fenced):
@@ -140,13 +153,14 @@ class PeerRdmaHarness(_Fenced):
 
     def _start(self) -> None:
         self._fence()
-        self.port = free_port() if self.netns is None else 31998
+        self.port = free_port() if self.netns is None else 31998 if self._own_netns else self.netns.run(free_port)
         ready = self.workdir / "seed.ready"
         ready.unlink(missing_ok=True)
         self.log = open(self.workdir / "seed.log", "w")
         self.seed = subprocess.Popen(self.exec_prefix() + [
             sys.executable, "-m", "kvconnect", "--log-level", "WARNING", "peer", "serve", "--discovery-addr",
-            f"127.0.0.1:{self.port}", "--global-segment-size", "32mb", "--protocol", "tcp", "--set",
+            f"127.0.0.1:{self.port}", "--global-segment-size", str(self.capacity or "32mb"), "--protocol", "tcp",
+            "--set",
             "heartbeat_interval=0.5", "--set", "member_ttl=3", "--ready-file", str(ready)],
             env=child_env(), stdout=subprocess.DEVNULL, stderr=self.log)
 
@@ -165,7 +179,14 @@ class PeerRdmaHarness(_Fenced):
             self.log.close()
         self._unfence()
 
+    def outage(self) -> None:
+        self.seed.kill()
+        self.seed.wait(10)
+
     def options(self, instance: int = 0) -> dict[str, Any]:
         return {"store": "peer_rdma", "discovery_addr": f"127.0.0.1:{self.port}", "protocol": "tcp",
                 "local_hostname": "127.0.0.1", "control_port": 0, "global_segment_size": "8mb",
                 "heartbeat_interval": 0.5, "member_ttl": 3, "join_timeout": 10}
+
+    def sized_options(self, nbytes: int) -> dict[str, Any] | None:
+        return {**self.options(0), "global_segment_size": nbytes}

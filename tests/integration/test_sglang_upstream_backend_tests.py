@@ -11,9 +11,10 @@ Upstream files (the ``sglang==0.5.23`` wheel, ``sglang/srt/mem_cache/storage/``)
   sizes 1 and 2): the legacy tensor ``batch_set`` / ``batch_get`` / ``batch_exists`` over a
   real ``layer_first`` MHA host pool, including the prefix count of a partial key list.
 
-Each runs against two kvconnect stores: ``memory`` in this process, and ``mooncake`` against a
-real ``mooncake_master``: the module re-runs itself inside a loopback-only network namespace
-(``outer_test``), where the ``mooncake_cluster`` fixture starts the master.
+Each runs against two kvconnect stores, as their harnesses run them: ``memory`` in this process,
+and ``mooncake`` against a real ``mooncake_master`` and segment holder: the module re-runs
+itself inside a loopback-only network namespace (``in_harness_namespace``), where the
+``store_harness`` fixture starts them.
 
 What was changed, and why:
 
@@ -66,21 +67,31 @@ pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+from kvconnect.connectors.base import Capability  # noqa: E402
 from kvconnect.connectors.errors import MissingCapability  # noqa: E402
-from kvconnect.connectors.testing.mooncake import INNER, outer_test  # noqa: E402
-from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: E402,F401 - fixture
+from kvconnect.connectors.testing.harness import harness_class, in_harness_namespace  # noqa: E402
+from kvconnect.connectors.testing.harness import inside_harness_namespace  # noqa: E402
+from kvconnect.connectors.testing.mooncake import mooncake_skip_reason  # noqa: E402
 from kvconnect.connectors.testing.sglang import HICACHE_EXTRA_CONFIG, MinimalHostPool, make_cpu_host_pool  # noqa: E402
 
-STORE = "mooncake" if INNER else "memory"
+STORE = "mooncake" if inside_harness_namespace() else "memory"
+
+
+@pytest.fixture(scope="module")
+def store_harness(tmp_path_factory):
+    """This run's store as its harness runs it (``mooncake``: a master and a segment holder)."""
+    cls = harness_class(STORE)
+    why = cls.skip_reason()
+    if why:
+        pytest.skip(why)
+    with cls(tmp_path_factory.mktemp(STORE)) as harness:
+        yield harness
 
 
 @pytest.fixture
-def store_extra(request) -> dict:
+def store_extra(store_harness) -> dict:
     """kvconnect's keys of the extra config for this run's store."""
-    if STORE == "mooncake":
-        cluster = request.getfixturevalue("mooncake_cluster")
-        return {**HICACHE_EXTRA_CONFIG, "store": "mooncake", **store_options(cluster)}
-    return {**HICACHE_EXTRA_CONFIG, "store": "memory", "capacity": "256mb"}
+    return {**HICACHE_EXTRA_CONFIG, **store_harness.options(0)}
 
 
 @pytest.fixture
@@ -150,7 +161,7 @@ BATCH_CONFIGS = [(False, 0, 1), (True, 0, 1), (False, 1, 4), (True, 3, 8)]
 
 @pytest.mark.parametrize("mla,tp_rank,tp_size", BATCH_CONFIGS,
                          ids=[f"{'mla' if m else 'mha'}-rank{r}of{s}" for m, r, s in BATCH_CONFIGS])
-def test_batch_operation(make_backend, mla, tp_rank, tp_size):
+def test_batch_operation(make_backend, store_harness, mla, tp_rank, tp_size):
     """Upstream: batch_set_v1 of 13 pages, batch_exists, batch_get_v1 into 13 other pages,
     byte-exact. MLA on a rank that is not SGLang's storage writer: the writer rank's backend
     (same store) writes too, as in SGLang; on the process-local ``memory`` store that config is
@@ -162,10 +173,10 @@ def test_batch_operation(make_backend, mla, tp_rank, tp_size):
     entries_per_page = 1 if mla else 2
     mock_host_kv_cache, buffer = create_mock_host_kv_cache(buffer_size, entries_per_page=entries_per_page,
                                                            page_elements=value_elements)
-    if STORE == "memory" and mla and tp_size > 1:
+    if Capability.SHARED not in store_harness.claims and mla and tp_size > 1:
         with pytest.raises(MissingCapability) as e:
             make_backend(config, mock_host_kv_cache)
-        assert e.value.store == "memory" and e.value.capability == "shared"
+        assert e.value.store == STORE and e.value.capability == "shared"
         assert f"all {tp_size} TP ranks, each its own process, read it" in str(e.value)
         return
     store = make_backend(config, mock_host_kv_cache)
@@ -233,7 +244,6 @@ def test_with_page_size(make_backend, page_size):
         assert _bytes(partial_get_tensor[i]) == _bytes(rand_tensor[i + partial])
 
 
-if not INNER:
-    # The same tests against the mooncake store: this module again, inside a loopback-only
-    # namespace with a real mooncake_master.
-    test_mooncake_store_in_loopback_namespace = outer_test(__file__)
+# The same tests against the mooncake store: this module again, inside a loopback-only
+# namespace where its harness starts a real mooncake_master (None in that run).
+test_mooncake_store_in_loopback_namespace = in_harness_namespace(__file__, skip_reason=mooncake_skip_reason)

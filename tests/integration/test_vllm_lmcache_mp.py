@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvconnect.connectors.testing.harness import harness_class
 from kvconnect.connectors.testing.lmcache import Server
 from kvconnect.connectors.testing.vllm import VLLMProcess, prompts, vllm_skip_reason
 
@@ -28,9 +29,13 @@ def mp_config(server: Server) -> dict:
 
 @pytest.mark.parametrize("store", ["memory", "hf3fs"])
 def test_vllm_lmcache_mp_server_serves_hits_from_the_kvconnect_store(model, tmp_path, store):  # noqa: F811
-    params = {"store": "memory", "capacity": "256mb"} if store == "memory" else {
-        "store": "hf3fs", "file_path_prefix": str(tmp_path / "kv"), "file_size": "256mb", "numjobs": 2,
-        "entries": 8}
+    """The store as its harness runs it, in the one ``lmcache server`` process (the two
+    stores whose clients may run in this namespace)."""
+    with harness_class(store)(tmp_path / "harness") as harness:
+        _serve_hits(model, harness.options(0), tmp_path)
+
+
+def _serve_hits(model, params: dict, tmp_path) -> None:
     server = Server(params, tmp_path / "server.log", "--chunk-size", str(CHUNK),
                     "--supported-transfer-mode", "engine_driven", "--l2-store-policy", "skip_l1")
     try:
