@@ -3,8 +3,9 @@
 Every simulated engine runs the product's own objects: a ``RegistryMembership`` (its beats
 are real Lua scripts on a real ``redis-server``), a ``DirectoryShard`` (peer_rdma's share of
 "which node holds which page", placed by ``placement.owners`` over the engine's view), and
-the HF3FS page index client ``RedisMetadata`` on the same kind of server. What is simulated:
-the engines are objects in one process (a ticker calls their beats every
+the HF3FS page index client ``RedisMetadata`` on a real Redis Cluster (``--shards``
+primaries; the engines use eight key spaces, each on the shard its hash tag names). What
+is simulated: the engines are objects in one process (a ticker calls their beats every
 ``heartbeat_interval``, with random phases), directory calls between engines are function
 calls (their messages and msgpack bytes are counted as a peer's gRPC call would carry), and
 a partition is a loopback relay (``connectors/testing/relay.py``) that stops passing bytes
@@ -20,8 +21,9 @@ a steady window, 1 % of the pool joins, as many leave (``Leave``), as many crash
 Measured: seconds until every engine's view is the live set after each event; membership
 messages and bytes per engine per second (steady windows: the flat-cost target); directory
 messages per engine per second; directory entries per engine; index script calls per shard
-per second (the server's own ``INFO commandstats``); lookup latency percentiles (directory:
-placement + shard, in process; index: one round trip to Redis). The heartbeat mesh
+per second and the servers' CPU per call (their own ``INFO commandstats``); lookup latency
+percentiles (directory: placement + shard, in process; index: one round trip to Redis),
+taken on a host whose cores the thousand engines' threads share. The heartbeat mesh
 (``membership.py``, the no-master mode) is measured beside it over an in-process transport
 at the sizes it can be run at here.
 
@@ -50,6 +52,7 @@ import msgpack
 from kvconnect.benchmarks.harness import BenchResult
 
 DIRECTORY_REPLICAS = 1
+KEY_SPACES = 8  # models / rank groups sharing the pool: the index shards by key space
 
 
 def _packed_len(obj: Any) -> int:
@@ -152,6 +155,7 @@ class Engine:
         self.busy = False
         self.dir_messages = 0
         self.dir_bytes = 0
+        self.ns = ""  # its key space in the page index
 
 
 class Ticker:
@@ -291,16 +295,16 @@ class Workload:
                     target.shard.put([items, True])
             bkeys = [k.encode() for k in keys]
             t1 = time.perf_counter()
-            slots, _, _ = self.sim.index.get(self.sim.ns, bkeys)
+            slots, _, _ = self.sim.index.get(e.ns, bkeys)
             self.index_lat.append(time.perf_counter() - t1)
             new = [k for k, s in zip(bkeys, slots) if s < 0]
             self.index_hits += len(bkeys) - len(new)
             if new:
-                status, slots, gens = self.sim.index.reserve(self.sim.ns, new)
+                status, slots, gens = self.sim.index.reserve(e.ns, new)
                 todo = [(k, s, g) for k, st, s, g in zip(new, status, slots, gens) if st == 0 and s >= 0]
                 if todo:
                     ks, ss, gs = map(list, zip(*todo))
-                    self.sim.index.commit(self.sim.ns, ks, ss, gs, [0] * len(ks), b"\x01" * len(ks))
+                    self.sim.index.commit(e.ns, ks, ss, gs, [0] * len(ks), b"\x01" * len(ks))
             self.requests += 1
             self.pages += len(keys)
         except Exception:  # noqa: BLE001 - a failed lookup is counted, the run goes on
@@ -313,9 +317,11 @@ class Workload:
 
 
 class Simulation:
-    """``n`` engines on one registry and one index server (a tenth of them through a relay)."""
+    """``n`` engines on one registry (a tenth of them through a relay) and a page index on a
+    Redis Cluster, the engines spread over ``KEY_SPACES`` key spaces (models, rank groups),
+    each of which the index keeps on one shard."""
 
-    def __init__(self, n: int, *, redis_port: int, index_port: int, relay_port: int, interval: float, ttl: float,
+    def __init__(self, n: int, *, redis_port: int, index_url: str, relay_port: int, interval: float, ttl: float,
                  rate: float, rows: list[dict], seed: int = 7):
         from kvconnect.connectors.hf3fs.redis_index import RedisMetadata
         from kvconnect.connectors.peer_rdma.registry_membership import registry_client
@@ -337,9 +343,10 @@ class Simulation:
         self.partitioned = False
         self._next = 0
         self.ticker = Ticker(interval)
-        self.index = RedisMetadata(f"redis://127.0.0.1:{index_port}", timeout=2.0, key_prefix=f"kvc:scale{n}")
-        self.ns = "scale/model/kv"
-        self.index.initialize(self.ns, 1 << 20, 4096)
+        self.index = RedisMetadata(index_url, timeout=2.0, key_prefix=f"kvc:scale{n}")
+        self.namespaces = [f"scale/model{j}/kv" for j in range(KEY_SPACES)]
+        for ns in self.namespaces:
+            self.index.initialize(ns, 1 << 18, 4096)
         self.workload = Workload(self, rate, rows)
 
     # -- who is where -----------------------------------------------------------------
@@ -367,6 +374,7 @@ class Simulation:
             self._next += 1
             cut = cut_fraction > 0 and (i % round(1 / cut_fraction) == 0)
             e = Engine(i, self._clients[cut], pool=self.pool, interval=self.interval, ttl=self.ttl, cut_group=cut)
+            e.ns = self.namespaces[i % len(self.namespaces)]
             self.engines.append(e)
             self.by_id[e.id] = e
             new.append(e)
@@ -432,32 +440,33 @@ class Simulation:
             c.close()
 
 
-def _script_stats(r) -> tuple[int, int]:
-    """(script calls, server microseconds spent in them) so far."""
-    stats = r.info("commandstats")
+def _script_stats(servers) -> tuple[int, int]:
+    """(script calls, server microseconds spent in them) so far, summed over ``servers``."""
     calls = usec = 0
-    for name in ("cmdstat_evalsha", "cmdstat_eval"):
-        calls += int(stats.get(name, {}).get("calls", 0))
-        usec += int(stats.get(name, {}).get("usec", 0))
+    for r in servers:
+        stats = r.info("commandstats")
+        for name in ("cmdstat_evalsha", "cmdstat_eval"):
+            calls += int(stats.get(name, {}).get("calls", 0))
+            usec += int(stats.get(name, {}).get("usec", 0))
     return calls, usec
 
 
-def _index_calls(r) -> int:
-    return _script_stats(r)[0]
+def _per_shard_calls(shards) -> list[int]:
+    return [_script_stats([r])[0] for r in shards]
 
 
-def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: float, ttl: float, rate: float,
+def run_registry(n: int, *, redis_port: int, index_url: str, index_nodes: list[tuple[str, int]], relay, interval: float, ttl: float, rate: float,
                  rows: list[dict],
                  gaps: list[float], window: float, log=print) -> dict:
     """One size through the whole scenario; returns its figures."""
     import redis
 
-    admin = redis.Redis(host="127.0.0.1", port=index_port)
+    shards = [redis.Redis(host=h, port=p) for h, p in index_nodes]  # the index's primaries
     registry_admin = redis.Redis(host="127.0.0.1", port=redis_port)
-    sim = Simulation(n, redis_port=redis_port, index_port=index_port, relay_port=relay.port, interval=interval,
+    sim = Simulation(n, redis_port=redis_port, index_url=index_url, relay_port=relay.port, interval=interval,
                      ttl=ttl, rate=rate,
                      rows=rows)
-    for r in (admin, registry_admin):  # after the index's one-time initialize
+    for r in (*shards, registry_admin):  # after the index's one-time initialize
         r.config_resetstat()
     out: dict[str, Any] = {"engines": n}
     limit = 6 * ttl
@@ -467,30 +476,30 @@ def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: f
         out["bootstrap_s"] = sim.converge(t0, limit + n * 0.01)
         log(f"  [{n}] {n} engines joined; views converged in {out['bootstrap_s']}")
         sim.workload.start()
-        run_calls, run_t0 = _index_calls(admin), time.monotonic()
+        run_calls, run_t0 = _per_shard_calls(shards), time.monotonic()
         time.sleep(interval)
 
         def steady(tag: str) -> None:
             m0, b0 = sim.traffic()
-            c0, t = _index_calls(admin), time.monotonic()
-            s0 = {"index": _script_stats(admin), "registry": _script_stats(registry_admin)}
+            c0, t = _per_shard_calls(shards), time.monotonic()
+            s0 = {"index": _script_stats(shards), "registry": _script_stats([registry_admin])}
             d0 = sum(e.dir_messages for e in sim.engines)
             time.sleep(window)
             m1, b1 = sim.traffic()
             dt = time.monotonic() - t
             # the servers' own CPU per script call in steady state (beats only on the registry)
-            for what, r in (("index", admin), ("registry", registry_admin)):
-                calls, usec = _script_stats(r)
+            for what, rs in (("index", shards), ("registry", [registry_admin])):
+                calls, usec = _script_stats(rs)
                 dc = calls - s0[what][0]
                 out[f"{tag}_{what}_server_us_per_call"] = (usec - s0[what][1]) / dc if dc else 0.0
             live = len(sim.engines_alive())
             out[f"{tag}_messages_per_engine_s"] = (m1 - m0) / live / dt
             out[f"{tag}_bytes_per_engine_s"] = (b1 - b0) / live / dt
             out[f"{tag}_directory_messages_per_engine_s"] = (sum(e.dir_messages for e in sim.engines) - d0) / live / dt
-            out[f"{tag}_index_calls_per_shard_s"] = (_index_calls(admin) - c0) / dt
+            out[f"{tag}_index_calls_per_shard_s"] = [(c - b) / dt for c, b in zip(_per_shard_calls(shards), c0)]
             log(f"  [{n}] {tag}: {out[f'{tag}_messages_per_engine_s']:.2f} msg/engine/s, "
                 f"{out[f'{tag}_bytes_per_engine_s']:.0f} B/engine/s, "
-                f"index {out[f'{tag}_index_calls_per_shard_s']:.0f} calls/s on 1 shard")
+                f"index calls/s per shard {[round(x) for x in out[f'{tag}_index_calls_per_shard_s']]}")
 
         steady("steady")
         k = max(1, n // 100)
@@ -535,9 +544,12 @@ def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: f
         steady("steady_after")
         w = sim.workload
         # the trace comes in bursts (arrivals on a 3 s grid): a steady window can miss one
-        out["index_calls_per_shard_s"] = (_index_calls(admin) - run_calls) / (time.monotonic() - run_t0)
+        dt = time.monotonic() - run_t0
+        out["index_calls_per_shard_s"] = [(c - b) / dt for c, b in zip(_per_shard_calls(shards), run_calls)]
         ids = sim.engines_alive()[0].membership.view.ids
-        out["index_calls_per_request"] = (_index_calls(admin) / w.requests) if w.requests else 0.0
+        calls, usec = _script_stats(shards)  # since the reset: the whole run, leases ahead included
+        out["index_calls_per_request"] = calls / w.requests if w.requests else 0.0
+        out["index_server_us_per_call"] = usec / calls if calls else 0.0
         sizes = [len(e.shard) for e in sim.engines_alive()]
         out.update(
             requests=w.requests, pages=w.pages, lookup_errors=w.errors,
@@ -551,8 +563,8 @@ def run_registry(n: int, *, redis_port: int, index_port: int, relay, interval: f
         if relay.is_cut:
             relay.heal()
         sim.close()
-        admin.close()
-        registry_admin.close()
+        for r in (*shards, registry_admin):
+            r.close()
     # what re-homing pays per held page at a view change (two placements: old and new view),
     # measured with the engines stopped (their threads would share the core)
     from kvconnect.connectors.peer_rdma.placement import owners
@@ -620,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttl", type=float, default=0.0, help="member_ttl (default 4 x interval)")
     p.add_argument("--rate", type=float, default=0.1, help="requests per engine per second (trace-driven)")
     p.add_argument("--window", type=float, default=0.0, help="steady window seconds (default 5; --quick 1.5)")
+    p.add_argument("--shards", type=int, default=3, help="primaries of the index's Redis Cluster")
     p.add_argument("--out", default="", help="result JSON (default benchmarks/results/scale.json)")
     p.add_argument("--plot", default="", help="plot PNG (default next to the JSON, scale.png)")
     args = p.parse_args(argv)
@@ -627,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("kvconnect.connectors.peer_rdma.membership", "kvconnect.connectors.peer_rdma.registry_membership"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    from kvconnect.connectors.testing.redis_cluster import RedisProcess, free_port, redis_skip_reason
+    from kvconnect.connectors.testing.redis_cluster import RedisClusterSet, RedisProcess, free_port, redis_skip_reason
     from kvconnect.connectors.testing.relay import Relay
 
     why = redis_skip_reason()
@@ -649,25 +662,28 @@ def main(argv: list[str] | None = None) -> int:
                                        "steady_window_s": window, "directory_replicas": DIRECTORY_REPLICAS,
                                        "trace": "Mooncake conversation trace, first 4,000 rows",
                                        "registry": "RegistryMembership on one redis-server",
-                                       "index": "RedisMetadata on another redis-server (1 shard)",
+                                       "index": f"RedisMetadata on a Redis Cluster of {args.shards} primaries "
+                                                f"(no replicas), {KEY_SPACES} key spaces",
                                        "quick": args.quick})
     figures: dict[str, Any] = {"member_ttl": ttl, "heartbeat_interval": interval, "registry": [], "mesh": []}
     with tempfile.TemporaryDirectory(prefix="kvc-scale-") as tmp:
         conf = {"maxclients": "10000", "save": "", "appendonly": "no"}
         server = RedisProcess("127.0.0.1", free_port(), Path(tmp) / "registry", extra=conf).start()
-        index = RedisProcess("127.0.0.1", free_port(), Path(tmp) / "index", extra=conf).start()
+        index = RedisClusterSet(shards=args.shards, replicas=0, workdir=Path(tmp) / "index").start()
         relay = Relay(("127.0.0.1", server.port))
         try:
             for n in sizes:
                 print(f"registry membership, {n} engines:", flush=True)
-                figures["registry"].append(run_registry(n, redis_port=server.port, index_port=index.port, relay=relay,
+                figures["registry"].append(run_registry(n, redis_port=server.port, index_url=index.url,
+                                                        index_nodes=[(x.host, x.port) for x in index.nodes[:args.shards]],
+                                                        relay=relay,
                                                         interval=interval,
                                                         ttl=ttl, rate=args.rate, rows=rows, gaps=gaps,
                                                         window=window))
         finally:
             relay.close()
             server.terminate()
-            index.terminate()
+            index.close()
     for n in mesh_sizes:
         print(f"heartbeat mesh, {n} engines (in-process transport):", flush=True)
         figures["mesh"].append(run_mesh(n, interval))
