@@ -242,7 +242,8 @@ def test_mla_pages_leave_the_rank_out_and_the_writer_rank_offloads():
 # ---------------------------------------------------------------------------------
 
 
-def test_pages_are_shared_with_the_hicache_adapter_on_a_layer_first_host_pool():
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_pages_are_shared_with_the_hicache_adapter_on_a_layer_first_host_pool(kind):
     """The linker's KV pages are the HiCache adapter's pages of a ``layer_first`` host pool of
     the same model and geometry: each path reads, byte for byte, what the other wrote; a
     ``page_first`` host pool orders a page's bytes otherwise and is another key space."""
@@ -255,13 +256,15 @@ def test_pages_are_shared_with_the_hicache_adapter_on_a_layer_first_host_pool():
     extra = {"store": SHARED, "space": "both"}
 
     def hicache(layout):
-        host = make_cpu_host_pool(layout=layout, page_size=4, layer_num=3, head_num=2, head_dim=8)
+        host = make_cpu_host_pool(layout=layout, page_size=4, layer_num=3, head_num=2, head_dim=8,
+                                  mla=kind == "mla")
         backend = StorageBackendFactory.create_backend(
-            "dynamic", storage_config(extra_config=extra, model_name=MODEL, layout=layout), host)
+            "dynamic", storage_config(extra_config=extra, model_name=MODEL, layout=layout, is_mla_model=kind == "mla"),
+            host)
         backend.register_mem_pool_host(host)
         return host, backend
 
-    linker_server = LinkedServer(extra)
+    linker_server = LinkedServer(extra, kind=kind)
     host, backend = hicache("layer_first")
     try:
         assert backend.kv.keyspace.prefix == linker_server.linker.linked["kv"].store.keyspace.prefix
@@ -280,8 +283,11 @@ def test_pages_are_shared_with_the_hicache_adapter_on_a_layer_first_host_pool():
             raw = torch.frombuffer(bytearray(page_content(h, nbytes)), dtype=torch.uint8)
             host.set_from_flat_data_page(int(idx2[page * 4]), raw.view(host.dtype))
         assert all(backend.batch_set_v1(keys, idx2))
-        result = LinkedServer(extra).prefill(tokens, offload=False)
+        reader = LinkedServer(extra, kind=kind)
+        result = reader.prefill(tokens, offload=False)
+        reader.close()
         assert (result.loaded_tokens, result.computed_pages) == (12, 0)
+        assert_pages_are_computed_bytes(reader, result)
 
         other_host, other = hicache("page_first")
         assert other.kv.keyspace.prefix != backend.kv.keyspace.prefix
