@@ -21,6 +21,13 @@ Then the event:
   primary evicted keys and gave their slots to new keys that the replica never heard of:
   the promoted replica maps old keys to slots holding other keys' pages. Writers pause at
   the kill (no eviction while losses are counted).
+* ``double``: a double fault. The primary is killed; once Sentinel promoted the replica, the
+  lost node is started again (as a primary: Sentinel re-attaches it as a replica of the new
+  one); once it follows the new primary and ``gap_s`` more writes went on, the new primary
+  is killed too and Sentinel promotes the re-attached node, the only data node left. With
+  ``wait`` and one replica no page is confirmed while the promoted node is alone (those
+  writes fail at once), and the re-attached node acknowledges every later confirm: nothing
+  confirmed may be lost. Figures count from the second kill.
 
 Figures (per scenario and durability mode): ``confirmed`` pages (``put_from`` said True),
 ``confirmed_lost`` (confirmed, then absent or not readable after the failover; ``lagging``:
@@ -51,7 +58,7 @@ from typing import Any
 
 from kvconnect.connectors.testing.redis_cluster import DURABILITY, RedisHA
 
-SCENARIOS = ("kill9", "sigstop", "partition", "lagging")
+SCENARIOS = ("kill9", "sigstop", "partition", "lagging", "double")
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -245,6 +252,19 @@ def _spawn(netns: str | None, mode: str, cfg: dict, path: Path) -> subprocess.Po
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(str(path) + ".err", "w"))
 
 
+def _follows(node, primary: tuple[str, int]) -> bool:
+    """``node`` is a replica of ``primary`` with its replication link up (its sync is done)."""
+    c = node.client()
+    try:
+        info = c.info("replication")
+    except Exception:  # noqa: BLE001 - still starting, or loading its AOF
+        return False
+    finally:
+        c.close()
+    return (info.get("role") == "slave" and info.get("master_port") == primary[1]
+            and info.get("master_link_status") == "up")
+
+
 def _wait_files(paths: list[Path], timeout: float, procs: list[subprocess.Popen] | None = None) -> bool:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -260,7 +280,7 @@ def _wait_files(paths: list[Path], timeout: float, procs: list[subprocess.Popen]
 def run_scenario(scenario: str, mode: str = "async", *, workers: int = 3, verify_pages: str = "auto",
                  client_timeout: float = 1.0, retries: int = 3, page: int = 8192, batch: int = 8,
                  warm_s: float = 2.0, after_s: float = 1.0, stall_s: float = 4.0, lag_s: float = 2.0,
-                 recover_timeout: float = 30.0, workdir: str | None = None) -> dict[str, Any]:
+                 gap_s: float = 1.5, recover_timeout: float = 30.0, workdir: str | None = None) -> dict[str, Any]:
     """Run one scenario (``SCENARIOS``) in one durability mode (``DURABILITY``); the figures."""
     if scenario not in SCENARIOS:
         raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
@@ -313,6 +333,19 @@ def run_scenario(scenario: str, mode: str = "async", *, workers: int = 3, verify
         elif scenario == "partition":
             t_event = time.time()
             bridge.cut(0)
+        elif scenario == "double":
+            old_node.kill9()
+            ha.wait_failover(old, timeout=recover_timeout)
+            first = old
+            old = ha.master_addr()
+            survivor = old_node
+            old_node = ha.node_at(old)
+            survivor.start()  # back as a primary of its own; Sentinel turns it into a replica of the new one
+            fig["reattach_s"] = round(wait_until(lambda: _follows(survivor, old), recover_timeout,
+                                                 f"{first} re-attached to {old}"), 3)
+            time.sleep(gap_s)  # confirms now need the re-attached node's acknowledgement
+            t_event = time.time()
+            old_node.kill9()
         else:  # lagging
             replica = ha.nodes[1]
             replica.stop()

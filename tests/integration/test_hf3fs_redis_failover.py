@@ -1,8 +1,9 @@
 """Failover of the Redis page index under load (``kvconnect.connectors.testing.hf3fs_failover``).
 
 Three store processes write and read through ``redis+sentinel://`` while the primary is
-killed (-9), stalled (SIGSTOP), cut off the network (namespaces), or replaced by a replica
-that lagged far behind. Every run: no wrong bytes, no exception into the caller, no store
+killed (-9), stalled (SIGSTOP), cut off the network (namespaces), replaced by a replica
+that lagged far behind, or lost twice (the new primary killed once the first lost node has
+re-attached). Every run: no wrong bytes, no exception into the caller, no store
 call past its bound, every store back to hits within 10 s of the event. With ``WAIT 1`` no
 confirmed page is lost. The last run switches the page identity check off, on purpose, to
 show that the lagging case does hand out other keys' bytes without it.
@@ -34,7 +35,7 @@ def check(fig: dict, lossless: bool) -> None:
 
 
 @pytest.mark.parametrize("scenario, mode", [
-    ("kill9", "async"), ("kill9", "wait"), ("sigstop", "wait"),
+    ("kill9", "async"), ("kill9", "wait"), ("sigstop", "wait"), ("double", "wait"),
     pytest.param("partition", "wait", marks=pytest.mark.skipif(NETNS is not None, reason=NETNS or "")),
     pytest.param("lagging", "async", marks=pytest.mark.skipif(NETNS is not None, reason=NETNS or "")),
     pytest.param("lagging", "wait", marks=pytest.mark.skipif(NETNS is not None, reason=NETNS or "")),
