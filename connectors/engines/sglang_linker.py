@@ -623,10 +623,14 @@ class KVConnectLinker(UnifiedCacheLinker):
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self._lookups.shutdown(wait=False, cancel_futures=True)
-        busy = [t.name for t in self._threads if t.is_alive()]
+        stuck = self._stuck_lookup
+        if stuck is not None:
+            concurrent.futures.wait([stuck], timeout=max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in self._threads if t.is_alive()] + (["a lookup"] if stuck and not stuck.done() else [])
         log.info("kvconnect linker: %s", self.counts.as_dict())
         if busy:
-            # A store call still writes device memory; the store stays open for it.
+            # A store call is still running (a load may still write device memory): the
+            # store stays open for it rather than be freed under it.
             log.warning("kvconnect linker: %s still inside store %r at close; leaving it open", busy, self.store.name)
             return
         try:
