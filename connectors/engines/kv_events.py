@@ -29,8 +29,9 @@ SGLang's keys, not store keys)::
 
 A page the store evicts while a put or load of it is in flight (between ``begin`` and
 ``stored`` / ``loaded``) is not announced by that call: no event names a page the store lost.
-Every method is thread-safe, never raises and never blocks on the network: events queue under a lock and a
-publisher thread sends one ``KVEventBatch`` every ``flush_s`` (50 ms). Pages announced and not
+Every method is thread-safe, raises nothing of its own (``put`` / ``get`` pass on what the store
+call raised) and never blocks on the network: events queue under a lock and a publisher thread
+sends one ``KVEventBatch`` every ``flush_s`` (50 ms). Pages announced and not
 removed are remembered (up to ``track`` of them, least recently announced forgotten first) so
 a load does not announce a page twice and a clear can name what it removed.
 """
@@ -184,12 +185,12 @@ class StoreEvents:
         """Take the store's evictions of ``view``'s pages as removals, where it reports them
         (``Capability.EVICTION_EVENTS``); False where it does not."""
         self._block_size = int(block_size)
+        log.info("kvconnect: KV events (medium %s) published on %s", MEDIUM, self.source())
         if not view.supports(Capability.EVICTION_EVENTS):
             log.warning("kvconnect: store %r does not report its evictions: KV events name the pages "
                         "put, loaded and removed through this engine only", getattr(view, "inner", view).name)
             return False
         self._unwatch.append(view.add_eviction_listener(self.evicted))
-        log.info("kvconnect: KV events (medium %s) published on %s", MEDIUM, self.source())
         return True
 
     def put(self, put_from: Any, page_hashes: Sequence[str], pages: Sequence[Any],

@@ -267,7 +267,8 @@ class KVConnectStorage(HiCacheStorage):
         self._rlog = RateLimitedLog(log)
         self.context = engine_context(storage_config)
         self.store, self.options = build_store(storage_config.extra_config or {}, where=ADAPTER,
-                                               ignore=SGLANG_KEYS, engine_keys=("write_behind", "kv_cache_dtype", "kv_events"),
+                                               ignore=SGLANG_KEYS,
+                                               engine_keys=("write_behind", "kv_cache_dtype", "kv_events"),
                                                context=self.context,
                                                require=required_capabilities(self.context))
         try:

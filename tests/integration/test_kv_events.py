@@ -78,8 +78,8 @@ def test_a_router_sees_every_put_and_removal_within_1s_and_nothing_else(store, t
     if store == "memory":
         extra = {"store": "memory", "capacity": capacity_pages * page}
     else:  # the in-process index: its LRU evictions are this process's to report
-        extra = {"store": "hf3fs", "file_path_prefix": str(tmp_path / "kv"), "file_size": capacity_pages * page, "entries": 8,
-                 "numjobs": 1}
+        extra = {"store": "hf3fs", "file_path_prefix": str(tmp_path / "kv"), "file_size": capacity_pages * page,
+                 "entries": 8, "numjobs": 1}
     b = _backend(host, extra)
     assert b.kv.store.supports(Capability.EVICTION_EVENTS)
     sub = _subscribe(b)
