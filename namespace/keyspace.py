@@ -21,6 +21,18 @@ from typing import Any
 KEY_VERSION = "kvc1"
 
 
+UNNAMED_MODEL = "<unnamed>"
+
+
+def model_key(name: str | None) -> str:
+    """The ``KeySpace.model`` of an engine's model name: an engine that gives none gets
+    ``UNNAMED_MODEL``, and a real name starting with ``<`` one more ``<``, so that no named
+    model ever shares a key space with the unnamed one (the mapping is one-to-one)."""
+    if not name:
+        return UNNAMED_MODEL
+    return "<" + name if name.startswith("<") else name
+
+
 @dataclass(frozen=True)
 class KeySpace:
     """The identity of a page's bytes beyond its token hash.

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -65,7 +66,7 @@ from kvconnect.connectors.engines.common import (
 )
 from kvconnect.connectors.views import PrefixedStore, delete_many, exists_many, get_many, put_many
 from kvconnect.namespace.dtypes import dtype_name
-from kvconnect.namespace.keyspace import KeySpace
+from kvconnect.namespace.keyspace import KeySpace, model_key
 
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 
@@ -197,7 +198,8 @@ class KVConnectL2AdapterConfig(L2AdapterConfigBase):  # type: ignore[misc,valid-
                 workers[op] = _positive_int(n, f"per_op_workers.{op}")
         self.workers = workers
         timeout = eo.extra.get("lookup_timeout_s", DEFAULT_LOOKUP_TIMEOUT_S)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+                or timeout <= 0:
             raise ConfigError("lookup_timeout_s", f"expected a positive number of seconds, got {timeout!r}",
                               None, WHERE)
         self.lookup_timeout_s = float(timeout)
@@ -278,7 +280,7 @@ class ObjectKeyMapper:
             if ks is not None:
                 self._spaces.move_to_end(ident)
                 return ks
-        ks = KeySpace(model=model or "<unnamed>", layout=KEY_LAYOUT, dtype=dtype,
+        ks = KeySpace(model=model_key(model), layout=KEY_LAYOUT, dtype=dtype,
                       weights=self.model_fingerprint, pool="kv" if group == 0 else f"kv.g{group}",
                       tenant=self.tenant, salt=salt)
         with self._lock:

@@ -296,6 +296,8 @@ def test_bad_config_is_a_typed_error_naming_the_key():
         ({"store": "memory", "num_workers": 0}, "'num_workers'", "positive"),
         ({"store": "memory", "per_op_workers": {"evict": 1}}, "'per_op_workers'", "lookup"),
         ({"store": "memory", "lookup_timeout_s": "soon"}, "'lookup_timeout_s'", "seconds"),
+        ({"store": "memory", "lookup_timeout_s": float("nan")}, "'lookup_timeout_s'", "seconds"),
+        ({"store": "memory", "lookup_timeout_s": float("inf")}, "'lookup_timeout_s'", "seconds"),
     ]
     for params, key, hint in cases:
         with pytest.raises(ValueError) as ei:  # ConfigError is a ValueError: LMCache prints help

@@ -191,3 +191,15 @@ def test_no_two_tenant_salt_pairs_share_a_key_space():
 
     assert ObjectKeyMapper(tenant="a").space("m", 0, "b/").prefix != ObjectKeyMapper(tenant="a/b").space("m", 0, "").prefix
     assert ObjectKeyMapper().space("m", 0, "").prefix == "kvc1-c713728ff9ba7cadabf9"  # no tenant, no salt: unchanged
+
+
+def test_an_unnamed_model_never_shares_keys_with_a_named_one():
+    from kvconnect.namespace.keyspace import UNNAMED_MODEL, model_key
+
+    names = ["", None, UNNAMED_MODEL, "<" + UNNAMED_MODEL, "<x", "meta-llama/Llama-3-8B", "unnamed-model"]
+    mapped = [model_key(n) for n in names]
+    assert mapped[0] == mapped[1] == UNNAMED_MODEL  # no name at all: one key space
+    assert len(set(mapped[1:])) == len(names) - 1  # every real name gets its own, "<unnamed>" included
+    assert model_key("meta-llama/Llama-3-8B") == "meta-llama/Llama-3-8B"  # ordinary names unchanged
+    spaces = {KeySpace(model=model_key(n), layout="l").prefix for n in ("", UNNAMED_MODEL)}
+    assert len(spaces) == 2
