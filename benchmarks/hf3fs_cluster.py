@@ -8,7 +8,8 @@ and one of 3 (the hash slots split evenly), each holding the same namespaces wit
 keys. ``--clients`` worker processes (12) send lookups through ``RedisMetadata`` over
 ``redis+cluster://``: ``exists`` of 128 keys (what SGLang's ``batch_exists`` asks; one script
 call on one shard), cycling over the namespaces; passes of ``--seconds`` alternate between
-the two clusters, ``--reps`` times.
+the two clusters, ``--reps`` times, and each rep drives each shard of the 3-shard cluster alone
+too (all clients on that shard's namespaces only).
 
 **The namespace mix.** One namespace (key prefix = model deployment, TP rank, pool) lives on
 one shard, so a single engine's lookups never spread: shards add throughput only across
@@ -21,9 +22,14 @@ namespace looked up equally often), a cluster serving several models' engines. H
 cpu``) and each client's (its process time): ``server_cpu_us_per_call`` (per shard),
 ``client_cpu_us_per_call``, ``busy_cores`` (all of them over the wall time) and
 ``machine_busy_fraction`` (the whole machine, other work included, from /proc/stat). Where the
-machine is busy (>= 0.9) the measured ratio is the machine's, not the index's: ``capacity_ratio`` then says what the servers allow, from their measured CPU per call
-and the measured share of each shard, with a core per shard (the busiest shard saturates
-first): ``(1 / us_per_call_1) ... (1 / max_i(share_i * us_per_call_i))``.
+machine is busy (>= 0.9) the measured ratio is the machine's, not the index's. Then ``capacity/3_vs_1_shards`` says what the servers allow, from their measured CPU
+per call and the measured share of each shard, with a core per shard (the busiest shard
+saturates first): ``(1 / max_i(share_i * us_per_call_i)) / (1 / us_per_call_1)``. On a
+crowded machine a shard serving a third of the calls is woken per call and costs more per
+call than one kept busy; ``capacity_saturated/3_vs_1_shards`` therefore takes each shard's CPU
+per call from the pass that drives it alone (as busy as the 1-shard cluster), and
+``shard_alone_vs_1_shard_cluster`` compares such a shard's throughput with the 1-shard
+cluster's (a shard of a cluster costs what a cluster of one costs).
 """
 
 from __future__ import annotations
@@ -98,9 +104,10 @@ def worker(cfg_path: Path) -> None:
     ``<out>``."""
     cfg = json.loads(cfg_path.read_text())
     rng = random.Random(cfg["seed"])
-    clients = {p: _client(cfg["url"], p) for p in {p for p, _ in namespaces()}}
+    mix = [tuple(x) for x in cfg["namespaces"]]
+    clients = {p: _client(cfg["url"], p) for p in {p for p, _ in mix}}
     work = []
-    for prefix, ns in namespaces():
+    for prefix, ns in mix:
         keys = ns_keys(prefix, ns)
         work.append((clients[prefix], ns, [keys[i:i + BATCH] for i in range(0, len(keys), BATCH)]))
     rng.shuffle(work)  # each worker its own order of the namespaces
@@ -148,13 +155,16 @@ def _calls_by_node(node) -> int:
     return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
-def run_pass(cluster, clients: int, seconds: float, tmp: Path, tag: str) -> dict:
+def run_pass(cluster, clients: int, seconds: float, tmp: Path, tag: str, mix: list | None = None) -> dict:
+    """One pass: ``clients`` worker processes looking up the namespaces of ``mix`` (default:
+    all) for ``seconds``; the figures, the servers' CPU and command counts included."""
     procs, outs = [], []
     for w in range(clients):
         out = tmp / f"{tag}-w{w}.json"
         cfg_path = tmp / f"{tag}-w{w}.cfg"
         outs.append(out)
-        cfg_path.write_text(json.dumps({"url": cluster.url, "seed": w, "out": str(out)}))
+        cfg_path.write_text(json.dumps({"url": cluster.url, "seed": w, "out": str(out),
+                                        "namespaces": mix or namespaces()}))
         procs.append(cfg_path)
     started = [subprocess.Popen([sys.executable, "-m", "kvconnect.benchmarks.hf3fs_cluster", "--worker", str(p)],
                                 stdout=subprocess.DEVNULL, stderr=open(str(p) + ".err", "w")) for p in procs]
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="client processes, the same for both clusters (default 12: enough lookups in flight "
                          "to keep a server busy, not woken per call)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per pass (default 4; quick 1)")
-    ap.add_argument("--reps", type=int, default=None, help="passes per cluster, alternating (default 5; quick 1)")
+    ap.add_argument("--reps", type=int, default=None, help="passes per cluster, alternating (default 3; quick 1)")
     ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/hf3fs_cluster.json)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -242,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvconnect bench hf3fs_cluster: {skip}", file=sys.stderr)
         return 2
     seconds = args.seconds or (1.0 if args.quick else 4.0)
-    reps = args.reps or (1 if args.quick else 5)
+    reps = args.reps or (1 if args.quick else 3)
     result = BenchResult("hf3fs_cluster", params={
         "quick": args.quick, "clients": args.clients, "seconds_per_pass": seconds, "reps": reps, "batch": BATCH,
         "op": "exists", "namespaces": len(namespaces()), "mix": f"{len(MODELS)} model deployments x TP {TP}, kv pool",
@@ -259,13 +269,14 @@ def main(argv: list[str] | None = None) -> int:
             clusters[shards] = RedisClusterSet(shards=shards, replicas=0, workdir=tmp / f"c{shards}").start()
             load(clusters[shards].url)
         c3 = clusters[3]
-        placement = {}
+        placement: dict[str, list[tuple[str, str]]] = {}
         for prefix, ns in namespaces():
             key = f"{prefix}:{{{prefix}/{ns}}}:m"
-            placement.setdefault(c3.primary_for(key).addr, []).append(f"{prefix}/{ns}")
+            placement.setdefault(c3.primary_for(key).addr, []).append((prefix, ns))
         result.figures["placement_3_shards"] = {a: len(v) for a, v in placement.items()}
         result.figures["ceiling_from_placement"] = round(len(namespaces()) / max(map(len, placement.values())), 3)
-        passes = {1: [], 3: []}
+        passes: dict[int, list] = {1: [], 3: []}
+        alone: dict[str, list] = {a: [] for a in placement}
         for rep in range(reps):
             for shards in ((1, 3) if rep % 2 == 0 else (3, 1)):
                 p = run_pass(clusters[shards], args.clients, seconds, tmp, f"r{rep}s{shards}")
@@ -273,7 +284,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[hf3fs_cluster] rep {rep + 1}/{reps}, {shards} shard(s): {p['lookups_per_s']:.0f} lookups/s "
                       f"({p['keys_per_s']:.0f} keys/s), busy cores {p['busy_cores']:.2f}, hit ratio {p['hit_ratio']}",
                       flush=True)
+            for addr, mix in placement.items():  # each shard of the 3 driven alone, by all the clients
+                p = run_pass(c3, args.clients, seconds, tmp, f"r{rep}a{addr.replace(':', '_')}", mix)
+                alone[addr].append(p)
+                print(f"[hf3fs_cluster] rep {rep + 1}/{reps}, shard {addr} alone ({len(mix)} namespaces): "
+                      f"{p['lookups_per_s']:.0f} lookups/s, busy cores {p['busy_cores']:.2f}", flush=True)
         result.figures["passes"] = passes
+        result.figures["alone_passes"] = alone
         summary = {}
         for shards, ps in passes.items():
             summary[shards] = {
@@ -285,6 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                 "capacity_lookups_per_s": round(_median([capacity(p) for p in ps]), 1),
                 "hit_ratio": min(p["hit_ratio"] for p in ps),
             }
+        share = {a: len(v) / len(namespaces()) for a, v in placement.items()}
+        us_alone = {a: _median([p["server_cpu_us_per_call"][a] for p in ps]) for a, ps in alone.items()}
+        summary["alone"] = {a: {"lookups_per_s": _median([p["lookups_per_s"] for p in ps]),
+                                "server_cpu_us_per_call": us_alone[a], "share": round(share[a], 4)}
+                            for a, ps in alone.items()}
+        # each shard's server as busy as the 1-shard one (driven alone): its CPU per lookup, and the
+        # busiest shard (share x CPU per lookup) saturating its core first
+        summary[3]["capacity_saturated_lookups_per_s"] = round(1e6 / max(share[a] * us_alone[a] for a in share), 1)
+        summary[1]["capacity_saturated_lookups_per_s"] = summary[1]["capacity_lookups_per_s"]
         result.figures["summary"] = summary
         cores = os.cpu_count() or 1
         bound = summary[3]["machine_busy_fraction"] >= 0.9
@@ -294,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
         result.ratio("capacity/3_vs_1_shards", summary[3]["capacity_lookups_per_s"],
                      summary[1]["capacity_lookups_per_s"],
                      "1 shard: servers' measured CPU per lookup and shard shares, a core per shard")
+        result.ratio("capacity_saturated/3_vs_1_shards", summary[3]["capacity_saturated_lookups_per_s"],
+                     summary[1]["capacity_saturated_lookups_per_s"],
+                     "1 shard: each shard's CPU per lookup when driven alone by all clients, shard shares, "
+                     "a core per shard")
+        result.ratio("shard_alone_vs_1_shard_cluster", _median([v["lookups_per_s"] for v in summary["alone"].values()]),
+                     summary[1]["lookups_per_s"], "a 1-shard cluster, same clients, same run: a shard of three is as "
+                     "fast as a cluster of one")
         if bound:
             result.notes.append(
                 f"the 3-shard passes kept the machine's {cores} cores {summary[3]['machine_busy_fraction']:.0%} busy "

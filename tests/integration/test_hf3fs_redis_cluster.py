@@ -352,4 +352,7 @@ def test_bench_hf3fs_cluster_quick(tmp_path):
         assert p["shards"] == int(shards) and p["calls"] > 0 and p["hit_ratio"] == 1.0
         assert sum(p["calls_by_shard"].values()) == p["calls"]  # one call per lookup, on one shard
         assert all(p["calls_by_shard"].values())  # every shard served some namespaces
-    assert {r["metric"] for r in doc["ratios"]} == {"lookup_throughput/3_vs_1_shards", "capacity/3_vs_1_shards"}
+    assert {r["metric"] for r in doc["ratios"]} == {"lookup_throughput/3_vs_1_shards", "capacity/3_vs_1_shards",
+                                                  "capacity_saturated/3_vs_1_shards", "shard_alone_vs_1_shard_cluster"}
+    for addr, (p,) in doc["figures"]["alone_passes"].items():  # a shard driven alone: only it served calls
+        assert p["hit_ratio"] == 1.0 and p["calls_by_shard"][addr] == p["calls"] > 0
