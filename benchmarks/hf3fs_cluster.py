@@ -46,11 +46,10 @@ import tempfile
 import time
 from pathlib import Path
 
-try:
-    from kvconnect.benchmarks.harness import BenchResult
-except ImportError:  # run as a script from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
-    from kvconnect.benchmarks.harness import BenchResult
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `connectors` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvconnect.benchmarks.harness import BenchResult  # noqa: E402
 
 MODELS = ("llama-3-8b", "qwen2.5-7b", "mistral-7b", "deepseek-v2-lite", "llama-3-70b", "qwen2.5-32b")
 TP = 8
