@@ -78,6 +78,7 @@ def test_kvconnect_service_urls_still_accepted():
      "metadata_tls_ca_file"),
     ({"metadata_server_url": "rediss://h:6379", "metadata_tls_cert_file": __file__}, "metadata_tls_key_file"),
     ({"metadata_server_url": "redis://h:6379", "verify_pages": "sometimes"}, "verify_pages"),
+    ({"metadata_server_url": "redis+cluster://h:7000", "metadata_sentinel_auth": True}, "metadata_sentinel_auth"),
 ])
 def test_bad_redis_keys_name_the_key(opts, key):
     with pytest.raises(ConfigError) as e:
