@@ -10,6 +10,10 @@ COUNTERS = ("write_requests", "writes_stored", "write_failures", "bytes_written"
             "write_spills", "shared_reads")
 """Counted by the node as things happen."""
 
+MEMBERSHIP_COUNTERS = ("membership_calls", "membership_failures", "membership_snapshots")
+"""Counted by the membership: its calls (heartbeats, registry beats), those unanswered in
+time, and full reads of the live set (a registry's only O(pool) call)."""
+
 DISK_COUNTERS = ("disk_writes", "disk_evictions")
 """Counted by the disk tier (present only with one)."""
 

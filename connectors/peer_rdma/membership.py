@@ -60,29 +60,75 @@ class View:
         self.ids: list[str] = sorted(self.members)  # placement input, computed once per view
 
 
-class Membership:
+class Traffic:
+    """Membership calls one node sent (and, where known, their bytes): its cost, as measured."""
+
+    def __init__(self) -> None:
+        self.messages = 0
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.snapshots = 0  # full reads of the live set (a start, a gap, a return from a cut-off)
+        self.failures = 0  # calls that got no answer in time
+
+    def add(self, out: int, inb: int) -> None:
+        self.messages += 1
+        self.bytes_out += out
+        self.bytes_in += inb
+
+
+class ViewKeeper:
+    """The current view and its change callback, whichever protocol learns the members."""
+
+    def __init__(self, me: Member, on_change: Callable[[View, View], None] | None):
+        self.on_change = on_change
+        self.traffic = Traffic()
+        self._view = View(1, {me.node_id: me}, time.monotonic())
+        self._change_lock = threading.Lock()
+
+    @property
+    def view(self) -> View:
+        return self._view
+
+    def _publish(self, snapshot: Callable[[], dict[str, Member]]) -> None:
+        """A new view if the members (or an incarnation) differ from the current one. The
+        snapshot is taken under the change lock, so the latest one always wins."""
+        with self._change_lock:
+            members = snapshot()
+            old = self._view
+            same = old.members.keys() == members.keys() and all(
+                old.members[k].incarnation == m.incarnation for k, m in members.items())
+            if same:
+                return
+            new = View(old.version + 1, members, time.monotonic())
+            self._view = new
+            if len(members) <= 16:
+                log.info("peer pool view %d: %d member(s): %s", new.version, len(members), ", ".join(new.ids))
+            else:
+                log.info("peer pool view %d: %d members", new.version, len(members))
+        if self.on_change:
+            try:
+                self.on_change(old, new)
+            except Exception:  # noqa: BLE001 - a membership callback never stops heartbeats
+                log.exception("peer pool view change handler failed")
+
+
+class Membership(ViewKeeper):
     def __init__(self, me: Member, seeds: list[str], clients: Clients, *, interval: float, ttl: float,
                  on_change: Callable[[View, View], None] | None = None):
+        super().__init__(me, on_change)
         self.me = me
         self.seeds = [s for s in seeds if s and s != me.node_id]
         self.clients = clients
         self.interval = interval
         self.ttl = ttl
-        self.on_change = on_change
         self._lock = threading.Lock()
         self._live: dict[str, _Peer] = {}
         self._candidates: dict[str, float] = {}  # address -> forget-after time
         self._left: dict[str, int] = {}  # node_id -> incarnation that said Leave
-        self._view = View(1, {me.node_id: me}, time.monotonic())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._change_lock = threading.Lock()
 
     # -- public ---------------------------------------------------------------------
-    @property
-    def view(self) -> View:
-        return self._view
-
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="peer-heartbeat", daemon=True)
         self._thread.start()
@@ -173,8 +219,10 @@ class Membership:
         # can stall a Python gRPC peer for a second), but never past the next round
         timeout = max(self.clients.timeout, min(2 * self.interval, self.ttl / 2))
         replies = self.clients.fan_out({t: req for t in targets}, "Heartbeat", timeout=timeout)
+        self.traffic.messages += len(targets)
         for target, rep in replies.items():
             if isinstance(rep, RpcError):
+                self.traffic.failures += 1
                 if rep.code == "UNAUTHENTICATED":
                     log.warning("peer %s refused our token", target)
                 else:
@@ -203,23 +251,13 @@ class Membership:
             self._publish_view()
 
     def _publish_view(self) -> None:
-        with self._change_lock:
+        def members() -> dict[str, Member]:
             with self._lock:
-                members = {self.me.node_id: self.me}
-                members.update({k: p.member for k, p in self._live.items()})
-            old = self._view
-            same = old.members.keys() == members.keys() and all(
-                old.members[k].incarnation == m.incarnation for k, m in members.items())
-            if same:
-                return
-            new = View(old.version + 1, members, time.monotonic())
-            self._view = new
-            log.info("peer pool view %d: %d member(s): %s", new.version, len(members), ", ".join(new.ids))
-        if self.on_change:
-            try:
-                self.on_change(old, new)
-            except Exception:  # noqa: BLE001 - a membership callback never stops heartbeats
-                log.exception("peer pool view change handler failed")
+                out = {self.me.node_id: self.me}
+                out.update({k: p.member for k, p in self._live.items()})
+            return out
+
+        self._publish(members)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -279,6 +279,8 @@ class PeerNode:
         with self._clock:
             m: dict[str, Any] = dict(self.counters)
         m["evictions"] = self.segment.evictions
+        t = self.membership.traffic
+        m.update(membership_calls=t.messages, membership_failures=t.failures, membership_snapshots=t.snapshots)
         m.update(shared_segments_mapped=self.same_host.mapped if self.same_host else 0)
         m.update(members=len(self.view.members), pool_keys=self.segment.keys,
                  pool_bytes_used=self.segment.bytes_used, pool_capacity_bytes=self.config.global_segment_size,

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from kvconnect.connectors.peer_rdma.membership import Member, View
+from kvconnect.connectors.peer_rdma.membership import Member, View, ViewKeeper
 
 log = logging.getLogger(__name__)
 
@@ -116,22 +116,6 @@ def _member(record: bytes) -> Member:
     return Member.from_wire(msgpack.unpackb(record, raw=False))
 
 
-class Traffic:
-    """Control-plane calls and bytes one node sent and received (its cost, as measured)."""
-
-    def __init__(self) -> None:
-        self.messages = 0
-        self.bytes_out = 0
-        self.bytes_in = 0
-        self.snapshots = 0  # full reads of the live set (a start, a gap, a return from a cut-off)
-        self.failures = 0  # calls that got no answer in time
-
-    def add(self, out: int, inb: int) -> None:
-        self.messages += 1
-        self.bytes_out += out
-        self.bytes_in += inb
-
-
 def _reply_bytes(rep: Any) -> int:
     """The size of a RESP reply (what came over the wire, near enough)."""
     if isinstance(rep, (bytes, bytearray)):
@@ -171,26 +155,24 @@ def registry_client(url: str, password: str | None, timeout: float, *, connectio
     return redis.Redis(host=host, port=port, **common)
 
 
-class RegistryMembership:
+class RegistryMembership(ViewKeeper):
     """The live set kept in a Redis registry; the same surface as ``Membership``."""
 
     def __init__(self, me: Member, client, clients=None, *, pool: str = "default", prefix: str = "kvc:peer",
                  interval: float, ttl: float, on_change: Callable[[View, View], None] | None = None):
+        super().__init__(me, on_change)
         self.me = me
         self.r = client  # a redis-py client (its socket timeouts bound every beat)
         self.clients = clients  # the node's gRPC clients (unused here: nothing to send to peers)
         self.interval = interval
         self.ttl = ttl
-        self.on_change = on_change
         base = f"{prefix}:{{{pool}}}:"
         self.keys = [base + "live", base + "rec", base + "ev", base + "seq"]
-        self.traffic = Traffic()
         self._record = msgpack.packb(me.to_wire(), use_bin_type=True)
         self._members: dict[str, Member] = {me.node_id: me}
         self._last_seq: int | None = None  # None: read a snapshot first
         self._last_ok = time.monotonic()
         self._cut_off = False
-        self._view = View(1, {me.node_id: me}, time.monotonic())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -199,10 +181,6 @@ class RegistryMembership:
         self._sizes = {name: len(s.sha) + sum(len(k) for k in self.keys) + 40 for name, s in self._scripts.items()}
 
     # -- the Membership surface ----------------------------------------------------------
-    @property
-    def view(self) -> View:
-        return self._view
-
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="peer-registry", daemon=True)
         self._thread.start()
@@ -253,7 +231,7 @@ class RegistryMembership:
                 self._apply(int(rep[0]), rep[1])
             self._last_ok = time.monotonic()
             self._cut_off = False
-            self._publish()
+            self._publish(self._members_now)
             return True
         except Exception as e:  # noqa: BLE001 - an unreachable registry is a state, not an error
             self.traffic.failures += 1
@@ -266,7 +244,7 @@ class RegistryMembership:
                 self._last_seq = None
                 with self._lock:
                     self._members = {self.me.node_id: self.me}
-                self._publish()
+                self._publish(self._members_now)
             return False
 
     # -- internals ------------------------------------------------------------------------
@@ -311,21 +289,9 @@ class RegistryMembership:
                     del self._members[m.node_id]
             self._last_seq = last
 
-    def _publish(self) -> None:
+    def _members_now(self) -> dict[str, Member]:
         with self._lock:
-            members = dict(self._members)
-        old = self._view
-        if old.members.keys() == members.keys() and all(
-                old.members[k].incarnation == m.incarnation for k, m in members.items()):
-            return
-        new = View(old.version + 1, members, time.monotonic())
-        self._view = new
-        log.info("peer pool view %d: %d member(s)", new.version, len(members))
-        if self.on_change:
-            try:
-                self.on_change(old, new)
-            except Exception:  # noqa: BLE001 - a view callback never stops the beats
-                log.exception("peer pool view change handler failed")
+            return dict(self._members)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

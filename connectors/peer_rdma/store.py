@@ -7,7 +7,7 @@ from typing import Any
 
 from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage
 from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
-from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS
+from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS, MEMBERSHIP_COUNTERS
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class PeerRdmaStore(PageStore):
     needs_registered_memory = True  # registered pages are read in place; others via a bounce buffer
     # Prometheus: the node's counters are kvconnect_peer_<name>_total, its gauges kvconnect_peer_<name>
     metric_prefix = "kvconnect_peer"
-    metric_counters = frozenset(COUNTERS + DISK_COUNTERS)
+    metric_counters = frozenset(COUNTERS + DISK_COUNTERS + MEMBERSHIP_COUNTERS)
 
     def __init__(self, config: PeerRdmaConfig | None = None, context: Any = None):
         super().__init__(context)

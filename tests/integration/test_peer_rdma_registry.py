@@ -18,6 +18,7 @@ import pytest
 
 from kvconnect.connectors.testing.netns import outer_test
 from kvconnect.connectors.testing.peer import skip_reason
+from kvconnect.connectors.testing.processes import wait_for
 from kvconnect.connectors.testing.redis_cluster import RedisProcess, free_port, redis_skip_reason
 
 INNER = os.environ.get("KVCONNECT_PEER_REG_NS")
@@ -25,12 +26,7 @@ PAGE = 64 << 10
 
 
 def wait(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:  # bounded
-        if pred():
-            return True
-        time.sleep(0.02)
-    return pred()
+    return bool(wait_for(pred, timeout, interval=0.02))
 
 
 @pytest.fixture
@@ -205,6 +201,10 @@ else:
                 assert reader.get_into(keys, [dst.page(i) for i in range(len(keys))]) == [True] * len(keys)
                 assert [dst.read(i) for i in range(len(keys))] == [page_bytes(k, 1, PAGE) for k in keys]
                 assert reader.node.metrics()["read_remote_hits"] >= len(keys)
+
+            m = stores[1].node.metrics()  # exported as kvconnect_peer_membership_*_total counters
+            assert m["membership_calls"] >= 1 and m["membership_snapshots"] >= 1, m
+            assert {"membership_calls", "membership_failures", "membership_snapshots"} <= stores[1].metric_counters
 
             leaving = stores.pop(0)
             gone = leaving.node.node_id
