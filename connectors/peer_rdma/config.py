@@ -87,10 +87,15 @@ class PeerRdmaConfig(StoreConfig):
         if self.membership_url:
             from kvconnect.connectors.hf3fs.redis_index import URL_FORMS, parse_redis_url
 
+            forms = ("''", *(f for f in URL_FORMS if "+cluster" not in f))
             try:
-                parse_redis_url(self.membership_url)
+                url = parse_redis_url(self.membership_url)
             except ConfigError as e:
-                raise ConfigError("membership_url", e.problem, ("''", *URL_FORMS)) from None
+                raise ConfigError("membership_url", e.problem, forms) from None
+            if getattr(url, "cluster", False):
+                raise ConfigError("membership_url", f"{self.membership_url!r}: the registry is not run on a Redis "
+                                  "Cluster (a pool's keys would sit in one slot anyway); name one server or a "
+                                  "Sentinel group", forms)
         if not self.membership_pool or any(c in self.membership_pool for c in "{}: "):
             raise ConfigError("membership_pool", f"{self.membership_pool!r}: needs a name without '{{', '}}', "
                               "':' or spaces")

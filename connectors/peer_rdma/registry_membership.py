@@ -3,8 +3,8 @@
 The heartbeat mesh (``membership.py``) costs every node one call per member per interval,
 each carrying the whole live set: fine for a rack, n² for a thousand nodes. With
 ``membership_url`` set, each node instead sends **one** script call per
-``heartbeat_interval`` to a Redis (or a Sentinel group; the pool's keys share one hash tag,
-so one Cluster slot holds them), and learns the changes of the live set from its reply:
+``heartbeat_interval`` to a Redis (or a Sentinel group; the pool's keys share one hash tag),
+and learns the changes of the live set from its reply:
 
 * ``{prefix}:{pool}:live`` - sorted set node id -> expiry (ms, the server's clock: node clocks
   never matter), refreshed by each beat to ``now + member_ttl``;
@@ -15,8 +15,9 @@ so one Cluster slot holds them), and learns the changes of the live set from its
 
 A beat returns the events after the node's last one. A node that starts, or that finds a
 gap in the numbers (it was away longer than the stream keeps), reads a snapshot of the
-live records once (O(pool), the only such read). In steady state a beat is ~300 bytes out
-and an empty reply: flat in the pool size; each join or leave costs every node one event.
+live records once (O(pool), the only such read). In steady state a beat is ~270 bytes, the
+request and an empty reply together: flat in the pool size; each join or leave costs every
+node one event.
 
 A node that cannot reach the registry for ``member_ttl`` has been dropped by everybody
 else; it falls back to a view of itself (it reads and publishes nothing remote, so it never

@@ -146,6 +146,8 @@ if not INNER:
 
         with pytest.raises(ConfigError, match=r"'membership_url'.*redis\+sentinel://"):
             PeerRdmaConfig(membership_url="etcd://127.0.0.1:2379")
+        with pytest.raises(ConfigError, match=r"'membership_url'.*not run on a Redis Cluster"):
+            PeerRdmaConfig(membership_url="redis+cluster://127.0.0.1:7000,127.0.0.1:7001")
         with pytest.raises(ConfigError, match="'membership_pool'"):
             PeerRdmaConfig(membership_url="redis://127.0.0.1:6379", membership_pool="a{b}")
 
