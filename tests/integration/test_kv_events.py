@@ -214,3 +214,42 @@ def test_an_endpoint_in_use_fails_the_attach_naming_the_key():
         b.close()
     finally:
         sock.close(linger=0)
+
+
+def test_external_block_hashes_are_the_ones_sglangs_radix_cache_publishes_for_the_prompt():
+    """The mapping docs/kv_events.md states: an unsalted prompt's pages carry the block hashes
+    SGLang's own radix cache publishes for them on GPU; a salted prompt's are its storage chain's,
+    which ``prefix_block_hashes`` computes from the tokens and the salt."""
+    from array import array
+
+    import torch
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+
+    tokens = list(range(500, 532))
+    tree = RadixCache.create_simulated(page_size=4, enable_kv_cache_events=True)
+    tree.take_events()
+    tree.insert(InsertParams(key=RadixKey(array("l", tokens)), value=torch.arange(len(tokens))))
+    gpu = [h for ev in tree.take_events() if type(ev).__name__ == "BlockStored" for h in ev.block_hashes]
+
+    host = make_cpu_host_pool("page_first", page_size=4)
+    b = _backend(host, {"store": "memory"})
+    sub = _subscribe(b)
+    try:
+        plain = storage_page_keys(tokens, 4)
+        salted = storage_page_keys(tokens, 4, cache_salt="user-7")
+        idx = host.alloc(len(plain) * 4)
+        fill_pages(host, idx, seed=2)
+        assert b.batch_set_v1(plain, idx) == [True] * len(plain)
+        assert b.batch_set_v1(salted, idx) == [True] * len(salted)
+        seen, want = _settled(sub, b, plain + salted)
+        assert seen == want
+        _, received = sub.snapshot()
+        external = [h for _, ev in received if type(ev).__name__ == "BlockStored" for h in ev.block_hashes]
+        assert external[:len(plain)] == gpu == prefix_block_hashes(tokens, 4)
+        assert external[len(plain):] == prefix_block_hashes(tokens, 4, cache_salt="user-7")
+        assert not set(external[len(plain):]) & set(gpu)
+        assert sub.blocks.cached_pages(prefix_block_hashes(tokens + [1, 2], 4)) == len(plain)
+    finally:
+        sub.close()
+        b.close()
