@@ -9,14 +9,17 @@ keys (the linker's KV pages are the HiCache adapter's ``layer_first`` pages):
 * ours: kvconnect's ``KVConnectLinker``, built by SGLang 0.5.23's ``create_unified_cache_linker``
   over a real CPU ``MHATokenToKVPool``; a load is ``load`` + ``start_layer_wise_loading`` +
   ``finish_layer_wise_loading`` of one batch of pages into device slots (SGLang's
-  ``UnifiedCacheLinkerWrapper`` calls), with ``layer_groups`` 1 (and 4: per-layer-group keys,
-  a figure beside);
+  ``UnifiedCacheLinkerWrapper`` calls), with ``layer_groups`` 1; beside it ``layer_groups`` 4
+  (per-layer-group keys) and ``"staging": "host"`` (the store reads into host buffers, then one
+  indexed copy per device buffer: what a GPU server does with a store that cannot write GPU
+  memory);
 * reference: kvconnect's HiCache adapter (``KVConnectStorage``, SGLang's storage factory)
   ``batch_get_v1`` of the same pages into a real ``MHATokenToKVPoolHost`` (``layer_first``).
 
 Geometry: 16 layers, 4 KV heads of 128, bf16, 16-token pages (512 KiB), batches of 64 pages.
 Repetitions alternate between the readers, the order flipping each time; best and median
-kept. Ratios (linker / HiCache, higher is better): ``load/<store>`` (best), ``.../median``.
+kept. Ratios (linker / HiCache, higher is better): ``load/<store>`` (best), ``.../median``, and
+``load/<store>/linker_lg4``, ``load/<store>/linker_staged`` (+ ``/median``).
 Not timed: SGLang's tree (match, lookup), which the HiCache path has in its own form too.
 """
 
@@ -61,6 +64,7 @@ def bench_store(result: BenchResult, name: str, options: dict, batch: int, reps:
     tokens = batch * ps
     shape = dict(page_size=ps, layers=g["layers"], heads=g["heads"], head_dim=g["head_dim"], tokens=2 * tokens)
     servers = {f"linker_lg{n}": LinkedServer({**options, "layer_groups": n}, **shape) for n in (1, 4)}
+    servers["linker_staged"] = LinkedServer({**options, "staging": "host"}, **shape)
     host = make_cpu_host_pool(layout="layer_first", page_size=ps, layer_num=g["layers"], head_num=g["heads"],
                               head_dim=g["head_dim"], host_tokens=tokens + ps)
     hicache = StorageBackendFactory.create_backend(
@@ -69,7 +73,10 @@ def bench_store(result: BenchResult, name: str, options: dict, batch: int, reps:
     try:
         keys = _keys(batch, f"linker-bench-{name}")
         gen = torch.Generator().manual_seed(1)
-        for server in servers.values():  # each key space gets the batch (lg4 is a space of its own)
+        for label, server in servers.items():  # each key space gets the batch (lg4 is a space of its own)
+            if label == "linker_staged":
+                server.bench_slots = server.allocator.alloc(tokens).to(torch.int64)
+                continue  # lg1's key space: reads lg1's pages
             slots = server.allocator.alloc(tokens).to(torch.int64)
             for buf in server._kv_buffers():
                 buf[slots] = torch.randn(buf[slots].shape, generator=gen).to(buf.dtype)

@@ -77,7 +77,8 @@ from kvconnect.namespace.hits import HitPolicy, restorable_prefixes
 log = logging.getLogger("kvconnect.sglang_linker")
 
 ADAPTER = "kvconnect sglang linker"
-LINKER_KEYS = ("layer_groups", "lookup_timeout_s", "kv_cache_dtype")
+LINKER_KEYS = ("layer_groups", "lookup_timeout_s", "staging", "kv_cache_dtype")
+STAGING = ("auto", "host", "off")
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,11 @@ class LinkerOptions:
     the HiCache adapter; G > 1: layer-wise loads, each group released as it lands)."""
     lookup_timeout_s: float = 1.0
     """How long a lookup (on SGLang's scheduler thread) waits for the store; then a miss."""
+    staging: str = "auto"
+    """Where the store reads and writes pages: ``"off"``, straight in the device pools (on an
+    accelerator the store needs ``device_memory``); ``"host"``, in host staging memory, copied
+    to and from the pools one indexed copy per buffer; ``"auto"``, host staging only where the
+    store cannot reach the pools' memory."""
 
     @classmethod
     def parse(cls, extra: dict, num_layers: int) -> "LinkerOptions":
@@ -99,7 +105,10 @@ class LinkerOptions:
         timeout = extra.get("lookup_timeout_s", 1.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
             raise ConfigError("lookup_timeout_s", f"expected seconds, got {timeout!r}", "a number in (0, 60]", ADAPTER)
-        return cls(groups, float(timeout))
+        staging = extra.get("staging", "auto")
+        if staging not in STAGING:
+            raise ConfigError("staging", f"unknown value {staging!r}", ", ".join(STAGING), ADAPTER)
+        return cls(groups, float(timeout), staging)
 
 
 class LinkerCounts:
@@ -201,46 +210,128 @@ def device_pool_group(kvcache: Any, params: Any, components: set) -> DevicePoolG
 @dataclass
 class LinkedPool:
     """One physical device pool under its key space. ``groups[g]``: the transfer layers of
-    this pool in layer group ``g`` (None where it has none; with one group, all its layers)."""
+    this pool in layer group ``g`` (None where it has none; with one group, all its layers);
+    ``segments[g]``: the buffers a page of group ``g`` is made of, in page order, each as
+    ``(buffer, row stride bytes, bytes per page)``."""
 
     name: str
     entry: DevicePoolEntry
     store: PrefixedStore
     context: EngineContext
     groups: List[Optional[List[int]]]
+    segments: List[List[tuple]]
     page_nbytes: int
 
     @property
     def is_writer(self) -> bool:
         return self.context.is_writer
 
+    @property
+    def row_span(self) -> int:
+        """Buffer rows per page (token rows of a page, or 1 where a row is a page)."""
+        return self.entry._row_span
+
     def group_keys(self, keys: Sequence[str], g: int, of: int) -> List[str]:
         return list(keys) if of == 1 else [f"{k}.lg{g}" for k in keys]
 
-    def group_pages(self, rows: List[int], g: int, of: int) -> List[Page]:
-        """The segments of layer group ``g`` of the pages at ``rows`` (rows: ``prepare_locations``)."""
-        entry = self.entry
-        if of == 1:
-            # get_page_buffer_meta's segments, computed with numpy rather than per segment.
-            import numpy as np
+    def group_pages(self, rows: List[int], g: int) -> List[Page]:
+        """The device segments of layer group ``g`` of the pages at ``rows`` (rows:
+        ``prepare_locations``), computed with numpy rather than per segment."""
+        import numpy as np
 
-            meta = [seg for comp in entry.buffer_meta for seg in comp]
-            bases = np.asarray([m[0] for m in meta], dtype=np.int64)
-            strides = np.asarray([m[1] for m in meta], dtype=np.int64)
-            sizes = [m[2] for m in meta]
-            ptrs = (bases[None, :] + np.asarray(rows, dtype=np.int64)[:, None] * strides[None, :]).tolist()
-            return [list(zip(row, sizes)) for row in ptrs]
-        pages: List[Page] = [[] for _ in rows]
-        for layer in self.groups[g] or ():
-            meta = entry.get_prepared_layer_range_meta(rows, layer)
-            if meta is None:
-                continue
-            ptrs, sizes, _ = meta
-            per_row = len(ptrs) // max(1, len(rows))
-            for i in range(len(rows)):
-                for p, s in zip(ptrs[i * per_row:(i + 1) * per_row], sizes[i * per_row:(i + 1) * per_row]):
-                    pages[i].extend(zip(p, s))
-        return pages
+        segs = self.segments[g]
+        bases = np.asarray([b.data_ptr() for b, _, _ in segs], dtype=np.int64)
+        strides = np.asarray([stride for _, stride, _ in segs], dtype=np.int64)
+        sizes = [size for _, _, size in segs]
+        ptrs = (bases[None, :] + np.asarray(rows, dtype=np.int64)[:, None] * strides[None, :]).tolist()
+        return [list(zip(row, sizes)) for row in ptrs]
+
+
+def _group_segments(entry: DevicePoolEntry, layers: Optional[List[int]], of: int) -> List[tuple]:
+    """The buffers of a page of one layer group, in page order: with one group SGLang's
+    ``get_page_buffer_meta`` order (each component's buffers: all K layers, then all V);
+    with several, ``get_prepared_layer_range_meta``'s (layer by layer)."""
+    if of == 1:
+        buffers = [b for comp in entry.components for b in comp]
+    else:
+        buffers = []
+        for layer in layers or ():
+            mapped = entry.layer_mapping[layer]
+            for comp in entry.components:
+                buffers += [comp[i] for i in ([mapped] if isinstance(mapped, int) else mapped)]
+    span = entry._row_span
+    return [(b, b.stride(0) * b.element_size(), b.nbytes // b.shape[0] * span) for b in buffers]
+
+
+def _rows(buffer: Any) -> Any:
+    """``buffer`` as a (rows, row bytes) byte tensor sharing its memory."""
+    if not buffer.is_contiguous():
+        raise ConfigError("staging", f"a device buffer of shape {tuple(buffer.shape)} is not contiguous",
+                          "'off' (the store writes device memory itself)", ADAPTER)
+    return buffer.view(torch.uint8).view(buffer.shape[0], -1)
+
+
+class StagingArena:
+    """Host memory one thread's staged batches reuse: chunks kept across batches (grown to the
+    largest batch seen), pinned on an accelerator; ``reset`` hands them out again."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.chunks: List[Any] = []
+        self._at = (0, 0)
+
+    def reset(self) -> None:
+        self._at = (0, 0)
+
+    def take(self, nbytes: int) -> Any:
+        c, off = self._at
+        while c < len(self.chunks) and self.chunks[c].numel() - off < nbytes:
+            c, off = c + 1, 0
+        if c == len(self.chunks):
+            self.chunks.append(torch.empty(max(nbytes, self.CHUNK), dtype=torch.uint8, pin_memory=self.pin))
+        self._at = (c, off + nbytes)
+        return self.chunks[c][off:off + nbytes]
+
+
+class HostStaging:
+    """One batch of one pool's pages of one layer group in host memory, where the store reads
+    and writes them, copied to or from the device pool per buffer, one copy per run of
+    consecutive slots. A staged page holds the bytes of the direct one, in the same order
+    (the same key space)."""
+
+    def __init__(self, pool: LinkedPool, rows: List[int], g: int, arena: StagingArena):
+        self.segments = pool.segments[g]
+        self.span = pool.row_span
+        self.n = len(rows)
+        # Per buffer, the batch's pages one after another.
+        self.blocks = [arena.take(self.n * size).view(self.n * self.span, size // self.span)
+                       for _, _, size in self.segments]
+        # (buffer row, block row, rows): page i's rows start at rows[i] and block row i * span.
+        self.runs: List[tuple] = []
+        for i, row in enumerate(rows):
+            last = self.runs[-1] if self.runs else None
+            if last is not None and last[0] + last[2] == row and last[1] + last[2] == i * self.span:
+                self.runs[-1] = (last[0], last[1], last[2] + self.span)
+            else:
+                self.runs.append((row, i * self.span, self.span))
+
+    def pages(self) -> List[Page]:
+        return [[(block.data_ptr() + i * size, size) for block, (_, _, size) in zip(self.blocks, self.segments)]
+                for i in range(self.n)]
+
+    def to_device(self) -> None:
+        for block, (buffer, _, _) in zip(self.blocks, self.segments):
+            dst = _rows(buffer)
+            for at, src, n in self.runs:
+                dst[at:at + n].copy_(block[src:src + n], non_blocking=True)
+
+    def from_device(self) -> None:
+        for block, (buffer, _, _) in zip(self.blocks, self.segments):
+            src_rows = _rows(buffer)
+            for at, src, n in self.runs:
+                block[src:src + n].copy_(src_rows[at:at + n], non_blocking=True)
 
 
 def _page_nbytes(entry: DevicePoolEntry) -> int:
@@ -316,12 +407,20 @@ class KVConnectLinker(UnifiedCacheLinker):
             # before it wrote any (layer groups: several sizes, none told)
             page_bytes=_page_nbytes(kv) if kv is not None and self.options.layer_groups == 1 else None)
         require = dict(required_capabilities(self.context))
-        if self.context.on_device:
-            require[Capability.DEVICE_MEMORY] = (f"the linker moves pages straight into SGLang's {device} pools, "
-                                                 "with no host pool in between")
+        if self.context.on_device and self.options.staging == "off":
+            require[Capability.DEVICE_MEMORY] = (f'with "staging": "off" the store moves pages straight into '
+                                                 f"SGLang's {device} pools")
         self.store, self.engine_options = build_store(extra, where=ADAPTER, engine_keys=LINKER_KEYS,
                                                       context=self.context, require=require)
+        self.staged = self.options.staging == "host" or (
+            self.options.staging == "auto" and self.context.on_device
+            and not self.store.supports(Capability.DEVICE_MEMORY))
         try:
+            if self.staged and self.store.needs_registered_memory:
+                raise ConfigError("staging", f"store {self.store.name!r} reads only into memory registered with it, "
+                                  "and host staging memory is allocated per batch",
+                                  "a store with device_memory (staging 'off'), or one that reads into any memory",
+                                  ADAPTER)
             base = base_keyspace(self.context, tenant=self.engine_options.tenant,
                                  weights=self.engine_options.model_fingerprint)
             self._layer_ranges = _layer_groups(self.num_layers, self.options.layer_groups)
@@ -342,6 +441,13 @@ class KVConnectLinker(UnifiedCacheLinker):
             self._metrics_port = serve_store_metrics(self.store, port + self.context.rank_index if port else port,
                                                      self.engine_options.metrics_host, engine="sglang-linker")
 
+        self._copy_stream = None
+        self._arenas: Dict[int, StagingArena] = {}  # by thread: the load and the offload thread
+        if self.staged and self.context.on_device:
+            from sglang.srt.utils import get_device_module
+
+            self._device_module = get_device_module()
+            self._copy_stream = self._device_module.Stream()
         self.layer_done_counter = LayerWiseLoadCounter(self.num_layers)
         if PoolName.MAMBA in self.pools:
             params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
@@ -368,13 +474,13 @@ class KVConnectLinker(UnifiedCacheLinker):
         pool = entry.device_pool
         groups = self.options.layer_groups
         page_nbytes = _page_nbytes(entry)
-        segments = sum(len(comp) for comp in entry.buffer_meta)
+        n_segments = sum(len(comp) for comp in entry.buffer_meta)
         kind = _kv_kind(pool)
         if kind is not None:
             geometry, layout = kv_geometry(kind, pool), "layer_first"
         else:
             # The linker's own row geometry: no host-pool format to match.
-            geometry, layout = f"linker:{type(pool).__module__}.{type(pool).__name__}:S{segments}", "device_rows"
+            geometry, layout = f"linker:{type(pool).__module__}.{type(pool).__name__}:S{n_segments}", "device_rows"
         geometry += f":B{page_nbytes}"
         if groups > 1:
             geometry += f":LG{groups}"
@@ -388,12 +494,17 @@ class KVConnectLinker(UnifiedCacheLinker):
             per_group.append(mine or None)
         if groups == 1:
             per_group = [list(entry.layer_mapping)]
+        segments = [_group_segments(entry, layers, groups) if layers else [] for layers in per_group]
+        if self.staged:
+            for seg in segments:
+                for buffer, _, _ in seg:
+                    _rows(buffer)  # a buffer staging cannot copy fails here, naming the key
         return LinkedPool(name=name, entry=entry, store=PrefixedStore.for_keyspace(self.store, ks),
                           context=self.context.for_pool(name, rank_replicated=replicated), groups=per_group,
-                          page_nbytes=page_nbytes)
+                          segments=segments, page_nbytes=page_nbytes)
 
     def _register_buffers(self) -> None:
-        if not self.store.needs_registered_memory:
+        if not self.store.needs_registered_memory or self.staged:
             return
         seen = set()
         for entry in self.pools.values():
@@ -528,20 +639,50 @@ class KVConnectLinker(UnifiedCacheLinker):
                 rows.extend(pool.entry.prepare_locations(t.host_indices))
         done = 0
         for g, layers in enumerate(self._layer_ranges if groups > 1 else [range(self.num_layers)]):
-            calls = []
+            calls, staged = [], []
+            self._reset_arena()
             for name, (keys, rows) in batches.items():
                 pool = self.linked[name]
                 if pool.groups[g] and keys:
-                    calls.append((pool.store, pool.group_keys(keys, g, groups), pool.group_pages(rows, g, groups)))
+                    calls.append((pool.store, pool.group_keys(keys, g, groups), self._pages(pool, rows, g, staged)))
             results = get_many(calls) if calls else []
             missed = sum(r.count(False) for r in results)
             if missed:
                 raise LookupError(f"{missed} page(s) of layer group {g} were not in the store any more")
+            self._copy(staged, to_device=True)
             for layer in layers:
                 self.layer_done_counter.complete(index, layer)
             done += sum(len(c[1]) for c in calls)
         self.counts.add("loads")
         self.counts.add("loaded_pages", done)
+
+    def _pages(self, pool: LinkedPool, rows: List[int], g: int, staged: List[HostStaging]) -> List[Page]:
+        """Where the store moves these pages: the device pool's own memory, or (staging) a
+        host buffer appended to ``staged``."""
+        if not self.staged:
+            return pool.group_pages(rows, g)
+        arena = self._arenas.setdefault(threading.get_ident(), StagingArena(pin=self.context.on_device))
+        staging = HostStaging(pool, rows, g, arena)
+        staged.append(staging)
+        return staging.pages()
+
+    def _reset_arena(self) -> None:
+        arena = self._arenas.get(threading.get_ident())
+        if arena is not None:
+            arena.reset()
+
+    def _copy(self, staged: List[HostStaging], *, to_device: bool) -> None:
+        """Staged pages to (or from) the device pools; returns once the copies are done."""
+        if not staged:
+            return
+        if self._copy_stream is None:
+            for staging in staged:
+                staging.to_device() if to_device else staging.from_device()
+            return
+        with self._device_module.stream(self._copy_stream):
+            for staging in staged:
+                staging.to_device() if to_device else staging.from_device()
+        self._copy_stream.synchronize()
 
     # -- offload -------------------------------------------------------------------------------
     def offload(self, transfers: List[PoolTransfer], session_id: Optional[str] = None) -> bool:
@@ -574,7 +715,9 @@ class KVConnectLinker(UnifiedCacheLinker):
 
     def _store_transfers(self, transfers: List[PoolTransfer]) -> bool:
         groups = self.options.layer_groups
-        calls = []
+        calls: list = []
+        staged: List[HostStaging] = []
+        self._reset_arena()
         for t in transfers:
             pool = self.linked[pool_name(t.name)]
             keys = list(t.keys or ())
@@ -586,7 +729,8 @@ class KVConnectLinker(UnifiedCacheLinker):
                 continue
             keys, rows = [keys[i] for i in todo], [rows[i] for i in todo]
             for g in self._present_groups(pool):
-                calls.append((pool.store, pool.group_keys(keys, g, groups), pool.group_pages(rows, g, groups)))
+                calls.append((pool.store, pool.group_keys(keys, g, groups), self._pages(pool, rows, g, staged)))
+        self._copy(staged, to_device=False)
         # Lookups ask for every group of a page: one a failed put left out makes it a miss.
         results = put_many(calls) if calls else []
         ok = all(all(r) for r in results)

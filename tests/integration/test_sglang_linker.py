@@ -300,6 +300,44 @@ def test_pages_are_shared_with_the_hicache_adapter_on_a_layer_first_host_pool(ki
 
 
 # ---------------------------------------------------------------------------------
+# Host staging (what a GPU server uses with a store that cannot write device memory)
+# ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("writer, reader, groups", [("host", "off", 1), ("off", "host", 1), ("host", "host", 2)])
+def test_staged_and_direct_pages_are_the_same_pages(writer, reader, groups):
+    """``"staging": "host"`` moves pages through host buffers (one indexed copy per device
+    buffer) instead of letting the store write the pools: the same key space and the same
+    bytes, so a staged writer's pages load on a direct reader and the other way round."""
+    extra = {"store": SHARED, "space": f"staging-{writer}-{reader}-{groups}", "layer_groups": groups}
+    a = LinkedServer({**extra, "staging": writer})
+    b = LinkedServer({**extra, "staging": reader})
+    try:
+        assert (a.linker.staged, b.linker.staged) == (writer == "host", reader == "host")
+        assert a.linker.linked["kv"].store.prefix == b.linker.linked["kv"].store.prefix
+        tokens = prompt(20, 14)
+        a.prefill(tokens)
+        result = b.prefill(tokens)
+        assert (result.loaded_tokens, result.computed_pages, result.load_failed) == (20, 0, False)
+        assert_pages_are_computed_bytes(b, result)
+    finally:
+        a.close()
+        b.close()
+
+
+class RegisteringStore(SharedMemoryStore):
+    """A shared memory store that, like an RDMA store, reads only into registered memory."""
+
+    needs_registered_memory = True
+
+
+def test_staging_refuses_a_store_that_needs_registered_memory():
+    with pytest.raises(ConfigError) as err:
+        LinkedServer({"store": f"{__name__}:RegisteringStore", "staging": "host"})
+    assert "staging" in str(err.value) and "registered" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------
 # Layer-wise load
 # ---------------------------------------------------------------------------------
 
@@ -425,6 +463,7 @@ def test_a_store_that_dies_between_lookup_and_load_fails_the_batch_not_the_engin
 @pytest.mark.parametrize("extra, key", [
     ({"store": SHARED, "layer_groups": 0}, "layer_groups"),
     ({"store": SHARED, "lookup_timeout_s": "fast"}, "lookup_timeout_s"),
+    ({"store": SHARED, "staging": "gpu"}, "staging"),
     ({"store": SHARED, "no_such_option": 1}, "no_such_option"),
 ])
 def test_a_bad_linker_config_names_the_key(extra, key):
@@ -449,7 +488,8 @@ def test_bench_linker_quick_writes_its_ratios(tmp_path):
     assert main(["bench", "linker", "--quick", "--reps", "2", "--batch", "16", "--out", str(out)]) == 0
     ratios = {r["metric"]: r for r in json.loads(out.read_text())["ratios"]}
     assert set(ratios) == {"load/memory", "load/memory/median", "load/memory/linker_lg4",
-                           "load/memory/linker_lg4/median"}
+                           "load/memory/linker_lg4/median", "load/memory/linker_staged",
+                           "load/memory/linker_staged/median"}
     assert all(r["ours"] > 0 and r["reference"] > 0 for r in ratios.values())
 
 
