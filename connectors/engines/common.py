@@ -10,8 +10,8 @@
 * ``guarded`` / ``safe_call``: an engine calls adapters from its own threads; an
   exception there kills a prefetch or backup thread or wedges a request. Data-path calls
   therefore catch everything, count it, log it (rate-limited) and return a miss.
-* ``RateLimitedLog``: one line per distinct problem per interval, with a count of what
-  was suppressed, so a dead backend does not flood the engine's log.
+* ``RateLimitedLog`` (from ``connectors/rate_limited_log.py``, stores use it too): one line per
+  distinct problem per interval, so a dead backend does not flood the engine's log.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any, Callable, Collection, Mapping, TypeVar
 
 from kvconnect.connectors.base import Capability, ConfigError, PageStore, UnknownConfigKey
 from kvconnect.connectors.context import EngineContext
+from kvconnect.connectors.rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("kvconnect.engines")
 
@@ -38,40 +39,6 @@ ADAPTER_KEYS = ("store", "store_options", "tenant", "model_fingerprint", "metric
 # ---------------------------------------------------------------------------------
 # Rate-limited logging and error counting
 # ---------------------------------------------------------------------------------
-
-
-class RateLimitedLog:
-    """Log each distinct ``key`` at most once per ``interval_s`` seconds.
-
-    The next line logged for a key says how many were suppressed in between.
-    """
-
-    def __init__(self, logger: logging.Logger | None = None, interval_s: float = 30.0):
-        self.logger = logger or log
-        self.interval_s = interval_s
-        self._lock = threading.Lock()
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def log(self, level: int, key: str, msg: str, *args: Any, exc_info: Any = None) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            last = self._last.get(key)
-            if last is not None and now - last < self.interval_s:
-                self._suppressed[key] = self._suppressed.get(key, 0) + 1
-                return False
-            self._last[key] = now
-            suppressed = self._suppressed.pop(key, 0)
-        if suppressed:
-            msg += f" ({suppressed} similar messages suppressed in the last {self.interval_s:.0f}s)"
-        self.logger.log(level, msg, *args, exc_info=exc_info)
-        return True
-
-    def warning(self, key: str, msg: str, *args: Any, exc_info: Any = None) -> bool:
-        return self.log(logging.WARNING, key, msg, *args, exc_info=exc_info)
-
-    def error(self, key: str, msg: str, *args: Any, exc_info: Any = None) -> bool:
-        return self.log(logging.ERROR, key, msg, *args, exc_info=exc_info)
 
 
 class ErrorCounter:
@@ -95,7 +62,7 @@ class ErrorCounter:
             return dict(self._counts)
 
 
-_default_rlog = RateLimitedLog()
+_default_rlog = RateLimitedLog(log)
 _default_errors = ErrorCounter()
 
 

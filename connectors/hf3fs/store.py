@@ -45,6 +45,7 @@ from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, 
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from kvconnect.connectors.hf3fs.config import HF3FSConfig, check_page_count, merged_options
 from kvconnect.connectors.buffers import page_checksum
+from kvconnect.connectors.rate_limited_log import RateLimitedLog
 from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
                                               on_3fs_mount, on_local_fs, usable_cpus)
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
@@ -53,6 +54,7 @@ from kvconnect.connectors.hf3fs.pageid import PageIds
 from kvconnect.connectors.hf3fs.pageid import idents as page_idents
 
 log = logging.getLogger("kvconnect.hf3fs")
+_rate_limited = RateLimitedLog(log, interval_s=10.0)
 _LOOKS_3FS = re.compile(r"(^|/)(hf)?3fs(/|$)", re.IGNORECASE)  # /mnt/3fs/..., /3fs/...: where 3FS is mounted
 
 # Fraction of a lease a client trusts: the service's clock started it a little after ours.
@@ -638,7 +640,8 @@ class HF3FSStore(PageStore):
         self.record_error()
         if isinstance(e, MetadataError):  # the index did not answer: the call's misses are not index misses
             self._miss("unavailable")
-        log.warning("hf3fs: %s failed, treated as a miss: %s", op, e)
+        # one line per operation and error kind per 10 s: a dead index fails every call
+        _rate_limited.warning(f"{op}:{type(e).__name__}", "hf3fs: %s failed, treated as a miss: %s", op, e)
 
     # ------------------------------------------------------------------ lifecycle
     def _index_evicted(self, ns: str, keys: list) -> None:
