@@ -29,6 +29,7 @@ answers. The registry is the one thing every node depends on: run it replicated
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -57,9 +58,11 @@ local function now_ms()
 end
 """ % STREAM_KEEP
 
-# KEYS: live, rec, ev, seq. ARGV: node id, record, ttl ms, number of the last event seen.
-# Returns {number of the last event in the blob, blob} (blob: per event a 4-byte big-endian
-# length and the field), or {-1} when events after the last one seen are gone (trimmed).
+# KEYS: live, rec, ev, seq. ARGV: node id, record, ttl ms, number of the last event seen, its
+# tag (the first 8 hex digits of the SHA-1 of its field). Returns {number of the last event in
+# the blob, blob} (blob: per event a 4-byte big-endian length and the field), or {-1} when the
+# node's history is not the registry's: events after its last one are gone (trimmed), or its
+# last one is not there with that tag (a failover to a replica that had not received it).
 _BEAT = _EVENT + """
 local now = now_ms()
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, %d)) do
@@ -75,6 +78,10 @@ if prev ~= ARGV[2] then
   event('j', ARGV[2])
 end
 local last = tonumber(ARGV[4])
+if last > 0 then
+  local mine = redis.call('XRANGE', KEYS[3], last .. '-0', last .. '-0')
+  if mine[1] == nil or string.sub(redis.sha1hex(mine[1][2][2]), 1, 8) ~= ARGV[5] then return {-1} end
+end
 local evs = redis.call('XRANGE', KEYS[3], '(' .. last .. '-0', '+', 'COUNT', %d)
 if #evs == 0 then
   -- nothing after ours: the counter must be ours (else trimmed, or the registry was reset)
@@ -90,7 +97,7 @@ end
 return {last + #evs, table.concat(parts)}
 """ % (REAP_PER_BEAT, EVENTS_PER_BEAT)
 
-# KEYS: live, rec, ev, seq. Returns {number of the last event, records of live members}.
+# KEYS: live, rec, ev, seq. Returns {number of the last event, its tag, records of live members}.
 _SNAPSHOT = _EVENT + """
 local now = now_ms()
 local out = {}
@@ -98,7 +105,11 @@ for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
   local rec = redis.call('HGET', KEYS[2], m)
   if rec then out[#out + 1] = rec end
 end
-return {tonumber(redis.call('GET', KEYS[4]) or '0'), out}
+local seq = tonumber(redis.call('GET', KEYS[4]) or '0')
+local tag = ''
+local last = redis.call('XRANGE', KEYS[3], seq .. '-0', seq .. '-0')
+if last[1] then tag = string.sub(redis.sha1hex(last[1][2][2]), 1, 8) end
+return {seq, tag, out}
 """
 
 # KEYS: live, rec, ev, seq. ARGV: node id, record. Leaves only the same incarnation.
@@ -172,6 +183,7 @@ class RegistryMembership(ViewKeeper):
         self._record = msgpack.packb(me.to_wire(), use_bin_type=True)
         self._members: dict[str, Member] = {me.node_id: me}
         self._last_seq: int | None = None  # None: read a snapshot first
+        self._last_tag = ""  # the tag of event number _last_seq (see _BEAT)
         self._last_ok = time.monotonic()
         self._cut_off = False
         self._lock = threading.Lock()
@@ -224,7 +236,8 @@ class RegistryMembership(ViewKeeper):
         try:
             if self._last_seq is None:
                 self._snapshot()
-            rep = self._run("beat", [self.me.node_id, self._record, int(self.ttl * 1000), self._last_seq])
+            rep = self._run("beat", [self.me.node_id, self._record, int(self.ttl * 1000), self._last_seq,
+                                     self._last_tag])
             if int(rep[0]) < 0:
                 self._last_seq = None  # events we never saw are gone: read a snapshot now
                 self._snapshot()
@@ -260,7 +273,7 @@ class RegistryMembership(ViewKeeper):
         return rep
 
     def _snapshot(self) -> None:
-        seq, records = self._run("snapshot", [])
+        seq, tag, records = self._run("snapshot", [])
         self.traffic.snapshots += 1
         members = {self.me.node_id: self.me}
         for rec in records:
@@ -269,16 +282,18 @@ class RegistryMembership(ViewKeeper):
                 members[m.node_id] = m
         with self._lock:
             self._members = members
-            self._last_seq = int(seq)
+            self._last_seq, self._last_tag = int(seq), tag.decode() if isinstance(tag, bytes) else str(tag)
 
     def _apply(self, last: int, blob: bytes) -> None:
         """Apply the events of a beat's reply, in order, up to event number ``last``."""
         view = memoryview(blob)
         off = 0
+        field = b""
         with self._lock:
             while off < len(view):
                 n = int.from_bytes(view[off:off + 4], "big")
-                kind, m = view[off + 4], _member(bytes(view[off + 5:off + 4 + n]))
+                field = bytes(view[off + 4:off + 4 + n])
+                kind, m = field[0], _member(field[1:])
                 off += 4 + n
                 if m.node_id == self.me.node_id:
                     continue
@@ -289,6 +304,8 @@ class RegistryMembership(ViewKeeper):
                 elif cur is not None and cur.incarnation <= m.incarnation:
                     del self._members[m.node_id]
             self._last_seq = last
+            if field:
+                self._last_tag = hashlib.sha1(field).hexdigest()[:8]
 
     def _members_now(self) -> dict[str, Member]:
         with self._lock:

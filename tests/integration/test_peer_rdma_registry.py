@@ -140,6 +140,33 @@ if not INNER:
         for m in (a, b, d, e):
             m.stop(leave=False)
 
+    def test_a_node_whose_last_event_the_registry_lost_reads_a_snapshot(server):
+        """A registry that lost events a node had seen (a failover to a replica that had not
+        received them) numbers new events from its own counter: when that counter has caught
+        up with the node's, only the last event's tag tells the histories apart."""
+        import redis
+
+        a, b, c = (_node(server, i, ttl=30.0) for i in range(3))
+        for m in (a, b, c):
+            assert m.join(2.0)
+        assert a.beat() and ids(a) == {"10.9.0.0:31998", "10.9.0.1:31998", "10.9.0.2:31998"}
+        seen = a._last_seq
+        r = redis.Redis(host="127.0.0.1", port=server.port)
+        r.delete(a.keys[2], a.keys[3])  # the stream and its counter: every event is lost
+        r.close()
+        b.stop(leave=True)  # event 1 of the new history
+        more = []
+        while True:  # joins until the new counter is where a's was (bounded: one event each)
+            more.append(_node(server, 3 + len(more), ttl=30.0))
+            assert more[-1].join(2.0)
+            if more[-1]._last_seq >= seen:
+                break
+        assert a._last_seq == seen
+        assert a.beat()
+        assert ids(a) == {"10.9.0.0:31998", "10.9.0.2:31998"} | {m.me.node_id for m in more}
+        for m in (a, c, *more):
+            m.stop(leave=False)
+
     def test_bad_membership_config_names_the_key():
         from kvconnect.connectors.errors import ConfigError
         from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
