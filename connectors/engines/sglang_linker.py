@@ -12,7 +12,7 @@ pools) and for rank-deduplicated MLA. Load it with::
 ``linker_extra_config`` is the HiCache adapter's extra config without SGLang's backend keys:
 ``store`` (a registry name or ``"pkg.mod:Class"``), the store's options inline (or under
 ``store_options``), ``tenant``, ``model_fingerprint``, ``metrics_port``, ``metrics_host``, and
-the linker's own ``layer_groups`` and ``lookup_timeout_s`` (see ``LinkerOptions``).
+the linker's own ``layer_groups``, ``lookup_timeout_s`` and ``staging`` (see ``LinkerOptions``).
 
 Pools: SGLang's ``resolve_hybrid_device_pool_group`` for the models it assembles (FULL +
 Mamba, FULL + SWA + Mamba, DSA, DeepSeek-V4); for plain MHA / MLA KV and FULL + SWA, which
@@ -43,7 +43,11 @@ and while one lookup is stuck the next ones miss at once. A load that raises or 
 page fails its batch (SGLang aborts those requests rather than use their KV); its duration
 is bounded by the store's own I/O timeouts, since SGLang may free the slots only once the
 store stopped writing into them. An offload that fails is reported failed (the node stays
-unstored). On an accelerator the store must reach device memory (``device_memory``).
+unstored).
+
+Staging (``staging``): a store that cannot reach the pools' memory (on a GPU: one without
+``device_memory``) reads and writes pages in reused host buffers, copied to and from the device
+buffers (``HostStaging``); the pages are the same bytes as direct ones.
 """
 
 from __future__ import annotations
