@@ -5,7 +5,8 @@ Cache-aware routers (sglang-router, llm-d, Dynamo) learn where a prefix lives fr
 each server publishes for its GPU and host tiers. ``StoreEvents`` adds the tier behind them:
 the pages an engine put into a kvconnect store, the pages it loaded from it (put there by
 another engine), and their removals: the engine's own deletes and clears, and the store's
-evictions (``add_eviction_listener``, where the store has ``Capability.EVICTION_EVENTS``).
+evictions (``add_eviction_listener``, where the store has ``Capability.EVICTION_EVENTS``; else
+an audit thread looks the announced pages up again and retracts those gone).
 
 Block hashes are SGLang's: a page's L3 key is its 64-hex storage hash, and its event block
 hash is ``hash_str_to_int64`` of that key (the first 16 hex digits as a signed int64), which
@@ -140,12 +141,20 @@ def events_config(value: Any, *, where: str) -> Optional[str]:
 class StoreEvents:
     """One engine rank's store events (see module docstring)."""
 
-    def __init__(self, publisher: Any, *, track: int = 1 << 18, flush_s: float = 0.05):
+    def __init__(self, publisher: Any, *, track: int = 1 << 18, flush_s: float = 0.05,
+                 audit_s: float = 1.0, audit_batch: int = 4096):
+        """``audit_s`` / ``audit_batch``: on a store that does not report its evictions, every
+        ``audit_s`` the ``audit_batch`` least recently checked announced pages are looked up
+        and those gone are removed (``watch``)."""
         self._publisher = publisher
         self._track = track
         self._flush_s = flush_s
+        self._audit_s = audit_s
+        self._audit_batch = audit_batch
         self._lock = threading.Lock()
-        self._announced: "OrderedDict[int, None]" = OrderedDict()
+        self._seq = 0  # announcements so far: an audit removes only what it saw announced
+        # block hash -> (page hash, announcement seq), least recently announced or checked first
+        self._announced: "OrderedDict[int, tuple[str, int]]" = OrderedDict()
         self._pending: list = []
         self._inflight: dict[int, int] = {}  # block hash -> puts / loads of it in flight
         self._lost: set[int] = set()  # in flight and evicted meanwhile
@@ -154,6 +163,9 @@ class StoreEvents:
         self.counts = {"stored": 0, "removed": 0, "evicted": 0, "batches": 0}
         self._wake = threading.Event()
         self._stopping = False
+        self._stopped = threading.Event()
+        self._auditor: Optional[threading.Thread] = None
+        self.audits = 0
         self._thread = threading.Thread(target=self._run, name="kvconnect-kv-events", daemon=True)
         self._thread.start()
 
@@ -182,16 +194,54 @@ class StoreEvents:
 
     # -- what the engine did --------------------------------------------------------------
     def watch(self, view: PageStore, *, block_size: int) -> bool:
-        """Take the store's evictions of ``view``'s pages as removals, where it reports them
-        (``Capability.EVICTION_EVENTS``); False where it does not."""
+        """Take the store's evictions of ``view``'s pages as removals: as it reports them
+        (``Capability.EVICTION_EVENTS``: True), else found by an audit thread that looks the
+        announced pages up, ``audit_batch`` every ``audit_s`` (False)."""
         self._block_size = int(block_size)
         log.info("kvconnect: KV events (medium %s) published on %s", MEDIUM, self.source())
-        if not view.supports(Capability.EVICTION_EVENTS):
-            log.warning("kvconnect: store %r does not report its evictions: KV events name the pages "
-                        "put, loaded and removed through this engine only", getattr(view, "inner", view).name)
-            return False
-        self._unwatch.append(view.add_eviction_listener(self.evicted))
-        return True
+        if view.supports(Capability.EVICTION_EVENTS):
+            self._unwatch.append(view.add_eviction_listener(self.evicted))
+            return True
+        log.info("kvconnect: store %r evicts out of this process's sight: announced pages are looked up "
+                 "again, %d every %.1f s", getattr(view, "inner", view).name, self._audit_batch, self._audit_s)
+        self._auditor = threading.Thread(target=self._audit_loop, args=(view,), name="kvconnect-kv-events-audit",
+                                         daemon=True)
+        self._auditor.start()
+        return False
+
+    def _audit_loop(self, view: PageStore) -> None:
+        while not self._stopped.wait(self._audit_s):
+            try:
+                self.audit(view)
+            except Exception as e:  # noqa: BLE001 - a store down now: the next round asks again
+                log.debug("kvconnect: KV event audit failed: %s", e)
+
+    def audit(self, view: PageStore) -> int:
+        """One round: look up the least recently checked announced pages; those gone are
+        removed (``BlockRemoved``), the others checked again last. How many were gone."""
+        with self._lock:
+            picked = []
+            for h, (page, seq) in self._announced.items():
+                if len(picked) >= self._audit_batch:
+                    break
+                if h not in self._inflight:
+                    picked.append((h, page, seq))
+        if not picked:
+            return 0
+        present = view.exists([page for _, page, _ in picked])
+        gone = []
+        with self._lock:
+            for (h, page, seq), there in zip(picked, present):
+                entry = self._announced.get(h)
+                if entry is None or entry[1] != seq:
+                    continue  # removed or announced again meanwhile: not this round's to judge
+                if there or h in self._inflight:
+                    self._announced.move_to_end(h)
+                else:
+                    gone.append(h)
+            self.audits += 1
+        self._remove(gone, "evicted")
+        return len(gone)
 
     def put(self, put_from: Any, page_hashes: Sequence[str], pages: Sequence[Any],
             parent: Optional[str] = None) -> list[bool]:
@@ -286,7 +336,8 @@ class StoreEvents:
                         run = []
                         runs.append((prev, run))
                     run.append(h)
-                    self._announced[h] = None
+                    self._seq += 1
+                    self._announced[h] = (page_hashes[i], self._seq)
                     if len(self._announced) > self._track:
                         self._announced.popitem(last=False)
                 else:
@@ -346,6 +397,9 @@ class StoreEvents:
             return
         for unwatch in self._unwatch:
             unwatch()
+        self._stopped.set()
+        if self._auditor is not None:
+            self._auditor.join(timeout=5.0)
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=5.0)

@@ -253,3 +253,34 @@ def test_external_block_hashes_are_the_ones_sglangs_radix_cache_publishes_for_th
     finally:
         sub.close()
         b.close()
+
+
+def test_evictions_by_a_metadata_service_are_found_by_the_audit(tmp_path):
+    """HF3FS with ``kvconnect hf3fs-meta serve`` (a real process): the service evicts, out of
+    the engine's sight (no ``eviction_events``); the audit looks the announced pages up again
+    and retracts those gone, within one audit round (1 s) plus delivery."""
+    from kvconnect.connectors.testing.hf3fs import MetaProcess
+
+    meta = MetaProcess(tmp_path / "meta").start()
+    host = make_cpu_host_pool("page_first", page_size=4)
+    page = host.get_dummy_flat_data_page().nbytes
+    b = _backend(host, {"store": "hf3fs", "file_path_prefix": str(tmp_path / "kv"), "file_size": 8 * page,
+                        "entries": 8, "numjobs": 1, "metadata_server_url": meta.url})
+    sub = _subscribe(b)
+    try:
+        assert not b.kv.store.supports(Capability.EVICTION_EVENTS)
+        keys = [hashlib.sha256(f"svc:{i}".encode()).hexdigest() for i in range(16)]
+        idx = host.alloc(8 * 4)
+        fill_pages(host, idx, seed=4)
+        assert b.batch_set_v1(keys[:8], idx) == [True] * 8
+        assert _settled(sub, b, keys)[0] == {block_hash(k) for k in keys[:8]}
+        assert b.batch_set_v1(keys[8:], idx) == [True] * 8  # the file holds 8 pages: the service evicts
+        in_store = _in_store(b, keys)
+        assert len(in_store) == 8 and in_store != {block_hash(k) for k in keys[:8]}
+        seen, want = _settled(sub, b, keys, within=1.0 + 1.5)  # one audit round, then delivery
+        assert seen == want == in_store
+        assert b._events.counts["evicted"] >= 8 - len(in_store & {block_hash(k) for k in keys[:8]})
+    finally:
+        sub.close()
+        b.close()
+        meta.stop()
