@@ -11,6 +11,9 @@
   that run a test module inside one;
 * ``hf3fs``: the HF3FS metadata service as a process;
 * ``sglang``: real SGLang host KV pools on CPU, page contents, storage configs;
+* ``linker``: SGLang's unified-cache linker path on CPU (a real ``UnifiedRadixCache`` over CPU
+  device pools with kvconnect's linker from SGLang's factory, a request's prefill step by step,
+  one TP rank as a process);
 * ``ranks``: several SGLang rank processes (real host pools) sharing one store;
 * ``pd``: the PD role driver (a prefill or decode process on CPU) and the relay's store services;
 * ``peer``: peer-pool node processes driven by JSON lines;
