@@ -81,7 +81,7 @@ from kvconnect.namespace.hits import HitPolicy, restorable_prefixes
 log = logging.getLogger("kvconnect.sglang_linker")
 
 ADAPTER = "kvconnect sglang linker"
-LINKER_KEYS = ("layer_groups", "lookup_timeout_s", "staging", "kv_cache_dtype")
+LINKER_KEYS = ("layer_groups", "lookup_timeout_s", "load_timeout_s", "staging", "kv_cache_dtype")
 STAGING = ("auto", "host", "off")
 
 
@@ -94,6 +94,11 @@ class LinkerOptions:
     the HiCache adapter; G > 1: layer-wise loads, each group released as it lands)."""
     lookup_timeout_s: float = 1.0
     """How long a lookup (on SGLang's scheduler thread) waits for the store; then a miss."""
+    load_timeout_s: float = 30.0
+    """With staging, how long a load batch may take; then it fails (SGLang aborts its
+    requests) and bytes the store delivers later are dropped, never copied to the device.
+    Without staging the store writes the device slots itself: a load ends when the store's
+    own I/O timeouts end it."""
     staging: str = "auto"
     """Where the store reads and writes pages: ``"off"``, straight in the device pools (on an
     accelerator the store needs ``device_memory``); ``"host"``, in host staging memory, copied
@@ -109,10 +114,14 @@ class LinkerOptions:
         timeout = extra.get("lookup_timeout_s", 1.0)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60:
             raise ConfigError("lookup_timeout_s", f"expected seconds, got {timeout!r}", "a number in (0, 60]", ADAPTER)
+        load_timeout = extra.get("load_timeout_s", 30.0)
+        if isinstance(load_timeout, bool) or not isinstance(load_timeout, (int, float)) or not 0 < load_timeout <= 600:
+            raise ConfigError("load_timeout_s", f"expected seconds, got {load_timeout!r}", "a number in (0, 600]",
+                              ADAPTER)
         staging = extra.get("staging", "auto")
         if staging not in STAGING:
             raise ConfigError("staging", f"unknown value {staging!r}", ", ".join(STAGING), ADAPTER)
-        return cls(groups, float(timeout), staging)
+        return cls(groups, float(timeout), float(load_timeout), staging)
 
 
 class LinkerCounts:
@@ -447,6 +456,9 @@ class KVConnectLinker(UnifiedCacheLinker):
 
         self._copy_stream = None
         self._arenas: Dict[int, StagingArena] = {}  # by thread: the load and the offload thread
+        self._landing = threading.Lock()  # a staged group lands, or its batch is abandoned
+        self._deadlines: Dict[int, threading.Timer] = {}
+        self._abandoned: set = set()
         if self.staged and self.context.on_device:
             from sglang.srt.utils import get_device_module
 
@@ -605,8 +617,46 @@ class KVConnectLinker(UnifiedCacheLinker):
         pending, self.pending_loads = self.pending_loads, {}
         index = self.layer_done_counter.update_producer()
         ready = self._ready_event()
+        if self.staged:
+            # The store writes only host buffers: past the deadline the batch can fail safely.
+            timer = threading.Timer(self.options.load_timeout_s, self._abandon, (index,))
+            timer.daemon = True
+            self._deadlines[index] = timer
+            timer.start()
         self._load_queue.put((index, list(pending.values()), ready))
         return index
+
+    def _abandon(self, index: int) -> None:
+        """The staged batch ``index`` ran past ``load_timeout_s``: fail it now."""
+        with self._landing:
+            futures = self.layer_done_counter.futures.get(index)
+            if self._deadlines.pop(index, None) is None or not futures or all(f.done() for f in futures):
+                return  # it landed or failed meanwhile
+            self._abandoned.add(index)
+            self.layer_done_counter.fail(index, TimeoutError(
+                f"store {self.store.name!r} did not deliver the pages within {self.options.load_timeout_s} s"))
+        self.counts.add("failed_loads")
+        self._rlog.warning("load-timeout", "kvconnect linker: a load batch ran past load_timeout_s=%.1f s; its "
+                           "requests are aborted and its late pages dropped", self.options.load_timeout_s)
+
+    def _land(self, index: int, layers: Any, staged: List["HostStaging"]) -> bool:
+        """Copy a group's staged pages to the device and release its layers, unless the batch
+        was abandoned (then nothing touches the device); False when abandoned."""
+        with self._landing:
+            if index in self._abandoned:
+                return False
+            self._copy(staged, to_device=True)
+            for layer in layers:
+                self.layer_done_counter.complete(index, layer)
+        return True
+
+    def _settle(self, index: int) -> None:
+        """The batch is done (landed or failed): its deadline no longer applies."""
+        with self._landing:
+            timer = self._deadlines.pop(index, None)
+            self._abandoned.discard(index)
+        if timer is not None:
+            timer.cancel()
 
     def finish_layer_wise_loading(self, counter_index: int) -> bool:
         return self.layer_done_counter.finish(counter_index)
@@ -626,9 +676,15 @@ class KVConnectLinker(UnifiedCacheLinker):
                 ready.synchronize()
             self._load_batch(index, request_transfers)
         except BaseException as e:  # noqa: BLE001 - the batch fails, SGLang aborts its requests
-            self.counts.add("failed_loads")
-            self._failed("load", e)
-            self.layer_done_counter.fail(index, e)
+            with self._landing:
+                abandoned = index in self._abandoned
+                if not abandoned:
+                    self.layer_done_counter.fail(index, e)
+            if not abandoned:
+                self.counts.add("failed_loads")
+                self._failed("load", e)
+        finally:
+            self._settle(index)
 
     def _load_batch(self, index: int, request_transfers: List[List[PoolTransfer]]) -> None:
         """Read every layer group of every page, in group order; each group's layers are
@@ -653,9 +709,8 @@ class KVConnectLinker(UnifiedCacheLinker):
             missed = sum(r.count(False) for r in results)
             if missed:
                 raise LookupError(f"{missed} page(s) of layer group {g} were not in the store any more")
-            self._copy(staged, to_device=True)
-            for layer in layers:
-                self.layer_done_counter.complete(index, layer)
+            if not self._land(index, layers, staged):
+                return  # abandoned: the forward went on, the requests are aborted
             done += sum(len(c[1]) for c in calls)
         self.counts.add("loads")
         self.counts.add("loaded_pages", done)

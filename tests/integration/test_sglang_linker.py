@@ -325,6 +325,33 @@ def test_staged_and_direct_pages_are_the_same_pages(writer, reader, groups):
         b.close()
 
 
+def test_a_staged_load_that_outlives_its_deadline_fails_and_never_touches_the_slots(tmp_path):
+    """With host staging a hanging read fails its batch at ``load_timeout_s`` (SGLang aborts
+    the request at once, no hang), and the pages the store delivers afterwards are dropped:
+    the request's device slots keep what they held."""
+    flag = tmp_path / "slow"
+    extra = {"store": FAULTY, "inner": SHARED, "inner_options": {"space": "deadline"}, "hang_on": ["get_into"],
+             "hang_s": 2.0, "fault_flag": str(flag), "staging": "host", "load_timeout_s": 0.3}
+    a, b = LinkedServer(extra), LinkedServer(extra)
+    try:
+        tokens = prompt(16, 15)
+        a.prefill(tokens)
+        flag.write_text("")
+        t0 = time.monotonic()
+        result = b.prefill(tokens, offload=False)
+        assert time.monotonic() - t0 < 1.5
+        assert result.loaded_tokens == 16 and result.load_failed
+        assert b.linker.counts["failed_loads"] == 1
+        time.sleep(2.2)  # the read returns; its pages must not land
+        assert b.linker.counts["loads"] == 0
+        assert all(b.page_bytes(result.slots, p) == bytes(b.page_nbytes()) for p in range(4))
+    finally:
+        a.linker.store.release()
+        b.linker.store.release()
+        a.close()
+        b.close()
+
+
 class RegisteringStore(SharedMemoryStore):
     """A shared memory store that, like an RDMA store, reads only into registered memory."""
 
@@ -464,6 +491,7 @@ def test_a_store_that_dies_between_lookup_and_load_fails_the_batch_not_the_engin
     ({"store": SHARED, "layer_groups": 0}, "layer_groups"),
     ({"store": SHARED, "lookup_timeout_s": "fast"}, "lookup_timeout_s"),
     ({"store": SHARED, "staging": "gpu"}, "staging"),
+    ({"store": SHARED, "load_timeout_s": 0}, "load_timeout_s"),
     ({"store": SHARED, "no_such_option": 1}, "no_such_option"),
 ])
 def test_a_bad_linker_config_names_the_key(extra, key):
