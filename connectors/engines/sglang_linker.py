@@ -40,9 +40,10 @@ keeps one key per page, shared with the HiCache adapter; all layers land togethe
 Failures: nothing raises into SGLang's threads. A lookup runs under ``lookup_timeout_s``
 (it is on the scheduler's thread): a store that raises or does not answer in time is a miss,
 and while one lookup is stuck the next ones miss at once. A load that raises or misses a
-page fails its batch (SGLang aborts those requests rather than use their KV); its duration
-is bounded by the store's own I/O timeouts, since SGLang may free the slots only once the
-store stopped writing into them. An offload that fails is reported failed (the node stays
+page fails its batch (SGLang aborts those requests rather than use their KV). With host
+staging a batch fails at ``load_timeout_s`` and late pages are dropped; without it the store
+writes the slots itself, so its own I/O timeouts bound the load (SGLang may free the slots only
+once nothing writes into them). An offload that fails is reported failed (the node stays
 unstored).
 
 Staging (``staging``): a store that cannot reach the pools' memory (on a GPU: one without
