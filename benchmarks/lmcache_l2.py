@@ -2,12 +2,19 @@
 adapters, through ``lmcache bench l2`` (LMCache 0.5.6), in one run.
 
 * ``hf3fs`` (kvconnect HF3FS store, POSIX client, in-process index) vs LMCache's built-in
-  ``fs`` adapter, both writing under the same directory (the target: hf3fs >= 1.0x fs);
+  ``fs`` adapter (Python, a file per chunk) and vs its ``fs_native`` adapter (C++ workers,
+  ``lmcache.lmcache_fs``), all writing under the same directory (the target: hf3fs >= 1.0x);
 * ``memory`` (kvconnect in-process store) vs LMCache's ``mock`` adapter (an in-memory dict
   of cloned tensors, bandwidth limit set far above memcpy);
 * ``mooncake`` (a real ``mooncake_master`` in a loopback-only network namespace, TCP) and
   ``peer_rdma`` (one pool node, TCP), when available: figures only, LMCache has no
   equivalent adapter that runs here.
+
+LMCache's ``mooncake_store`` and ``hf3fs`` adapters need C++ extensions
+(``lmcache.lmcache_mooncake``, ``lmcache.lmcache_hf3fs``) that LMCache's PyPI wheel does not
+ship: each run tries to create both through LMCache's own adapter factory (``mooncake_store``
+on the run's ``mooncake_master`` when ``mooncake`` runs) and records the error it gets in the
+JSON (``figures.lmcache_native``, and the notes) instead of a comparison.
 
 Each system runs the same ``lmcache bench l2`` invocation (store -> lookup -> load of the
 same keys, round trip verified) in its own process; systems alternate and repeat, the best
@@ -41,7 +48,7 @@ PLUGIN = {"type": "plugin", "module_path": "kvconnect.connectors.engines.lmcache
 # Best round of a run (LMCache reports per-round min/max): on a shared box the round
 # averages mostly measure the neighbours.
 METRICS = [("Store", "store_MBps"), ("Load", "load_MBps"), ("Lookup", "lookup_keys_per_s")]
-PAIRS = [("hf3fs", "fs"), ("memory", "mock")]
+PAIRS = [("hf3fs", "fs"), ("hf3fs", "fs_native"), ("memory", "mock")]
 REPEATED = {x for pair in PAIRS for x in pair}  # compared pairs repeat; figures-only systems run once
 
 
@@ -90,6 +97,8 @@ class Systems:
         size = f"{max(64, 2 * self.total_bytes // (1 << 20))}mb"
         if name == "fs":
             return {"type": "fs", "base_path": str(data / "fs")}, []
+        if name == "fs_native":  # LMCache's C++ file adapter (lmcache.lmcache_fs), its defaults
+            return {"type": "fs_native", "base_path": str(data / "fs_native")}, []
         if name == "mock":
             return {"type": "mock", "max_size_gb": 2 * self.total_bytes / (1 << 30) + 0.1,
                     "mock_bandwidth_gb": 10000}, []
@@ -107,7 +116,7 @@ class Systems:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="small run (tests): hf3fs vs fs only, once")
+    p.add_argument("--quick", action="store_true", help="small run (tests): hf3fs vs fs and fs_native only, once")
     p.add_argument("--dir", default=None, help="directory for the fs adapter and the hf3fs file (default: a temp dir)")
     p.add_argument("--stores", default=None,
                    help="kvconnect stores to run (default: memory,hf3fs,mooncake,peer_rdma; --quick: hf3fs)")
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "each system: one `lmcache bench l2` process (store, lookup, load of the same keys; round trip "
         "verified); systems alternate; compared pairs repeat; per metric the best round over all runs "
         "(LMCache's per-round max MB/s; keys per round / min lookup round time)",
-        "hf3fs and fs write under the same directory, no fsync on either (fs: tmp file + rename; hf3fs: "
+        "hf3fs, fs and fs_native write under the same directory, no fsync on any (fs: tmp file + rename; fs_native: "
+        "a file per chunk from 4 C++ worker threads, its defaults; hf3fs: "
         "pwritev into one sparse file, in-process page index); each run starts after os.sync() and on an "
         "empty directory; store throughput on this shared disk swings with the kernel's dirty-page "
         "throttling (seen here: 0.3-4 GB/s for the same buffered writes), hence the repeats",
@@ -147,8 +157,13 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - an unavailable optional system is a note
                 res.notes.append(f"{name}: not run ({type(e).__name__}: {e})")
                 print(f"[lmcache_l2] {name}: not run: {e}")
-        order = [n for pair in PAIRS for n in pair[::-1] if n in specs] + [n for n in specs if n not in
-                                                                          {x for pr in PAIRS for x in pr}]
+        order = list(dict.fromkeys([n for pair in PAIRS for n in pair[::-1] if n in specs] + list(specs)))
+        native = probe_native(work, specs, "hf3fs" in stores or "mooncake" in stores)
+        for name, got in native.items():
+            res.notes.append(f"LMCache '{got['adapter']}': " + (
+                "loads (not compared by this benchmark)" if got["loads"] else
+                f"cannot load from the installed wheel: {got['error']} (cause: {got['cause']})"))
+            print(f"[lmcache_l2] {res.notes[-1]}")
         for rep in range(repeats):
             for name in order:
                 if rep and name not in REPEATED:
@@ -168,15 +183,62 @@ def main(argv: list[str] | None = None) -> int:
                     b[k] = max(b.get(k, 0.0), v)
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
-    res.figures = {"per_system": best, "seconds": round(time.monotonic() - t0, 1)}
+    res.figures = {"per_system": best, "lmcache_native": native, "seconds": round(time.monotonic() - t0, 1)}
     for ours, ref in PAIRS:
         if ours in best and ref in best:
             for _, metric in METRICS:
                 res.ratio(f"{ours}_vs_{ref}.{metric}", best[ours][metric], best[ref][metric],
                           f"LMCache 0.5.6 '{ref}' L2 adapter")
     res.finish(args.out)
-    missing = [s for s in ["hf3fs", "fs"] if s in refs + stores and s not in best]
+    missing = [s for s in ["hf3fs", "fs", "fs_native"] if s in refs + stores and s not in best]
     return 1 if missing else 0
+
+
+# Creates each adapter through LMCache's own config parser and factory (what `lmcache server`
+# and `lmcache bench l2` do at start) and reports, per adapter, whether it loads and if not why.
+_PROBE = r"""
+import json, sys
+from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
+out = {}
+for name, spec in json.loads(sys.argv[1]).items():
+    got = {"adapter": spec["type"], "config": spec, "loads": False, "error": None, "cause": None}
+    try:
+        adapter = create_l2_adapter(get_l2_adapter_config_class(spec["type"]).from_dict(spec))
+        got["loads"] = True
+        adapter.close()
+    except Exception as e:
+        got["error"] = f"{type(e).__name__}: {e}"
+        c = e.__cause__ or e.__context__
+        got["cause"] = f"{type(c).__name__}: {c}" if c else None
+    out[name] = got
+print("PROBE " + json.dumps(out))
+"""
+
+
+def probe_native(work: Path, specs: dict, wanted: bool) -> dict:
+    """LMCache's C++-backed counterparts of ``mooncake`` and ``hf3fs``: do they load here?"""
+    if not wanted:
+        return {}
+    mnt = work / "lmcache_hf3fs"
+    (mnt / "kv").mkdir(parents=True, exist_ok=True)
+    probes = {"lmcache_hf3fs": {"type": "hf3fs", "mount_point": str(mnt), "base_paths": str(mnt / "kv")}}
+    prefix: list[str] = []
+    mc = {"master_server_address": "127.0.0.1:50051", "metadata_server": "P2PHANDSHAKE",
+          "local_hostname": "127.0.0.1", "protocol": "tcp"}
+    if "mooncake" in specs:  # the run's own mooncake_master, from inside its namespace
+        (adapter, prefix) = specs["mooncake"]
+        mc.update({k: adapter["adapter_params"][k] for k in mc if k in adapter["adapter_params"]})
+    probes["mooncake_store"] = {"type": "mooncake_store", **{k: str(v) for k, v in mc.items()},
+                                "global_segment_size": str(64 << 20), "local_buffer_size": str(16 << 20)}
+    try:
+        p = subprocess.run(prefix + [sys.executable, "-c", _PROBE, json.dumps(probes)], env=_env(),
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+        line = next(ln for ln in p.stdout.splitlines() if ln.startswith("PROBE "))
+        return json.loads(line[len("PROBE "):])
+    except Exception as e:  # noqa: BLE001 - the probe itself failing is a finding too
+        return {n: {"adapter": s["type"], "config": s, "loads": False, "error": f"probe failed: {e}",
+                    "cause": None} for n, s in probes.items()}
 
 
 def _clean(data: Path) -> None:

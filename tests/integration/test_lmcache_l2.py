@@ -549,15 +549,21 @@ def test_two_servers_share_one_mooncake_cluster(tmp_path):
 
 
 def test_benchmark_quick_writes_ratios(tmp_path):
-    """``benchmarks/lmcache_l2.py --quick``: hf3fs and LMCache's fs adapter through
-    ``lmcache bench l2`` on one directory, ratios in the results JSON."""
+    """``benchmarks/lmcache_l2.py --quick``: hf3fs and LMCache's fs and fs_native adapters
+    through ``lmcache bench l2`` on one directory, ratios in the results JSON; LMCache's
+    C++-backed hf3fs and mooncake_store adapters tried, each load or its error recorded."""
     from kvconnect.benchmarks.lmcache_l2 import main
 
     out = tmp_path / "lmcache_l2.json"
     assert main(["--quick", "--dir", str(tmp_path / "work"), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert set(doc["figures"]["per_system"]) == {"hf3fs", "fs"}
+    assert set(doc["figures"]["per_system"]) == {"hf3fs", "fs", "fs_native"}
     ratios = {r["metric"]: r for r in doc["ratios"]}
-    assert {"hf3fs_vs_fs.store_MBps", "hf3fs_vs_fs.load_MBps", "hf3fs_vs_fs.lookup_keys_per_s"} <= set(ratios)
+    assert {f"hf3fs_vs_{ref}.{m}" for ref in ("fs", "fs_native")
+            for m in ("store_MBps", "load_MBps", "lookup_keys_per_s")} <= set(ratios)
+    native = doc["figures"]["lmcache_native"]
+    assert {n["adapter"] for n in native.values()} == {"hf3fs", "mooncake_store"}
+    for n in native.values():  # loads, or the factory's own error (and its cause) is in the notes
+        assert n["loads"] or (n["error"] and any(n["error"] in note for note in doc["notes"])), n
     assert all(r["ours"] > 0 and r["reference"] > 0 for r in ratios.values())
     assert "loadavg" in doc["machine"]
