@@ -284,3 +284,20 @@ def test_evictions_by_a_metadata_service_are_found_by_the_audit(tmp_path):
         sub.close()
         b.close()
         meta.stop()
+
+
+def test_write_behind_pages_are_announced_once_their_background_write_landed():
+    host = make_cpu_host_pool("page_first", page_size=4)
+    b = _backend(host, {"store": "memory", "write_behind": "1mb"})
+    sub = _subscribe(b)
+    try:
+        keys = [hashlib.sha256(f"wb:{i}".encode()).hexdigest() for i in range(6)]
+        idx = host.alloc(6 * 4)
+        fill_pages(host, idx, seed=9)
+        assert b.batch_set_v1(keys, idx) == [True] * 6  # staged
+        assert b._write_behind.flush(5.0)
+        seen, want = _settled(sub, b, keys)
+        assert seen == want == {block_hash(k) for k in keys}
+    finally:
+        sub.close()
+        b.close()
