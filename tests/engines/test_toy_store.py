@@ -5,7 +5,9 @@ The entry goes in both ways a plugin has: the ``kvconnect.stores`` / ``kvconnect
 entry points of a ``*.dist-info`` put on ``PYTHONPATH`` (what ``pip install`` of a plugin
 writes; the child processes of the ``shared`` and ``durable`` checks find the store by name
 through it) and ``register_store()`` in this process (whose entry points were read already).
-Everything else is what the other suites run: real SGLang, LMCache and PD relay classes.
+Everything else is what the other suites run: real SGLang, LMCache and PD relay classes, and a
+real vLLM process (vLLM's suite: the built-in stores' vLLM tests are tests/integration/test_vllm.py,
+two vLLM processes per shared store).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pytest
 
 from kvconnect.connectors.registry import register_store, unregister_store
 from kvconnect.connectors.testing.conformance import CapabilityChecks, PageStoreConformance
-from kvconnect.connectors.testing.engine_suites import HiCacheSuite, LMCacheL2Suite, PDRelaySuite
+from kvconnect.connectors.testing.engine_suites import HiCacheSuite, LMCacheL2Suite, PDRelaySuite, VLLMSuite
 from kvconnect.connectors.testing.harness import harness_fixture, harness_names
 
 STORE = "tests.engines.toy_store:ToyStore"
@@ -97,4 +99,8 @@ class TestToyLMCacheL2(LMCacheL2Suite):
 
 
 class TestToyPDRelay(PDRelaySuite):
+    pass
+
+
+class TestToyVLLM(VLLMSuite):
     pass
