@@ -14,6 +14,8 @@
 * ``linker``: SGLang's unified-cache linker path on CPU (a real ``UnifiedRadixCache`` over CPU
   device pools with kvconnect's linker from SGLang's factory, a request's prefill step by step,
   one TP rank as a process);
+* ``kv_events``: a KV-event subscriber as a cache-aware router runs one (ZMQ SUB, SGLang's
+  ``KVEventBatch`` decoding, gaps filled through the publisher's replay socket);
 * ``ranks``: several SGLang rank processes (real host pools) sharing one store;
 * ``pd``: the PD role driver (a prefill or decode process on CPU) and the relay's store services;
 * ``peer``: peer-pool node processes driven by JSON lines;
