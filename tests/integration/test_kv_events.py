@@ -301,3 +301,24 @@ def test_write_behind_pages_are_announced_once_their_background_write_landed():
     finally:
         sub.close()
         b.close()
+
+
+def test_a_router_that_subscribes_late_gets_the_earlier_events_through_the_replay_socket():
+    from kvconnect.connectors.engines.kv_events import StoreEvents
+
+    events = StoreEvents.create(EVENTS)
+    try:
+        keys = [hashlib.sha256(f"late:{i}".encode()).hexdigest() for i in range(6)]
+        events.stored(keys[:3])
+        time.sleep(0.3)  # published before anyone listened
+        src = events.source()
+        sub = EventSubscriber(src["endpoint"], src["topic"], src["replay_endpoint"])
+        time.sleep(0.2)
+        events.stored(keys[3:])
+        deadline = time.monotonic() + WITHIN_S
+        while sub.snapshot()[0] != {block_hash(k) for k in keys} and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sub.snapshot()[0] == {block_hash(k) for k in keys} and sub.replays >= 1
+        sub.close()
+    finally:
+        events.close()
