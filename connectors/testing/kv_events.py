@@ -1,6 +1,7 @@
 """A KV-event subscriber as a cache-aware router runs one: ZMQ SUB on a publisher's endpoint,
-SGLang's ``KVEventBatch`` decoding, and a replay request for batches sent before the
-subscription took hold (or lost on the way), through the publisher's ROUTER replay socket."""
+SGLang's ``KVEventBatch`` decoding, and replay requests through the publisher's ROUTER replay
+socket for batches sent before the subscription took hold or lost on the way: at a gap in the
+sequence numbers, and whenever the stream has been quiet for ``RESYNC_S``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ class EventSubscriber:
 
     ``received``: ``(arrival time.monotonic(), event)`` per event; ``blocks``: the router's
     view (``kvconnect.connectors.engines.kv_events.ExternalBlocks``)."""
+
+    RESYNC_S = 0.25
+    """After this long without a batch, ask the replay socket for what came since the last one."""
 
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: Optional[str] = None):
         import msgspec
@@ -68,9 +72,15 @@ class EventSubscriber:
             req.close(linger=0)
 
     def _run(self) -> None:
+        idle_since = time.monotonic()
         while not self._stop.is_set():
             if not self._sub.poll(50):
+                # quiet: ask for anything sent while the subscription was not up yet, or lost
+                if self._replay_endpoint and time.monotonic() - idle_since > self.RESYNC_S:
+                    self._replay(1 << 62)
+                    idle_since = time.monotonic()
                 continue
+            idle_since = time.monotonic()
             _topic, seq_b, payload = self._sub.recv_multipart()
             seq = int.from_bytes(seq_b, "big")
             if seq > self.next_seq and self._replay_endpoint:
