@@ -77,7 +77,10 @@ class Traffic:
 
 
 class ViewKeeper:
-    """The current view and its change callback, whichever protocol learns the members."""
+    """The current view and its change callback, whichever protocol learns the members (a
+    subclass's ``_loop`` runs on the thread ``start`` makes)."""
+
+    thread_name = "peer-heartbeat"
 
     def __init__(self, me: Member, on_change: Callable[[View, View], None] | None):
         self.on_change = on_change
@@ -88,6 +91,13 @@ class ViewKeeper:
     @property
     def view(self) -> View:
         return self._view
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
 
     def _publish(self, snapshot: Callable[[], dict[str, Member]]) -> None:
         """A new view if the members (or an incarnation) differ from the current one. The
@@ -129,10 +139,6 @@ class Membership(ViewKeeper):
         self._thread: threading.Thread | None = None
 
     # -- public ---------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="peer-heartbeat", daemon=True)
-        self._thread.start()
-
     def join(self, wait: float) -> bool:
         """One heartbeat round now; with seeds, wait up to ``wait`` s until one answered."""
         deadline = time.monotonic() + wait

@@ -170,6 +170,8 @@ def registry_client(url: str, password: str | None, timeout: float, *, connectio
 class RegistryMembership(ViewKeeper):
     """The live set kept in a Redis registry; the same surface as ``Membership``."""
 
+    thread_name = "peer-registry"
+
     def __init__(self, me: Member, client, clients=None, *, pool: str = "default", prefix: str = "kvc:peer",
                  interval: float, ttl: float, on_change: Callable[[View, View], None] | None = None):
         super().__init__(me, on_change)
@@ -194,10 +196,6 @@ class RegistryMembership(ViewKeeper):
         self._sizes = {name: len(s.sha) + sum(len(k) for k in self.keys) + 40 for name, s in self._scripts.items()}
 
     # -- the Membership surface ----------------------------------------------------------
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="peer-registry", daemon=True)
-        self._thread.start()
-
     def join(self, wait: float) -> bool:
         """Register and read the live set; retry until ``wait`` s have passed."""
         deadline = time.monotonic() + wait
