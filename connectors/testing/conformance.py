@@ -375,16 +375,27 @@ class CapabilityChecks:
       where one is usable: ``capabilities_of`` checks).
     """
 
+    @contextlib.contextmanager
     def _worker(self, harness, instance: int, tag: str):
+        """A store client process of engine instance ``instance``, closed on leaving."""
         from kvconnect.connectors.testing.peer import Worker
 
         opts = dict(harness.options(instance))
-        return Worker(harness.netns, opts, name=f"{harness.label}-{tag}", log_dir=harness.workdir,
-                      store=opts.pop("store"))
+        worker = Worker(harness.netns, opts, name=f"{harness.label}-{tag}", log_dir=harness.workdir,
+                        store=opts.pop("store"))
+        try:
+            yield worker
+        finally:
+            worker.close()
 
     def _claimed(self, harness, cap: str) -> None:
         if cap not in {c.value for c in harness.claims}:
             pytest.skip(f"{harness.label} does not claim {cap}")
+
+    def _claimed_keys(self, harness, cap: str, n: int = 8) -> list[str]:
+        """Keys of a check of ``cap`` (skipped where the store does not claim it)."""
+        self._claimed(harness, cap)
+        return [f"{cap}-{harness.label}-{i}" for i in range(n)]
 
     @contextlib.contextmanager
     def _store_here(self, harness, cap: str, options: dict | None = None):
@@ -406,40 +417,26 @@ class CapabilityChecks:
         assert all(isinstance(c, Capability) for c in store_harness.claims)
 
     def test_shared_a_second_process_reads_the_pages(self, store_harness):
-        self._claimed(store_harness, "shared")
-        keys = [f"shared-{store_harness.label}-{i}" for i in range(8)]
-        a = self._worker(store_harness, 0, "writer")
-        try:
+        keys = self._claimed_keys(store_harness, "shared")
+        with self._worker(store_harness, 0, "writer") as a:
             w = a.call("write", keys=keys, seed=11)
             assert w["ok"] == [True] * 8
-            b = self._worker(store_harness, 1, "reader")
-            try:
+            with self._worker(store_harness, 1, "reader") as b:  # while the writer still runs
                 assert b.call("exists", keys=keys)["ok"] == [True] * 8
                 r = b.call("read", keys=keys, digests=w["digests"])
                 assert r["ok"] == [True] * 8 and r["wrong"] == [], r
                 absent = b.call("read", keys=[k + "-absent" for k in keys[:2]], digests=w["digests"][:2])
                 assert absent["ok"] == [False, False]
-            finally:
-                b.close()
-        finally:
-            a.close()
 
     def test_durable_pages_survive_writer_exit_and_service_restart(self, store_harness):
-        self._claimed(store_harness, "durable")
-        keys = [f"durable-{store_harness.label}-{i}" for i in range(8)]
-        a = self._worker(store_harness, 0, "writer")
-        try:
+        keys = self._claimed_keys(store_harness, "durable")
+        with self._worker(store_harness, 0, "writer") as a:
             w = a.call("write", keys=keys, seed=12)
-        finally:
-            a.close()
         assert w["ok"] == [True] * 8
         store_harness.restart()
-        b = self._worker(store_harness, 1, "after-restart")
-        try:
+        with self._worker(store_harness, 1, "after-restart") as b:
             r = b.call("read", keys=keys, digests=w["digests"])
-            assert r["ok"] == [True] * 8 and r["wrong"] == [], (store_harness.restart_keeps, r)
-        finally:
-            b.close()
+        assert r["ok"] == [True] * 8 and r["wrong"] == [], (store_harness.restart_keeps, r)
 
     def test_any_page_size_round_trips_pages_of_many_sizes(self, store_harness):
         with self._store_here(store_harness, "any_page_size") as store:

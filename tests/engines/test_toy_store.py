@@ -1,10 +1,12 @@
-"""A fifth store from one file (tests/engines/toy_store.py) and its registry entry, added at
-test time, through every engine suite and the page conformance and capability checks.
+"""A fifth store from one file (tests/engines/toy_plugin/kvconnect_toy_store.py, a plugin's
+own top-level module) and its registry entry, added at test time, through every engine suite
+and the page conformance and capability checks.
 
 The entry goes in both ways a plugin has: the ``kvconnect.stores`` / ``kvconnect.harnesses``
-entry points of a ``*.dist-info`` put on ``PYTHONPATH`` (what ``pip install`` of a plugin
-writes; the child processes of the ``shared`` and ``durable`` checks find the store by name
-through it) and ``register_store()`` in this process (whose entry points were read already).
+entry points of a ``*.dist-info`` put on ``PYTHONPATH`` with the module (what ``pip install`` of
+a plugin writes; the child processes of the ``shared`` and ``durable`` checks and vLLM find the
+store by name through it) and ``register_store()`` in this process (whose entry points were
+read already).
 Everything else is what the other suites run: real SGLang, LMCache and PD relay classes, and a
 real vLLM process (vLLM's suite: the built-in stores' vLLM tests are tests/integration/test_vllm.py,
 two vLLM processes per shared store).
@@ -23,8 +25,9 @@ from kvconnect.connectors.testing.conformance import CapabilityChecks, PageStore
 from kvconnect.connectors.testing.engine_suites import HiCacheSuite, LMCacheL2Suite, PDRelaySuite, VLLMSuite
 from kvconnect.connectors.testing.harness import harness_fixture, harness_names
 
-STORE = "tests.engines.toy_store:ToyStore"
-HARNESS = "tests.engines.toy_store:ToyHarness"
+PLUGIN_DIR = Path(__file__).resolve().parent / "toy_plugin"
+STORE = "kvconnect_toy_store:ToyStore"
+HARNESS = "kvconnect_toy_store:ToyHarness"
 
 
 def write_plugin_dist(root: Path) -> Path:
@@ -39,14 +42,18 @@ def write_plugin_dist(root: Path) -> Path:
 
 @pytest.fixture(scope="module", autouse=True)
 def toy_registered(tmp_path_factory):
+    import sys
+
     root = write_plugin_dist(tmp_path_factory.mktemp("toy-plugin"))
     saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), saved) if p)
-    register_store("toy", STORE, summary="pages as files (tests/engines/toy_store.py)", harness=HARNESS)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), str(PLUGIN_DIR), saved) if p)
+    sys.path.insert(0, str(PLUGIN_DIR))
+    register_store("toy", STORE, summary="pages as files (a plugin's one file)", harness=HARNESS)
     try:
         yield
     finally:
         unregister_store("toy")
+        sys.path.remove(str(PLUGIN_DIR))
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:

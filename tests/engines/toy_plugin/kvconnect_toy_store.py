@@ -5,7 +5,8 @@ documented), a ``PageStore`` that implements the five primitives and declares wh
 do, and a ``StoreHarness`` that gives the options of engine instances sharing it. Registered
 with two entry points (``kvconnect.stores`` and ``kvconnect.harnesses``, both named ``toy``),
 it runs through every engine suite and the conformance and capability checks
-(tests/engines/test_toy_store.py).
+(tests/engines/test_toy_store.py, which puts this folder on the import path as a plugin
+package's install would).
 
 Every page is one file named by its key's SHA-256, holding a header (magic, length, BLAKE2b
 of key and body) and the body. A write lands in a temporary file that is renamed into place
