@@ -1,7 +1,14 @@
 """Test kits that ship with kvconnect, for its own tests and benchmarks and for third-party stores.
 
 * ``conformance``: ``PageStoreConformance``, the one suite every store runs (subclass it,
-  provide ``make_store``);
+  provide ``make_store``), and ``CapabilityChecks``, proofs of each capability a store claims;
+* ``harness``: ``StoreHarness``, one per store, named by its registry entry (its services, the
+  options of engine instances sharing it, its claims), ``harness_fixture`` and
+  ``in_harness_namespace`` to run any test module over every registered store; the built-in
+  stores' harnesses are in ``store_harnesses``;
+* ``engine_suites``: one suite per engine (SGLang HiCache, LMCache L2, PD relay, vLLM) over a
+  harness;
+* ``lmcache_adapter``: LMCache's L2 adapter interface driven in-process (memory objects, tasks);
 * ``stores``: ``FaultyStore`` (a wrapper that makes operations raise or hang) and
   ``SharedMemoryStore`` (memory stores sharing pages by name);
 * ``netns``: network namespaces, one loopback-only (``Netns``) or several on a bridge
