@@ -47,11 +47,12 @@ if not INNER:
     test_pool_on_a_registry_in_loopback_namespace = outer_test(__file__, "KVCONNECT_PEER_REG_NS", _deps,
                                                                prefix="kvr")
 
-    def _node(server, i: int, *, ttl: float = 1.0, interval: float = 0.2, inc: int | None = None, timeout=0.3):
+    def _node(server, i: int, *, ttl: float = 1.0, interval: float = 0.2, inc: int | None = None, timeout=0.3,
+              url: str = ""):
         from kvconnect.connectors.peer_rdma.membership import Member
         from kvconnect.connectors.peer_rdma.registry_membership import RegistryMembership, registry_client
 
-        client = registry_client(f"redis://127.0.0.1:{server.port}", None, timeout)
+        client = registry_client(url or f"redis://127.0.0.1:{server.port}", None, timeout)
         me = Member(f"10.9.0.{i}:31998", inc or time.time_ns(), f"10.9.0.{i}:15000", 4096 * i, 1 << 20)
         return RegistryMembership(me, client, pool="t", interval=interval, ttl=ttl)
 
@@ -166,6 +167,48 @@ if not INNER:
         assert ids(a) == {"10.9.0.0:31998", "10.9.0.2:31998"} | {m.me.node_id for m in more}
         for m in (a, c, *more):
             m.stop(leave=False)
+
+    def test_a_sentinel_failover_of_the_registry_keeps_the_pool_together(tmp_path):
+        """The registry's primary killed -9 (a Sentinel group: primary, replica, three
+        sentinels): with member_ttl above the failover time no view loses a member, the nodes
+        follow the promoted replica, and a node that joins afterwards is in every view."""
+        from kvconnect.connectors.testing.redis_cluster import RedisHA
+
+        why = redis_skip_reason()
+        if why:
+            pytest.skip(why)
+        ha = RedisHA(workdir=tmp_path / "ha").start()
+        nodes = []
+        try:
+            nodes = [_node(None, i, ttl=8.0, url=ha.url) for i in range(3)]
+            for m in nodes:
+                assert m.join(3.0)
+                m.start()
+            every = {m.me.node_id for m in nodes}
+            assert wait(lambda: all(ids(m) == every for m in nodes), 3.0)
+            old = (ha.primary.host, ha.primary.port)
+            ha.primary.kill9()
+            def whole_until(done, timeout: float) -> None:
+                deadline = time.monotonic() + timeout
+                while not done():  # bounded
+                    assert all(ids(m) == every for m in nodes), [ids(m) for m in nodes]
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+
+            whole_until(lambda: ha.master_addr() not in (None, old), 12.0)
+            answered = [m.traffic.messages for m in nodes]  # beats answered so far
+            whole_until(lambda: all(m.traffic.messages >= n + 2 for m, n in zip(nodes, answered)), 5.0)
+            assert all(m.traffic.failures >= 1 for m in nodes)  # they did lose the old primary
+            late = _node(None, 7, ttl=8.0, url=ha.url)
+            assert late.join(3.0)
+            late.start()
+            nodes.append(late)
+            every.add(late.me.node_id)
+            assert wait(lambda: all(ids(m) == every for m in nodes), 3.0), [ids(m) for m in nodes]
+        finally:
+            for m in nodes:
+                m.stop(leave=False)
+            ha.close()
 
     def test_bad_membership_config_names_the_key():
         from kvconnect.connectors.errors import ConfigError
