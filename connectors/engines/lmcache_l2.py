@@ -112,6 +112,8 @@ LMCACHE_KEYS = ("type", "eviction", "serde", "persist_enabled", "shared", "affin
 DEFAULT_WORKERS = {"store": 2, "lookup": 1, "load": 2}
 DEFAULT_LOOKUP_TIMEOUT_S = 5.0  # a request waits at most this long on a stuck backend; a miss is a recompute
 USAGE_TTL_S = 1.0
+HEALTH_EVERY_S = 1.0  # backend_ok: the store's stats() checked this often; a failing store probed as often
+HEALTH_PROBE_KEY = ".kvconnect-l2-health"  # outside every key space: the probe never hits a chunk
 """How long one snapshot of the store's usage is reused: LMCache's eviction loop and gauges ask
 every second, and a remote store's figures cost a call (HF3FS: one index call per data
 file). This adapter's own stores and deletes drop the snapshot at once."""
@@ -435,6 +437,9 @@ class KVConnectL2Adapter(L2AdapterInterface):
         self._lookup_deadlines: dict[int, tuple[float, int]] = {}
         self.lookup_timeouts = 0
         self._consecutive_failures = 0  # store calls that raised in a row
+        self._last_failure = ""  # the latest of them: "<what>: <Exception>: <message>"
+        self._last_call = time.monotonic()  # when a store call last finished
+        self._stats_problem = ""  # why the latest stats() says the backend is not ok ("" if it is)
 
         # One LMCache server serves many engines and ranks (ObjectKey carries them): no rank here.
         self.context = EngineContext(engine="lmcache")
@@ -449,6 +454,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
             if eo.metrics_port is not None:
                 from kvconnect.connectors.engines.common import serve_store_metrics
 
+                _export_health(self)
                 serve_store_metrics(self.store, eo.metrics_port, eo.metrics_host, engine="lmcache")
         except BaseException:
             self.store.close()
@@ -456,6 +462,8 @@ class KVConnectL2Adapter(L2AdapterInterface):
         self._watchdog_stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch_lookups, name="kvc-l2-lookup-watchdog", daemon=True)
         self._watchdog.start()
+        self._health = threading.Thread(target=self._watch_health, name="kvc-l2-health", daemon=True)
+        self._health.start()
         log.info("kvconnect L2 adapter over store %r (workers %s, lookup timeout %.1fs)",
                  self.store.name, config.workers, config.lookup_timeout_s)
 
@@ -532,16 +540,75 @@ class KVConnectL2Adapter(L2AdapterInterface):
 
     def _guarded(self, what: str, fn: Callable[..., list[bool]], *args: Any, n: int) -> list[bool]:
         """``fn(*args)``; an exception is ``n`` failures (counted, rate-limited log)."""
-        raised = []
+        raised: list[str] = []
+
+        def call(*a: Any) -> list[bool]:
+            try:
+                return fn(*a)
+            except Exception as e:
+                raised.append(f"{what}: {type(e).__name__}: {e}"[:300])
+                raise
 
         def failed() -> list[bool]:
-            raised.append(True)
             return [False] * n
 
-        out = safe_call(fn, *args, default=failed, what=f"lmcache.{what}", errors=self._errors, rlog=self._rlog)
-        with self._lock:
-            self._consecutive_failures = self._consecutive_failures + 1 if raised else 0
+        out = safe_call(call, *args, default=failed, what=f"lmcache.{what}", errors=self._errors, rlog=self._rlog)
+        self._note_call(raised[0] if raised else "")
         return list(out) if len(out) == n else [False] * n
+
+    def _note_call(self, failure: str) -> None:
+        """A store call finished: ``failure`` is why it failed ("" if it did not)."""
+        with self._lock:
+            self._last_call = time.monotonic()
+            if failure:
+                self._consecutive_failures += 1
+                self._last_failure = failure
+            else:
+                self._consecutive_failures = 0
+
+    # -- backend health (backend_ok, in report_status and as a metric) ------------------
+    def _watch_health(self) -> None:
+        """Every ``HEALTH_EVERY_S``: the store's ``stats()`` (shared with LMCache's usage
+        polls), so a backend that goes down shows without traffic; and while store calls are
+        failing and none ran for that long, one ``exists`` of a key no chunk uses, so a
+        backend that comes back shows without traffic too."""
+        while not self._watchdog_stop.wait(HEALTH_EVERY_S):
+            try:
+                self._check_health()
+            except Exception as e:  # noqa: BLE001 - the health thread never dies
+                self._rlog.error("health", "kvconnect L2 health check failed: %s", e)
+
+    def _check_health(self) -> None:
+        if self._closed or self.store.closed:
+            return
+        problem = ""
+        try:
+            stats = self.store.stats()
+            if not stats.up:
+                problem = "store reports its backend down (stats().up is false)"
+        except Exception as e:  # noqa: BLE001
+            problem = f"stats: {type(e).__name__}: {e}"[:300]
+        with self._lock:
+            self._stats_problem = problem
+            probe = self._consecutive_failures > 0 and time.monotonic() - self._last_call >= HEALTH_EVERY_S
+        if probe:
+            self._guarded("health_probe", self.store.exists, [HEALTH_PROBE_KEY], n=1)
+
+    def health(self) -> dict[str, Any]:
+        """``backend_ok``, ``consecutive_failures`` and the reason (``backend_reason``: "" when
+        ok; ``backend_reason_kind``: ``ok``, ``closed``, ``store_calls_failing``, ``stats_failing``)."""
+        with self._lock:
+            failing, last, stats_problem = self._consecutive_failures, self._last_failure, self._stats_problem
+        if self._closed or self.store.closed:
+            kind, reason = "closed", "adapter closed"
+        elif failing:
+            kind, reason = "store_calls_failing", f"{failing} store call(s) failed in a row, the latest {last}"
+        elif stats_problem:
+            kind, reason = "stats_failing", stats_problem
+        else:
+            kind, reason = "ok", ""
+        return {"backend_ok": kind == "ok", "consecutive_failures": failing, "backend_reason": reason,
+                "backend_reason_kind": kind}
 
     # -- store --------------------------------------------------------------------
     def submit_store_task(self, keys: list[Any], objects: list[Any], *args: Any, **kwargs: Any) -> int:
@@ -824,14 +891,15 @@ class KVConnectL2Adapter(L2AdapterInterface):
         with self._lock:
             in_flight = {op: f.in_flight for op, f in self._families.items()}
             locked = len(self._locks)
-            failing = self._consecutive_failures
+        health = self.health()
         # is_healthy: the adapter works (LMCache ANDs it into the server's health). A failing
         # backend does not make it unhealthy -- the server goes on serving from L1, and a
         # restart would not bring the backend back -- it shows in backend_ok instead.
         status: dict[str, Any] = {
             "is_healthy": not self._closed and not self.store.closed,
-            "backend_ok": failing == 0,
-            "consecutive_failures": failing,
+            "backend_ok": health["backend_ok"],
+            "consecutive_failures": health["consecutive_failures"],
+            "backend_reason": health["backend_reason"],
             "type": type(self).__name__,
             "store": self.store.name,
             "in_flight": in_flight,
@@ -868,6 +936,8 @@ class KVConnectL2Adapter(L2AdapterInterface):
         self._closed = True
         self._watchdog_stop.set()
         self._watchdog.join(timeout=5)
+        self._health.join(timeout=5)
+        _unexport_health(self)
         for fam in self._families.values():
             fam.pool.shutdown(wait=True, cancel_futures=True)
         safe_call(self.store.close, default=None, what="lmcache.close", errors=self._errors, rlog=self._rlog)
@@ -876,3 +946,48 @@ class KVConnectL2Adapter(L2AdapterInterface):
                 fam.notifier.close()
             except Exception:  # noqa: BLE001
                 pass
+
+
+# -- backend_ok as Prometheus gauges (served with the store's metrics: ``metrics_port``) --
+_health_lock = threading.Lock()
+_health_adapters: list[KVConnectL2Adapter] = []
+_health_registered = False
+
+
+class _HealthCollector:
+    def describe(self) -> list:
+        return []  # see connectors/metrics.py: without it, registering would collect
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        ok = GaugeMetricFamily("kvconnect_lmcache_backend_ok",
+                               "1 while the L2 adapter's store answers (its calls and its stats), else 0; "
+                               "reason: ok, closed, store_calls_failing, stats_failing",
+                               labels=["store", "engine", "reason"])
+        failing = GaugeMetricFamily("kvconnect_lmcache_backend_consecutive_failures",
+                                    "store calls of the L2 adapter that failed in a row", labels=["store", "engine"])
+        with _health_lock:
+            adapters = list(_health_adapters)
+        for a in adapters:
+            h = a.health()
+            ok.add_metric([a.store.name, "lmcache", h["backend_reason_kind"]], 1.0 if h["backend_ok"] else 0.0)
+            failing.add_metric([a.store.name, "lmcache"], float(h["consecutive_failures"]))
+        yield ok
+        yield failing
+
+
+def _export_health(adapter: KVConnectL2Adapter) -> None:
+    global _health_registered
+    with _health_lock:
+        _health_adapters.append(adapter)
+        if not _health_registered:
+            from prometheus_client import REGISTRY
+
+            REGISTRY.register(_HealthCollector())
+            _health_registered = True
+
+
+def _unexport_health(adapter: KVConnectL2Adapter) -> None:
+    with _health_lock:
+        _health_adapters[:] = [a for a in _health_adapters if a is not adapter]

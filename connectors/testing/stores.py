@@ -21,14 +21,15 @@ from kvconnect.connectors.base import BackendUnavailable, Capability, Page, Page
 from kvconnect.connectors.config import Size, StoreConfig, field_doc
 from kvconnect.connectors.memory import MemoryStore, MemoryStoreConfig
 
-OPERATIONS = ("exists", "get_into", "put_from", "delete", "clear")
+OPERATIONS = ("exists", "get_into", "put_from", "delete", "clear")  # what RaisingStore fails
+FAULTABLE = OPERATIONS + ("stats",)  # "stats": its usage figures raise too (an unreachable backend)
 
 
 @dataclass(frozen=True)
 class FaultyStoreConfig(StoreConfig):
     inner: str = field(default="memory", metadata=field_doc("the store to wrap (registry name or module:Class)"))
     inner_options: dict = field(default_factory=dict, metadata=field_doc("its options"))
-    raise_on: tuple = field(default=(), metadata=field_doc(f"operations that raise: {', '.join(OPERATIONS)}"))
+    raise_on: tuple = field(default=(), metadata=field_doc(f"operations that raise: {', '.join(FAULTABLE)}"))
     hang_on: tuple = field(default=(), metadata=field_doc("operations that first block for hang_s (or until "
                                                           "release())"))
     hang_s: float = field(default=30.0, metadata=field_doc("how long a hanging operation blocks"))
@@ -39,9 +40,9 @@ class FaultyStoreConfig(StoreConfig):
 
     def __post_init__(self) -> None:
         for key in ("raise_on", "hang_on"):
-            unknown = set(getattr(self, key)) - set(OPERATIONS)
+            unknown = set(getattr(self, key)) - set(FAULTABLE)
             if unknown:
-                raise ValueError(f"{key}: unknown operations {sorted(unknown)} (accepted: {', '.join(OPERATIONS)})")
+                raise ValueError(f"{key}: unknown operations {sorted(unknown)} (accepted: {', '.join(FAULTABLE)})")
 
 
 class FaultyStore(PageStore):
@@ -112,6 +113,7 @@ class FaultyStore(PageStore):
         self.inner.clear_prefix(prefix)
 
     def _usage(self) -> StoreUsage:
+        self._fault("stats")
         s = self.inner.stats()
         return StoreUsage(s.keys, s.bytes_used, s.capacity_bytes, s.evictions, dict(s.extra))
 
