@@ -59,8 +59,10 @@ class EventSubscriber:
         try:
             req.connect(self._replay_endpoint)
             req.send_multipart((b"", self.next_seq.to_bytes(8, "big")))
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline and req.poll(100):
+            deadline = time.monotonic() + 2.0  # the publisher serves replays between its batches
+            while time.monotonic() < deadline:
+                if not req.poll(50):
+                    continue
                 _, _topic, seq_b, payload = req.recv_multipart()
                 seq = int.from_bytes(seq_b, "big", signed=True)
                 if seq < 0:
