@@ -63,7 +63,6 @@ import random
 import struct
 import threading
 import time
-from dataclasses import dataclass
 
 from kvconnect.connectors.base import ConfigError, MissingDependency
 from kvconnect.connectors.hf3fs import protocol as P
@@ -73,14 +72,12 @@ from kvconnect.connectors.hf3fs.ownership import new_identity
 from kvconnect.connectors.hf3fs.pageid import key_digests
 from kvconnect.connectors.hf3fs.redis_lua import MAX_PAGES, SCRIPTS, SUFFIXES
 
+from kvconnect.connectors.redis_url import (DEFAULT_KEY, SCHEMES, URL_FORMS, RedisURL,  # noqa: F401 - re-exported
+                                            is_redis_url, parse_redis_url)
+
 log = logging.getLogger("kvconnect.hf3fs")
 
-SCHEMES = ("redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster")
-URL_FORMS = ("redis://[user@]host:port[/db]", "rediss://[user@]host:port[/db]",
-             "redis+sentinel://[user@]host:port,host:port,.../master-name[/db]",
-             "rediss+sentinel://[user@]host:port,.../master-name[/db]",
-             "redis+cluster://[user@]host:port,host:port,...")
-KEY = "metadata_server_url"
+KEY = DEFAULT_KEY
 MAX_BATCH = 1000  # keys per script call (Lua's C stack takes ~8000 arguments)
 _ENTRY = struct.Struct("<qqI")  # an index entry (and a get reply item): slot, generation, crc
 _PAGE = struct.Struct("<qq")  # slot, generation
@@ -96,91 +93,6 @@ _TRANSIENT = ("READONLY", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOREPLICAS", "BU
 def _entries(n: int) -> struct.Struct:
     """``n`` index entries back to back (a get reply)."""
     return struct.Struct("<" + "qqI" * n)
-
-
-def is_redis_url(url: str | None) -> bool:
-    return bool(url) and url.strip().lower().split("://", 1)[0] in SCHEMES and "://" in url
-
-
-@dataclass(frozen=True)
-class RedisURL:
-    tls: bool
-    sentinel: bool
-    hosts: tuple[tuple[str, int], ...]
-    master: str | None
-    db: int
-    username: str | None
-    cluster: bool = False
-
-    def describe(self) -> str:
-        hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
-        scheme = ("rediss" if self.tls else "redis") + ("+sentinel" if self.sentinel else "") + \
-            ("+cluster" if self.cluster else "")
-        return f"{scheme}://{hosts}" + (f"/{self.master}" if self.master else "") + (f"/{self.db}" if self.db else "")
-
-
-def _host_port(item: str, default: int, url: str) -> tuple[str, int]:
-    item = item.strip()
-    if item.startswith("["):  # [IPv6]:port
-        host, _, rest = item[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    else:
-        host, sep, port = item.rpartition(":")
-        if not sep:
-            host, port = item, ""
-    if not host:
-        raise ConfigError(KEY, f"no host in {url!r}", URL_FORMS)
-    if port == "":
-        return host, default
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(KEY, f"bad port {port!r} in {url!r}", URL_FORMS)
-    return host, int(port)
-
-
-def parse_redis_url(url: str) -> RedisURL:
-    """A ``redis[s][+sentinel]://`` or ``redis+cluster://`` URL read strictly: a ``ConfigError`` naming
-    ``metadata_server_url`` and the accepted forms for anything else (a password in the URL
-    included: it belongs in ``auth_token_file``)."""
-    raw = url.strip()
-    scheme, sep, rest = raw.partition("://")
-    scheme = scheme.lower()
-    if not sep or scheme not in SCHEMES:
-        raise ConfigError(KEY, f"{url!r} is not a Redis URL", URL_FORMS)
-    if "?" in rest or "#" in rest:
-        raise ConfigError(KEY, f"{url!r}: query parameters are not read (use the store's config keys)", URL_FORMS)
-    netloc, _, path = rest.partition("/")
-    username = None
-    if "@" in netloc:
-        userinfo, _, netloc = netloc.rpartition("@")
-        if ":" in userinfo:
-            raise ConfigError(KEY, "a password in the URL is refused: put it in the file named by "
-                                   "'auth_token_file' (the URL may name the ACL user)", URL_FORMS)
-        username = userinfo or None
-    sentinel = scheme.endswith("+sentinel")
-    cluster = scheme.endswith("+cluster")
-    if cluster and scheme.startswith("rediss"):
-        raise ConfigError(KEY, f"{url!r}: TLS to a Redis Cluster is not supported; use redis+cluster:// on a "
-                               "private network, or rediss+sentinel://", URL_FORMS)
-    items = [h for h in netloc.split(",")]
-    if not netloc or any(not h.strip() for h in items):
-        raise ConfigError(KEY, f"no host in {url!r}", URL_FORMS)
-    if not (sentinel or cluster) and len(items) > 1:
-        raise ConfigError(KEY, f"{url!r} names several hosts: use redis+sentinel:// for a replicated index "
-                               "or redis+cluster:// for a sharded one", URL_FORMS)
-    hosts = tuple(_host_port(h, 26379 if sentinel else 6379, url) for h in items)
-    parts = [p for p in path.split("/") if p] if path else []
-    master = None
-    if sentinel:
-        if not parts:
-            raise ConfigError(KEY, f"{url!r} names no Sentinel master (…/master-name)", URL_FORMS)
-        master = parts.pop(0)
-    if cluster and parts:
-        raise ConfigError(KEY, f"{url!r}: a Redis Cluster has one database and no master name: nothing may "
-                               "follow the hosts", URL_FORMS)
-    if len(parts) > 1 or (parts and not parts[0].isdigit()):
-        raise ConfigError(KEY, f"{url!r}: the path after the host must be a database number", URL_FORMS)
-    return RedisURL(tls=scheme.startswith("rediss"), sentinel=sentinel, hosts=hosts, master=master,
-                    db=int(parts[0]) if parts else 0, username=username, cluster=cluster)
 
 
 def _online_replicas(info: str) -> int | None:

@@ -85,11 +85,11 @@ class PeerRdmaConfig(StoreConfig):
         if self.directory_replicas < 0:
             raise ConfigError("directory_replicas", "must be >= 0")
         if self.membership_url:
-            from kvconnect.connectors.hf3fs.redis_index import URL_FORMS, parse_redis_url
+            from kvconnect.connectors.redis_url import URL_FORMS, parse_redis_url
 
             forms = ("''", *(f for f in URL_FORMS if "+cluster" not in f))
             try:
-                url = parse_redis_url(self.membership_url)
+                url = parse_redis_url(self.membership_url, "membership_url")
             except ConfigError as e:
                 raise ConfigError("membership_url", e.problem, forms) from None
             if getattr(url, "cluster", False):

@@ -148,9 +148,9 @@ def registry_client(url: str, password: str | None, timeout: float, *, connectio
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from kvconnect.connectors.hf3fs.redis_index import parse_redis_url
+    from kvconnect.connectors.redis_url import parse_redis_url
 
-    u = parse_redis_url(url)
+    u = parse_redis_url(url, "membership_url")
     common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, db=u.db, username=u.username,
                   password=password, retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
     if u.tls:
