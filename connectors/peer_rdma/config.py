@@ -80,6 +80,11 @@ class PeerRdmaConfig(StoreConfig):
             host, _, port = s.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError("discovery_addr", f"{s!r} is not host:port")
+            if not 0 < int(port) < 65536:
+                raise ConfigError("discovery_addr", f"{s!r}: port {port} is outside 1..65535")
+        if self.bounce_buffer_size <= 0:
+            raise ConfigError("bounce_buffer_size", f"must be > 0 (remote reads are staged through it), got "
+                              f"{self.bounce_buffer_size}", "a size > 0, e.g. '64mb' (default '256mb')")
         if self.global_segment_size < 0:
             raise ConfigError("global_segment_size", "must be >= 0")
         if self.directory_replicas < 0:
