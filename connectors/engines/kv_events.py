@@ -40,7 +40,6 @@ a load does not announce a page twice and a clear can name what it removed.
 from __future__ import annotations
 
 import atexit
-import functools
 import hashlib
 import json
 import logging
@@ -50,6 +49,7 @@ from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 from kvconnect.connectors.base import Capability, ConfigError, PageStore
+from kvconnect.connectors.engines.common import guarded
 
 log = logging.getLogger("kvconnect.kv_events")
 
@@ -73,18 +73,12 @@ def block_hash(page_hash: str) -> int:
         return hash_str_to_int64(hashlib.sha256(page_hash.encode()).hexdigest())
 
 
-def _never_raises(method):
-    """An event method: a failure is logged, never raised into the engine's data path."""
+def _nothing(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
 
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except Exception:  # noqa: BLE001 - events are best effort; the data path is not
-            log.exception("kvconnect: KV event %s failed", method.__name__)
-            return None
 
-    return call
+_never_raises = guarded(_nothing)
+"""An event method: a failure is counted and logged (rate-limited), never raised into the engine."""
 
 
 def prefix_block_hashes(token_ids: Sequence[int], page_size: int, *, extra_key: Optional[str] = None,
