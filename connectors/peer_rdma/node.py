@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvconnect.connectors.base import Page
-from kvconnect.connectors.errors import BackendUnavailable
+from kvconnect.connectors.errors import BackendUnavailable, ConfigError
 from kvconnect.connectors.peer_rdma.announce import Announcer
 from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
 from kvconnect.connectors.peer_rdma.counters import COUNTERS
@@ -122,8 +122,15 @@ class PeerNode:
                                                      "peer_rdma")
             except OSError as e:
                 raise BackendUnavailable("peer_rdma", f"shared_segment: {e}") from e
-        self.segment = Segment(c.global_segment_size, on_evict=self.announcer.evicted, populate=c.populate_segment,
-                               path=self.shared_file.path if self.shared_file else "")
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if c.global_segment_size > ram:
+            raise ConfigError("global_segment_size", f"{c.global_segment_size} bytes is more than this host's memory "
+                              f"({ram} bytes): the segment is lent RAM", "a size below the host's memory, e.g. '16gb'")
+        try:
+            self.segment = Segment(c.global_segment_size, on_evict=self.announcer.evicted,
+                                   populate=c.populate_segment, path=self.shared_file.path if self.shared_file else "")
+        except OSError as e:
+            raise ConfigError("global_segment_size", f"cannot map {c.global_segment_size} bytes: {e}") from e
         set_rdma_port(c.protocol, c.gid_index, c.ib_port, "peer_rdma")
         self.transport = EngineClient(self.hostname, c.protocol, c.devices, user="peer_rdma", extra="peer",
                                       transfer_timeout_s=c.transfer_timeout)
@@ -165,8 +172,12 @@ class PeerNode:
         if c.disk_path:
             from kvconnect.connectors.peer_rdma.disk import DiskTier
 
-            self.disk = DiskTier(os.path.join(c.disk_path, self.node_id.replace(":", "_")), c.disk_size,
-                                 on_evict=self.announcer.disk_evicted)
+            try:
+                self.disk = DiskTier(os.path.join(c.disk_path, self.node_id.replace(":", "_")), c.disk_size,
+                                     on_evict=self.announcer.disk_evicted)
+            except OSError as e:  # read-only, not a directory, full: say which key, not a bare OSError
+                raise ConfigError("disk_path", f"{c.disk_path!r} cannot hold the disk tier: "
+                                  f"{e.strerror or e}") from e
         self.me = Member(self.node_id, self.incarnation, self.transport.name, self.segment.base,
                          c.global_segment_size)
         if c.membership_url:

@@ -109,8 +109,11 @@ else:
         blocker = tmp_path / "not-a-dir"
         blocker.write_text("x")
         before = peer_threads()
-        with pytest.raises(OSError):
+        from kvconnect.connectors.base import ConfigError
+
+        with pytest.raises(ConfigError) as ei:  # named, not a bare OSError
             create_store("peer_rdma", options(port, control_port=port, disk_path=str(blocker / "disk")))
+        assert ei.value.key == "disk_path" and "Not a directory" in str(ei.value), str(ei.value)
         assert wait(lambda: port_free(port), 5), "the control port is still bound"
         assert wait(lambda: peer_threads() <= before, 5), peer_threads() - before
         # and a node can start on that port right away
@@ -136,6 +139,17 @@ else:
         if expect_ready:
             assert ready.exists(), log.read_text()[-3000:]
         return p, log
+
+    def test_a_segment_larger_than_the_host_memory_is_refused_naming_the_key():
+        """1,000 TB of lent memory on a host with far less: a ConfigError naming
+        global_segment_size before anything is mapped or started."""
+        from kvconnect.connectors.base import ConfigError
+
+        before = peer_threads()
+        with pytest.raises(ConfigError) as ei:
+            create_store("peer_rdma", options(free_port(), global_segment_size="1000tb"))
+        assert ei.value.key == "global_segment_size" and "memory" in str(ei.value), str(ei.value)
+        assert wait(lambda: peer_threads() <= before, 5), peer_threads() - before
 
     def test_two_thousand_idle_connections_at_a_hard_limit_of_1024(tmp_path):
         """A node (``kvconnect peer serve``) whose soft and hard open-file limits are both 1,024:
