@@ -18,6 +18,10 @@ from kvconnect.connectors.peer_rdma.placement import owners
 
 # directory entry fields (a list on the wire)
 HOLDER, INC, OFF, LEN, SEQ, CSUM, RESIDENT = range(7)
+HOLDER_GONE = 0
+"""What ``DirGet`` answers for a key whose entry names a holder no longer in the view: the page
+was stored and is lost with its holder, which a reader counts as ``unavailable``, not as a
+page never stored (``not_found``)."""
 
 
 def live_holder(entry: list, view: View) -> Member | None:
@@ -76,7 +80,7 @@ class DirectoryShard:
         with self._dlock:
             for k in keys:
                 e = self._dir.get(k)
-                out.append(e if e is not None and live_holder(e, view) is not None else None)
+                out.append(None if e is None else e if live_holder(e, view) is not None else HOLDER_GONE)
         return out
 
     def drop(self, items: list) -> list:

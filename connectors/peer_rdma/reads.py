@@ -16,7 +16,7 @@ from typing import Any
 
 from kvconnect.connectors.base import Page, page_nbytes
 from kvconnect.connectors.buffers import scatter, scatter_many
-from kvconnect.connectors.peer_rdma.directory import CSUM, HOLDER, LEN, OFF, RESIDENT, live_holder
+from kvconnect.connectors.peer_rdma.directory import CSUM, HOLDER, HOLDER_GONE, LEN, OFF, RESIDENT, live_holder
 from kvconnect.connectors.peer_rdma.membership import Member
 from kvconnect.connectors.peer_rdma.rpc import RpcError
 from kvconnect.connectors.peer_rdma.segment import Slot, checksum_at, checksum_page
@@ -39,8 +39,9 @@ class Reader:
                 self._loc_cache.pop(k, None)
 
     def locate(self, keys: list[str], deadline: float, use_cache: bool = True,
-                ask_replicas: bool = False) -> list[list | None]:
-        """Directory entries of ``keys`` (None: not found), asking owners then replicas.
+                ask_replicas: bool = False, gone: set[int] | None = None) -> list[list | None]:
+        """Directory entries of ``keys`` (None: not found), asking owners then replicas;
+        ``gone`` (if given) gets the indices whose only entries named holders that left.
 
         A key the primary owner does not know is asked of the next owner when the view
         changed recently (entries may still be moving) or ``ask_replicas`` (reads: the
@@ -88,11 +89,16 @@ class Reader:
                     nxt.extend(idx)  # owner unreachable: ask the next replica
                     continue
                 for i, e in zip(idx, ans):
-                    if e is not None and live_holder(e, view) is not None:
+                    if isinstance(e, list) and live_holder(e, view) is not None:
                         out[i] = e
-                    elif recent:
+                        continue
+                    if gone is not None and (e == HOLDER_GONE or isinstance(e, list)):
+                        gone.add(i)  # stored once, its holder left (here or at the owner)
+                    if recent:
                         nxt.append(i)  # entries may still be moving after a view change
             todo = nxt
+        if gone:  # a live entry found at another owner wins
+            gone.difference_update(i for i, e in enumerate(out) if e is not None)
         return out
 
     def cache_locations(self, keys: list[str], entries: list) -> None:
@@ -170,7 +176,10 @@ class Reader:
 
     def _get_remote(self, keys, pages, sizes, idx: list[int], out: list[bool], deadline: float,
                     why: dict[int, str], retry: bool = True) -> None:
-        entries = self.locate([keys[i] for i in idx], deadline, ask_replicas=True)
+        gone: set[int] = set()
+        entries = self.locate([keys[i] for i in idx], deadline, ask_replicas=True, gone=gone)
+        for j in gone:  # lost with a holder that left, not never stored
+            why[idx[j]] = "unavailable"
         view = self.node.view
         by_holder: dict[str, list[tuple[int, list]]] = {}
         promote: dict[str, list[int]] = {}

@@ -133,6 +133,18 @@ else:
                 # entries the dead node's directory shard held are simply not found)
                 assert by.get("unavailable", 0) >= 4 and by["mismatch"] == 2, by
                 assert sum(by.values()) == 2 + 3 + 16, by
+                # once the pool dropped the dead node, its pages are still told apart from pages
+                # never stored: their entries at live directory owners say the holder is gone
+                deadline = time.monotonic() + 15
+                while len(store.node.view.members) != 3 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert len(store.node.view.members) == 3
+                assert self.read(store, keys)[0] == [False] * 16
+                after = store.stats().misses["get"]
+                lost = after.get("unavailable", 0) - by.get("unavailable", 0)
+                cold = after.get("not_found", 0) - by.get("not_found", 0)
+                # about 3 in 4 keys have a live directory owner; the dead node's own shard is gone
+                assert lost >= 6 and lost + cold == 16, (by, after)
             finally:
                 holder.close()
                 deadline = time.monotonic() + 15  # the pool forgets the dead node before the next test
