@@ -10,6 +10,15 @@ adapters, through ``lmcache bench l2`` (LMCache 0.5.6), in one run.
   ``peer_rdma`` (one pool node, TCP), when available: figures only, LMCache has no
   equivalent adapter that runs here.
 
+Remote reads between two ``lmcache server`` processes (``--remote``, on by default in the full
+run): kvconnect ``peer_rdma`` (both servers in one pool, TCP) vs LMCache's ``p2p`` (a
+``lmcache coordinator``; each server's P2P controller adds a ``p2p`` L2 adapter per peer, reading
+the peer's L1 over the ``mooncake_te`` transfer channel, TCP), in one loopback-only network
+namespace per system. Server A stores S prompts through LMCache's engine client; server B, whose
+L1 has none of them, looks each one up (LMCache's lookup prefetches the hits from L2 into L1:
+the time until a whole prompt's chunks are ready to load) and retrieves it, checksums compared
+with A's.
+
 LMCache's ``mooncake_store`` and ``hf3fs`` adapters need C++ extensions
 (``lmcache.lmcache_mooncake``, ``lmcache.lmcache_hf3fs``) that LMCache's PyPI wheel does not
 ship: each run tries to create both through LMCache's own adapter factory (``mooncake_store``
@@ -20,7 +29,7 @@ Each system runs the same ``lmcache bench l2`` invocation (store -> lookup -> lo
 same keys, round trip verified) in its own process; systems alternate and repeat, the best
 round-average per metric is kept. Results: benchmarks/results/lmcache_l2.json.
 
-    .venv/bin/python benchmarks/lmcache_l2.py [--quick] [--dir DIR] [--stores memory,hf3fs,...]
+    .venv/bin/python benchmarks/lmcache_l2.py [--quick] [--dir DIR] [--stores memory,hf3fs,...] [--remote on|off]
 """
 
 from __future__ import annotations
@@ -114,6 +123,107 @@ class Systems:
         return {**PLUGIN, "adapter_params": params}, harness.exec_prefix()
 
 
+REMOTE_SEQS, REMOTE_TOKENS = 16, 1024  # 16 prompts x 4 chunks of 512 KiB (EngineClient's KV: 1024 tokens)
+
+
+def remote_child(system: str, work: Path, params: dict | None) -> dict:
+    """Inside the namespace: servers A and B (and a coordinator for p2p); A stores, B reads."""
+    from kvconnect.connectors.testing.lmcache import EngineClient, Server, wait_for
+    from kvconnect.connectors.testing.processes import child_env, free_port
+
+    work.mkdir(parents=True, exist_ok=True)
+    procs, servers, clients = [], [], []
+    out: dict = {"system": system}
+    try:
+        if system == "p2p":
+            cport = free_port()
+            procs.append(subprocess.Popen([LMCACHE_BIN, "coordinator", "--host", "127.0.0.1", "--port", str(cport)],
+                                          env=child_env(), stdout=open(work / "coordinator.log", "w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+            for name in ("a", "b"):
+                servers.append(Server(None, work / f"{name}.log", "--coordinator-url", f"http://127.0.0.1:{cport}",
+                                      "--p2p-advertise-url", f"127.0.0.1:{free_port()}",
+                                      "--p2p-transfer-engine", "mooncake_te", l1_size_gb=0.5))
+        else:
+            servers = [Server(params, work / "a.log", "--l2-store-policy", "skip_l1", l1_size_gb=0.5),
+                       Server(params, work / "b.log", l1_size_gb=0.5)]
+        a, b = servers
+        a.wait_healthy()
+        b.wait_healthy()
+        if system == "p2p":
+            wait_for(lambda: a.status().get("p2p_peer_count") == 1 and b.status().get("p2p_peer_count") == 1,
+                     60, "p2p peers registered")
+        ca, cb = EngineClient(a, REMOTE_TOKENS), EngineClient(b, REMOTE_TOKENS)
+        clients += [ca, cb]
+        stored = {seq: ca.store_sequence(seq) for seq in range(REMOTE_SEQS)}
+        chunks = sum(len(v) for v in stored.values())
+        if system != "p2p":
+            wait_for(lambda: a.adapter_status()["store_stats"]["put_written"] >= chunks, 60, "A's L2 stores")
+        first, load, floor, bad = [], [], [], 0
+        for seq in range(REMOTE_SEQS):
+            t0 = time.perf_counter()
+            hit, total = cb.hit_chunks(seq)  # B's first lookup: L2 lookup + prefetch into B's L1
+            t1 = time.perf_counter()
+            got = cb.retrieve_sequence(seq)
+            t2 = time.perf_counter()
+            again = cb.hit_chunks(seq)  # the same lookup once B's L1 holds the prompt: the path's floor
+            floor.append(time.perf_counter() - t2)
+            first.append(t1 - t0)
+            load.append(t2 - t1)
+            bad += again != (hit, total)
+            bad += (hit, total) != (len(stored[seq]), len(stored[seq])) or got != stored[seq]
+        nbytes = chunks * 512 * 1024
+        out.update({"prompts": REMOTE_SEQS, "chunks": chunks, "bytes": nbytes, "mismatched_prompts": bad,
+                    "lookup_prefetch_s_median": sorted(first)[len(first) // 2],
+                    "retrieve_s_median": sorted(load)[len(load) // 2],
+                    "l1_lookup_s_median": sorted(floor)[len(floor) // 2],
+                    "remote_load_MBps": nbytes / (1 << 20) / (sum(first) + sum(load)),
+                    "lookup_prefetch_MBps": nbytes / (1 << 20) / sum(first)})
+        st = b.status()
+        out["b_l2_adapters"] = [{k: v for k, v in ad.items() if k in ("type", "store", "store_stats", "errors",
+                                                                       "peer_mq_server_url")}
+                                for ad in st["storage_manager"]["l2_adapters"]]
+    finally:
+        for c in clients:
+            c.close()
+        for srv in servers:
+            srv.stop()
+        for pr in procs:
+            pr.terminate()
+            pr.wait(10)
+    return out
+
+
+def run_remote(system: str, work: Path, stack: ExitStack) -> dict:
+    """``remote_child`` in a loopback-only namespace of its own (peer_rdma: the pool's)."""
+    params, prefix = None, []
+    if system == "peer_rdma":
+        from kvconnect.connectors.testing.harness import harness_class
+
+        cls = harness_class("peer_rdma")
+        why = cls.skip_reason()
+        if why:
+            raise RuntimeError(why)
+        h = stack.enter_context(cls(work / "pool"))
+        params, prefix = {**h.options(0), "global_segment_size": "64mb"}, h.exec_prefix()
+    else:
+        from kvconnect.connectors.testing.netns import Netns, netns_available
+
+        why = netns_available()
+        if why:
+            raise RuntimeError(why)
+        ns = Netns("kvc-p2p")
+        stack.callback(ns.delete)
+        prefix = ns.exec_prefix()
+    p = subprocess.run(prefix + [sys.executable, str(Path(__file__).resolve()), "--remote-child", system,
+                                 "--dir", str(work / system), "--child-params", json.dumps(params)],
+                       env=_env(), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("REMOTE ")]
+    if p.returncode != 0 or not line:
+        raise RuntimeError(f"remote {system} (rc {p.returncode}): {(p.stdout + p.stderr)[-2500:]}")
+    return json.loads(line[-1][len("REMOTE "):])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small run (tests): hf3fs vs fs and fs_native only, once")
@@ -124,7 +234,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="runs of each compared system, alternating (default 2, --quick 1); "
                         "mooncake and peer_rdma run once")
     p.add_argument("--out", default=None, help="results path (default benchmarks/results/lmcache_l2.json)")
+    p.add_argument("--remote", choices=("on", "off"), default=None,
+                   help="peer_rdma vs LMCache p2p between two servers (default: on, --quick: off)")
+    p.add_argument("--remote-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-params", default="null", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.remote_child:
+        print("REMOTE " + json.dumps(remote_child(args.remote_child, Path(args.dir), json.loads(args.child_params))))
+        return 0
 
     shape = ({"keys": 8, "in_flight": 1, "size_kb": 512, "rounds": 2} if args.quick
              else {"keys": 16, "in_flight": 2, "size_kb": 1024, "rounds": 4})
@@ -181,9 +298,29 @@ def main(argv: list[str] | None = None) -> int:
                 b = best.setdefault(name, {})
                 for k, v in figs.items():
                     b[k] = max(b.get(k, 0.0), v)
+        remote: dict[str, dict] = {}
+        if (args.remote or ("off" if args.quick else "on")) == "on":
+            for name in ("p2p", "peer_rdma"):
+                try:
+                    remote[name] = run_remote(name, work / "remote", stack)
+                except Exception as e:  # noqa: BLE001 - a remote system that cannot run is a finding
+                    remote[name] = {"error": str(e)[-1500:]}
+                    res.notes.append(f"remote {name}: not run: {str(e)[-600:]}")
+                print(f"[lmcache_l2] remote {name}: " + json.dumps({k: v for k, v in remote[name].items()
+                                                                    if k != "b_l2_adapters"})[:600])
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
-    res.figures = {"per_system": best, "lmcache_native": native, "seconds": round(time.monotonic() - t0, 1)}
+    res.figures = {"per_system": best, "lmcache_native": native, "remote": remote,
+                   "seconds": round(time.monotonic() - t0, 1)}
+    ours, ref = remote.get("peer_rdma", {}), remote.get("p2p", {})
+    if "remote_load_MBps" in ours and "remote_load_MBps" in ref:
+        res.notes.append("remote: B's first lookup of each of A's prompts (LMCache looks up L2 and prefetches the "
+                         "hits into L1) then its retrieve; remote_load_MBps = bytes / (lookups + retrieves); "
+                         "lookup_prefetch_s = time until a whole prompt's chunks are in B's L1; l1_lookup_s: the same lookup once "
+                         "they are in B's L1 (no L2 involved): the floor of LMCache's lookup path and its engine "
+                         "client, which bounds both systems")
+        for metric in ("remote_load_MBps", "lookup_prefetch_MBps"):
+            res.ratio(f"peer_rdma_vs_p2p.{metric}", ours[metric], ref[metric], "LMCache 0.5.6 'p2p' (mooncake_te, TCP)")
     for ours, ref in PAIRS:
         if ours in best and ref in best:
             for _, metric in METRICS:
