@@ -317,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         res.notes.append("remote: B's first lookup of each of A's prompts (LMCache looks up L2 and prefetches the "
                          "hits into L1) then its retrieve; remote_load_MBps = bytes / (lookups + retrieves); "
                          "lookup_prefetch_s = time until a whole prompt's chunks are in B's L1; "
-                         "l1_lookup_s: the same lookup once they are in B's L1 (no L2 involved): the floor of LMCache's lookup path and its engine "
-                         "client, which bounds both systems")
+                         "l1_lookup_s: the same lookup once they are in B's L1 (no L2 involved): the floor "
+                         "of LMCache's lookup path and its engine client, which bounds both systems")
         for metric in ("remote_load_MBps", "lookup_prefetch_MBps"):
             res.ratio(f"peer_rdma_vs_p2p.{metric}", ours[metric], ref[metric], "LMCache 0.5.6 'p2p' (mooncake_te, TCP)")
     for ours, ref in PAIRS:
