@@ -73,6 +73,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import LayerWiseLoa
 from kvconnect.connectors.base import Capability, ConfigError, Page
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import ErrorCounter, RateLimitedLog, build_store, serve_store_metrics
+from kvconnect.connectors.engines.kv_events import StoreEvents, events_config
 from kvconnect.connectors.engines.sglang_hicache import base_keyspace, required_capabilities
 from kvconnect.connectors.engines.sglang_pools import RANK_SHARDED_POOLS, kv_geometry, pool_keyspace
 from kvconnect.connectors.engines.sglang_shims import pool_name
@@ -82,7 +83,7 @@ from kvconnect.namespace.hits import HitPolicy, restorable_prefixes
 log = logging.getLogger("kvconnect.sglang_linker")
 
 ADAPTER = "kvconnect sglang linker"
-LINKER_KEYS = ("layer_groups", "lookup_timeout_s", "load_timeout_s", "staging", "kv_cache_dtype")
+LINKER_KEYS = ("layer_groups", "lookup_timeout_s", "load_timeout_s", "staging", "kv_cache_dtype", "kv_events")
 STAGING = ("auto", "host", "off")
 
 
@@ -441,6 +442,7 @@ class KVConnectLinker(UnifiedCacheLinker):
             self.linked = {pool_name(name): self._link(pool_name(name), entry, base)
                            for name, entry in self.pools.items()}
             self._register_buffers()
+            self._events = self._start_events(extra.get("kv_events"))
         except Exception:
             self.store.close()
             raise
@@ -486,6 +488,24 @@ class KVConnectLinker(UnifiedCacheLinker):
                  self.options.layer_groups)
 
     # -- setup ----------------------------------------------------------------------------
+    def _start_events(self, option: Any) -> Optional[StoreEvents]:
+        """KV events of the KV pool's pages (``kv_events``: SGLang's --kv-events-config schema),
+        published by the rank SGLang publishes from; None where off."""
+        config = events_config(option, where=ADAPTER)
+        kv = self.linked.get(pool_name(PoolName.KV))
+        if not config or kv is None:
+            return None
+        if self.options.layer_groups != 1:
+            raise ConfigError("kv_events", "events name whole pages, and layer_groups > 1 stores each page as "
+                              "several keys", "layer_groups 1 with kv_events", ADAPTER)
+        c = self.context
+        if (c.tp_rank, c.pp_rank, c.cp_rank) != (0, 0, 0):
+            return None
+        events = StoreEvents.create(config, dp_rank=c.dp_rank, where=ADAPTER)
+        if events is not None:
+            events.watch(kv.store, block_size=self.page_size)
+        return events
+
     def _link(self, name: str, entry: DevicePoolEntry, base: Any) -> LinkedPool:
         replicated = self.pool_group.rank_replicated and name not in RANK_SHARDED_POOLS
         pool = entry.device_pool
@@ -713,6 +733,9 @@ class KVConnectLinker(UnifiedCacheLinker):
             if not self._land(index, layers, staged):
                 return  # abandoned: the forward went on, the requests are aborted
             done += sum(len(c[1]) for c in calls)
+        kv = batches.get(pool_name(PoolName.KV))
+        if self._events is not None and kv is not None:
+            self._events.loaded(kv[0])
         self.counts.add("loads")
         self.counts.add("loaded_pages", done)
 
@@ -777,6 +800,7 @@ class KVConnectLinker(UnifiedCacheLinker):
         groups = self.options.layer_groups
         calls: list = []
         staged: List[HostStaging] = []
+        announce = None  # (index of the KV pool's call, its page hashes, events token)
         self._reset_arena()
         for t in transfers:
             pool = self.linked[pool_name(t.name)]
@@ -788,11 +812,16 @@ class KVConnectLinker(UnifiedCacheLinker):
             if not todo:
                 continue
             keys, rows = [keys[i] for i in todo], [rows[i] for i in todo]
+            if self._events is not None and pool.name == pool_name(PoolName.KV):
+                announce = (len(calls), keys, self._events.begin(keys))  # layer_groups 1: one call
             for g in self._present_groups(pool):
                 calls.append((pool.store, pool.group_keys(keys, g, groups), self._pages(pool, rows, g, staged)))
         self._copy(staged, to_device=False)
         # Lookups ask for every group of a page: one a failed put left out makes it a miss.
         results = put_many(calls) if calls else []
+        if announce is not None:
+            at, keys, token = announce
+            self._events.stored(keys, results[at], token=token)
         ok = all(all(r) for r in results)
         if ok:
             self.counts.add("offloaded_pages", sum(len(c[1]) for c in calls))
@@ -832,6 +861,8 @@ class KVConnectLinker(UnifiedCacheLinker):
             concurrent.futures.wait([stuck], timeout=max(0.0, deadline - time.monotonic()))
         busy = [t.name for t in self._threads if t.is_alive()] + (["a lookup"] if stuck and not stuck.done() else [])
         log.info("kvconnect linker: %s", self.counts.as_dict())
+        if self._events is not None:
+            self._events.close()  # what is pending goes out; the store's evictions no longer do
         if busy:
             # A store call is still running (a load may still write device memory): the
             # store stays open for it rather than be freed under it.
@@ -853,6 +884,7 @@ class KVConnectLinker(UnifiedCacheLinker):
 
     def kvconnect_stats(self) -> dict:
         return {"store": self.store.stats().as_dict(), "linker": self.counts.as_dict(),
+                "kv_events": dict(self._events.counts) if self._events else None,
                 "errors": self._errors.as_dict(), "context": self.context.describe(),
                 "keyspaces": {n: p.store.keyspace.describe() for n, p in self.linked.items()}}
 

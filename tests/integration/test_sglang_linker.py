@@ -93,6 +93,60 @@ def test_a_prompt_in_the_store_loads_with_no_recomputed_page(kind):
         b.close()
 
 
+EVENTS = {"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", "bind": True, "topic": "kvc",
+          "replay_endpoint": "tcp://127.0.0.1:*"}
+
+
+def test_kv_events_name_the_pages_offloaded_and_loaded_within_a_second():
+    """``kv_events`` on the linker: server A's offload of a prompt's 6 pages reaches a router's
+    ZMQ subscriber as ``BlockStored`` (medium EXTERNAL) of exactly those pages' block hashes
+    within 1 s; server C, loading the prompt from the store, announces the same pages on its own
+    publisher. No event names a page the store does not hold. ``layer_groups`` > 1 with events is
+    refused naming the key."""
+    from kvconnect.connectors.engines.kv_events import block_hash
+    from kvconnect.connectors.testing.kv_events import EventSubscriber
+
+    store_extra = {"store": SHARED, "space": "linker-events", "capacity": "16mb"}
+
+    def subscribe(server):
+        src = server.linker._events.source()
+        sub = EventSubscriber(src["endpoint"], src["topic"], src.get("replay_endpoint"))
+        time.sleep(0.2)  # the SUB connection; anything earlier comes back through the replay socket
+        return sub
+
+    def seen_within(sub, want: set, within: float = 1.0) -> set:
+        deadline = time.monotonic() + within
+        while True:
+            seen, received = sub.snapshot()
+            if seen == want or time.monotonic() > deadline:
+                assert all(ev.medium == "EXTERNAL" for _, ev in received if hasattr(ev, "medium"))
+                return seen
+            time.sleep(0.02)
+
+    a = LinkedServer({**store_extra, "kv_events": EVENTS})
+    c = LinkedServer({**store_extra, "kv_events": EVENTS})
+    sub_a, sub_c = subscribe(a), subscribe(c)
+    try:
+        tokens = prompt(4 * 6 + 3, 7)
+        first = a.prefill(tokens)
+        want = {block_hash(h) for h in first.page_hashes}
+        assert len(want) == 6 and a.linker.counts["offloaded_pages"] == 6
+        assert seen_within(sub_a, want) == want
+        kv = a.linker.linked["kv"].store
+        assert all(kv.exists(list(first.page_hashes)))  # every announced page is in the store
+        assert seen_within(sub_c, set(), 0.2) == set()  # C has done nothing yet
+        loaded = c.prefill(tokens)
+        assert (loaded.loaded_tokens, loaded.computed_pages) == (24, 0)
+        assert seen_within(sub_c, want) == want
+    finally:
+        sub_a.close()
+        sub_c.close()
+        a.close()
+        c.close()
+    with pytest.raises(ConfigError, match="kv_events"):
+        LinkedServer({**store_extra, "kv_events": EVENTS, "layer_groups": 3})
+
+
 def test_hybrid_swa_pool_set_is_its_own_key_space():
     """FULL + SWA layers (``SWAKVPool``): the FULL pages and the SWA pages are two pools of
     the linker, under two key spaces; a second server loads the FULL prefix and only the
