@@ -80,6 +80,7 @@ from kvconnect.connectors.engines.write_behind import WriteBehind
 from kvconnect.connectors.views import exists_many, get_many, put_many
 from kvconnect.namespace import KeySpace, logical_kv_dtype
 from kvconnect.namespace.hits import HitPolicy, block_group_pages, leading_hits, restorable_prefixes
+from kvconnect.namespace.keyspace import model_key
 
 log = logging.getLogger("kvconnect.sglang_hicache")
 
@@ -164,12 +165,10 @@ def engine_context(config: Any) -> EngineContext:
 
 def base_keyspace(context: EngineContext, *, tenant: str = "", weights: str = "") -> KeySpace:
     """The engine rank's key space before a pool is known (model, ranks, tenant)."""
-    model = context.model
-    if not model:
-        log.warning("kvconnect: SGLang gave no model_name; keying pages on 'unnamed-model'")
-        model = "unnamed-model"
+    if not context.model:
+        log.warning("kvconnect: SGLang gave no model_name; keying pages on %r", model_key(""))
     return KeySpace(
-        model=model, weights=weights, tenant=tenant,
+        model=model_key(context.model), weights=weights, tenant=tenant,
         tp_rank=context.tp_rank, tp_size=context.tp_size, pp_rank=context.pp_rank, pp_size=context.pp_size,
         cp_rank=context.cp_rank, cp_size=context.cp_size, rank_replicated=context.rank_replicated)
 
