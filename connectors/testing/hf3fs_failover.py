@@ -56,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvconnect.connectors.testing.processes import wait_until  # noqa: F401 - the kit's tests import it here
 from kvconnect.connectors.testing.redis_cluster import DURABILITY, RedisHA
 
 SCENARIOS = ("kill9", "sigstop", "partition", "lagging", "double")
@@ -65,17 +66,6 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 def expected(key: str, nbytes: int) -> bytes:
     d = hashlib.blake2b(key.encode(), digest_size=32).digest()
     return (d * (nbytes // 32 + 1))[:nbytes]
-
-
-def wait_until(cond, timeout: float, what: str) -> float:
-    """Seconds until ``cond()`` is true, polled every 50 ms; AssertionError naming ``what``
-    after ``timeout``."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout:g} s")
 
 
 def check_all(store, keys: list[str], batch: int = 16) -> None:

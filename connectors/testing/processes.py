@@ -61,6 +61,17 @@ def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.2
         time.sleep(interval)
 
 
+def wait_until(cond, timeout: float, what: str) -> float:
+    """Seconds until ``cond()`` is true, polled every 50 ms; AssertionError naming ``what``
+    after ``timeout``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout:g} s")
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     import socket

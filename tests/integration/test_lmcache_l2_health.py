@@ -16,7 +16,7 @@ pytest.importorskip("lmcache")
 pytest.importorskip("prometheus_client")
 
 from kvconnect.connectors.testing.lmcache import EngineClient, Server, wait_for  # noqa: E402
-from kvconnect.connectors.testing.processes import free_port  # noqa: E402
+from kvconnect.connectors.testing.processes import free_port, wait_until  # noqa: E402
 
 FLIP_S = 5.0
 OK = re.compile(r'^kvconnect_lmcache_backend_ok\{[^}]*reason="(\w+)"[^}]*\} (\S+)$', re.M)
@@ -30,12 +30,7 @@ def backend_gauge(port: int) -> tuple[str, float]:
 
 
 def seconds_until(pred, timeout: float = 3 * FLIP_S) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if pred():
-            return time.monotonic() - t0
-        time.sleep(0.1)
-    raise AssertionError(f"no flip within {timeout}s")
+    return wait_until(pred, timeout, "backend_ok flip")
 
 
 def test_backend_ok_gauge_and_status_flip_within_5s(tmp_path):
