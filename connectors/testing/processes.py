@@ -186,6 +186,21 @@ def open_file_limit(n: int) -> Callable[[], None]:
     return apply
 
 
+def own_open_file_limit(need: int, why: str) -> Callable[[], None]:
+    """Raise this process's soft open-file limit to its hard limit (a test that holds
+    thousands of sockets) and return what restores it; skips the test where the hard limit is
+    below ``need``."""
+    import resource
+
+    import pytest
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        pytest.skip(f"{why}: needs an open-file hard limit >= {need} (have {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def hold_connections(port: int, n: int, host: str = "127.0.0.1") -> list[socket.socket]:
     """Open up to ``n`` TCP connections to ``host:port`` that never send a byte; those the
     kernel refuses are skipped. The caller closes them. Needs about ``n`` free descriptors."""

@@ -9,7 +9,6 @@ own ``mini_3fs_metadata_server`` process for the wrong-URL error.
 from __future__ import annotations
 
 import os
-import resource
 import socket
 import subprocess
 import sys
@@ -23,7 +22,8 @@ from kvconnect.connectors.registry import create_store
 from kvconnect.connectors.testing.conformance import PAGE, page_bytes
 from kvconnect.connectors.testing.hf3fs import MetaProcess
 from kvconnect.connectors.testing.netns import Netns, netns_available
-from kvconnect.connectors.testing.processes import child_env, free_port, hold_connections, still_open, stop
+from kvconnect.connectors.testing.processes import (child_env, free_port, hold_connections, own_open_file_limit,
+                                                    still_open, stop)
 
 grpc = pytest.importorskip("grpc", reason="the metadata service needs grpcio (extra 'hf3fs')")
 
@@ -64,10 +64,7 @@ def test_two_thousand_idle_connections_do_not_lock_out_a_client(tmp_path):
     the common 1,024 open-file soft limit: the service raises its limit, closes connections
     past its cap and those that do not authenticate in time, and a real client still writes
     and reads pages byte-exact within a bound."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < 4500:
-        pytest.skip(f"needs an open-file hard limit >= 4500 (have {hard})")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    restore_limit = own_open_file_limit(4500, "2,000 sockets here and a service's raised limit")
     tok = token_file(tmp_path)
     meta = MetaProcess(tmp_path / "meta", tok, nofile=1024).start()
     idle: list[socket.socket] = []
@@ -95,7 +92,7 @@ def test_two_thousand_idle_connections_do_not_lock_out_a_client(tmp_path):
         for s in idle:
             s.close()
         meta.stop()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        restore_limit()
 
 
 def test_two_thousand_idle_grpc_connections_at_a_hard_limit_of_1024(tmp_path):
@@ -106,10 +103,7 @@ def test_two_thousand_idle_grpc_connections_at_a_hard_limit_of_1024(tmp_path):
     then writes and reads pages byte-exact, a refused attempt being a miss, not a hang."""
     from kvconnect.connectors.rpc import HANDSHAKE_TIMEOUT_MS
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < 2200:
-        pytest.skip(f"the test itself holds 2,000 sockets: needs an open-file hard limit >= 2200 (have {hard})")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    restore_limit = own_open_file_limit(2200, "the test itself holds 2,000 sockets")
     tok = token_file(tmp_path)
     meta = MetaProcess(tmp_path / "meta", tok, nofile=1024, nofile_hard=True, args=["--tcp-port", "-1"]).start()
     idle: list[socket.socket] = []
@@ -146,7 +140,7 @@ def test_two_thousand_idle_grpc_connections_at_a_hard_limit_of_1024(tmp_path):
         for s in idle:
             s.close()
         meta.stop()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        restore_limit()
 
 
 def test_unknown_framed_method_is_refused_by_name_not_with_a_traceback(tmp_path):

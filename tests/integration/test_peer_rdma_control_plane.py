@@ -157,16 +157,11 @@ else:
         most ``rpc.connection_limit()`` of them and closes those without a handshake after
         ``rpc.HANDSHAKE_TIMEOUT_MS``; a client with the token is then served (a refused try is
         an error at once, not a hang), and the node stays up."""
-        import resource
-
         from kvconnect.connectors.peer_rdma.rpc import Clients, RpcError
         from kvconnect.connectors.rpc import HANDSHAKE_TIMEOUT_MS
-        from kvconnect.connectors.testing.processes import hold_connections, still_open
+        from kvconnect.connectors.testing.processes import hold_connections, own_open_file_limit, still_open
 
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard != resource.RLIM_INFINITY and hard < 2200:
-            pytest.skip(f"the test holds 2,000 sockets: needs an open-file hard limit >= 2200 (have {hard})")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        restore_limit = own_open_file_limit(2200, "the test holds 2,000 sockets")
         tok = tmp_path / "tok"
         tok.write_text("peer-secret\n")
         port = free_port()
@@ -196,7 +191,7 @@ else:
             for s in idle:
                 s.close()
             stop(p)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            restore_limit()
 
     def test_peer_serve_warnings_and_token_file(tmp_path):
         """``kvconnect peer serve``: a WARNING for a control plane on 0.0.0.0 without a token
