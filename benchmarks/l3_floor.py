@@ -7,8 +7,8 @@ machine it runs on:
 
 * ``memcpy``: ``ctypes.memmove`` of the prefix's bytes, one thread and ``--threads`` threads
   (``limits.measure_memcpy``): the most any host-memory store can do here;
-* ``get``: each store (``memory``; ``hf3fs`` with the serving benchmark's settings, ``numjobs`` 16
-  and ``entries`` 8, on ``--dir``) reading the prefix's pages into one host buffer (pinned when a
+* ``get``: each store (``memory``; ``hf3fs`` with ``numjobs`` 16 and ``entries`` 8 on ``--dir``,
+  ``hf3fs_e16`` with the serving benchmark's ``entries`` 16, ``hf3fs_2t`` with two workers) reading the prefix's pages into one host buffer (pinned when a
   GPU is there, as SGLang's host pool is), alone and while another thread keeps writing other
   pages into the same store (write-through puts of other requests); every read is checked byte
   for byte on its first and last page;
@@ -81,13 +81,29 @@ def open_stores(names: list[str], directory: Path, page_bytes: int, pages: int) 
     from kvconnect.connectors.registry import create_store
 
     room = (pages + 64) * page_bytes  # the prefix, the writer's batches, slack
-    options = {
-        "memory": {"capacity": room},
-        # the serving benchmark's hf3fs settings (benchmarks/serving/configs.py)
-        "hf3fs": {"file_path_prefix": str(directory / "floor"), "file_size": room, "numjobs": 16, "entries": 8,
-                  "page_bytes": page_bytes},
-    }
-    return {n: create_store(n, options[n]) for n in names}
+    unknown = [n for n in names if n not in FLOOR_STORES]
+    if unknown:
+        raise SystemExit(f"--stores: unknown {', '.join(unknown)}; accepted values: {', '.join(FLOOR_STORES)}")
+    stores = {}
+    for n in names:
+        store, options = FLOOR_STORES[n]
+        if store == "memory":
+            options = {**options, "capacity": room}
+        else:
+            options = {**options, "file_path_prefix": str(directory / n), "file_size": room, "page_bytes": page_bytes}
+        stores[n] = create_store(store, options)
+    return stores
+
+
+# name -> (store, options): the stores a floor run can read from
+FLOOR_STORES = {
+    "memory": ("memory", {}),
+    "hf3fs": ("hf3fs", {"numjobs": 16, "entries": 8}),
+    # the serving benchmark's kvc_hf3fs (benchmarks/serving/configs.py): entries 16
+    "hf3fs_e16": ("hf3fs", {"numjobs": 16, "entries": 16}),
+    # two workers: the threads a 32-page batch had with entries 16 before batches were spread over numjobs
+    "hf3fs_2t": ("hf3fs", {"numjobs": 2, "entries": 16}),
+}
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
@@ -201,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--segments", type=int, default=1,
                    help="pieces per host page (default 1: SGLang's page_first layout; 2 x layers, e.g. 64: "
                         "layer_first, where each page is one piece per layer and K/V)")
-    p.add_argument("--stores", default="memory,hf3fs", help="stores to read from (default memory,hf3fs)")
+    p.add_argument("--stores", default="memory,hf3fs", help="stores to read from, of " + ", ".join(FLOOR_STORES)
+                   + " (default memory,hf3fs; hf3fs: numjobs 16, entries 8; hf3fs_e16: entries 16, the serving "
+                   "benchmark's; hf3fs_2t: 2 workers)")
     p.add_argument("--dir", default=None, help="hf3fs data directory (default: a temporary one under /dev/shm "
                                                "where it exists, so the file system is not the limit)")
     p.add_argument("--store-s-per-l3-hit", type=float, default=None,
@@ -258,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             figs[name]["l3_floor_ms"] = round(l3, 3)
             res.ratio(f"{name}_l3_floor_over_l2_floor", l3, figs["h2d"]["ms_median"],
                       "host-to-device copy alone (what an L2 hit copies), same run", higher_is_better=False)
+    if "hf3fs_e16" in stores and "hf3fs_2t" in stores:
+        res.ratio("hf3fs_e16_get_over_2_workers", figs["hf3fs_e16"]["get"]["gib_per_s"],
+                  figs["hf3fs_2t"]["get"]["gib_per_s"],
+                  "the same reads on two workers (what entries 16 gave a 32-page batch before), same run")
     if a.store_s_per_l3_hit:
         figs["serving_store_ms_per_l3_hit"] = round(a.store_s_per_l3_hit * 1e3, 3)
         for name in stores:

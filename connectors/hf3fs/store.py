@@ -60,6 +60,9 @@ _LOOKS_3FS = re.compile(r"(^|/)(hf)?3fs(/|$)", re.IGNORECASE)  # /mnt/3fs/..., /
 # Fraction of a lease a client trusts: the service's clock started it a little after ours.
 LEASE_TRUST = 0.8
 
+MIN_TASK_BYTES = 1 << 20
+"""The least a worker task reads or writes (pages smaller than this are grouped)."""
+
 
 class _LocalIndexes:
     """One in-process index per data file per process, guarded by an exclusive flock
@@ -366,11 +369,22 @@ class HF3FSStore(PageStore):
         return self._primary.num_pages if self._primary else 0
 
     # ------------------------------------------------------------------ I/O fan-out
-    def _fan_out(self, fn, items: list, *args) -> list:
-        """Run ``fn(chunk, *args)`` over ``entries``-sized chunks on the workers, the first
-        chunk on the calling thread; results in item order. Waits for every chunk: no I/O
-        into caller memory is ever left running when a call returns."""
-        e = self.config.entries
+    def _chunk_pages(self, n: int, page_bytes: int) -> int:
+        """Pages per worker task for a batch of ``n``: at most ``entries`` (one usrbio ring's
+        submission), and spread so a batch smaller than ``numjobs x entries`` still uses every
+        worker. A 2,048-token prefix of 32 pages of 8 MiB cut by ``entries`` 16 ran on two
+        threads (7 GB/s in a serving run) where the node's memory moves 30 GB/s on 16. No
+        task is made smaller than MIN_TASK_BYTES, below which handing it over costs more."""
+        spread = -(-n // max(1, self.config.numjobs))
+        floor = -(-MIN_TASK_BYTES // max(1, page_bytes))
+        return max(1, min(self.config.entries, max(spread, floor)))
+
+    def _fan_out(self, fn, items: list, lane: "_Lane", *args) -> list:
+        """Run ``fn(chunk, lane, *args)`` over chunks of :meth:`_chunk_pages` items on the workers,
+        the first chunk on the calling thread; results in item order. Waits for every chunk: no
+        I/O into caller memory is ever left running when a call returns."""
+        e = self._chunk_pages(len(items), lane.page_bytes)
+        args = (lane, *args)
         chunks = [items[i:i + e] for i in range(0, len(items), e)]
         futs = [self._executor.submit(fn, c, *args) for c in chunks[1:]]
         out = list(fn(chunks[0], *args)) if chunks else []

@@ -12,19 +12,27 @@ from kvconnect.benchmarks import l3_floor
 
 def test_quick_floor_measures_every_store_and_checks_its_bytes(tmp_path):
     out = tmp_path / "l3_floor.json"
-    assert l3_floor.main(["--quick", "--out", str(out), "--store-s-per-l3-hit", "0.039"]) == 0
+    assert l3_floor.main(["--quick", "--out", str(out), "--store-s-per-l3-hit", "0.039",
+                          "--stores", "memory,hf3fs,hf3fs_e16,hf3fs_2t"]) == 0
     doc = json.loads(out.read_text())
     figs = doc["figures"]
     assert doc["params"]["pages"] == 4 and doc["params"]["page_bytes"] == 8 << 20
-    for store in ("memory", "hf3fs"):
+    for store in ("memory", "hf3fs", "hf3fs_e16", "hf3fs_2t"):
         g, u = figs[store]["get"], figs[store]["get_under_puts"]
         assert g["gib_per_s"] > 0 and u["gib_per_s"] > 0 and g["repeats"] == 3
         assert u["writer_gib_per_s"] > 0  # the writer really wrote while the reads ran
     names = {r["metric"] for r in doc["ratios"]}
     assert {"memory_get_over_memcpy_16t", "hf3fs_get_under_puts_over_alone",
-            "serving_store_time_over_hf3fs_get_floor"} <= names
+            "serving_store_time_over_hf3fs_get_floor", "hf3fs_e16_get_over_2_workers"} <= names
     if not doc["params"]["cuda"]:
         assert "h2d" not in figs and any("no CUDA" in n for n in doc["notes"])
+
+
+def test_an_unknown_store_name_is_refused_with_the_accepted_ones(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit, match="unknown nope; accepted values: memory, hf3fs, hf3fs_e16, hf3fs_2t"):
+        l3_floor.open_stores(["memory", "nope"], tmp_path, 1 << 20, 4)
 
 
 def test_a_read_that_returns_other_bytes_fails_the_run(tmp_path):
