@@ -11,10 +11,13 @@ Upstream files (the ``sglang==0.5.23`` wheel, ``sglang/srt/mem_cache/storage/``)
   sizes 1 and 2): the legacy tensor ``batch_set`` / ``batch_get`` / ``batch_exists`` over a
   real ``layer_first`` MHA host pool, including the prefix count of a partial key list.
 
-Each runs against two kvconnect stores, as their harnesses run them: ``memory`` in this process,
-and ``mooncake`` against a real ``mooncake_master`` and segment holder: the module re-runs
-itself inside a loopback-only network namespace (``in_harness_namespace``), where the
-``store_harness`` fixture starts them.
+Each runs against every registered kvconnect store and variant, as its harness
+(``kvconnect.connectors.testing.harness``) runs it: ``memory``; ``hf3fs`` on POSIX files with
+its in-process index and with a real metadata service process (``kvconnect hf3fs-meta
+serve``, variant ``service``); ``mooncake`` against a real ``mooncake_master`` and segment
+holder; ``peer_rdma`` joining a real seed node over TCP. The module re-runs itself inside a
+loopback-only network namespace (``in_harness_namespace``), where the ``store_harness``
+fixture starts each store's services and every case runs (7 cases x 5 stores).
 
 What was changed, and why:
 
@@ -34,7 +37,9 @@ What was changed, and why:
   as SGLang's writer rank does, then runs upstream's exists / get checks on rank 3. With the
   ``memory`` store (one process's memory) that config is refused at construction
   (``MissingCapability`` 'shared': rank 3, its own process in SGLang, could never read what rank
-  0 wrote), and the memory cases of both MLA TP>1 configs assert that refusal instead.
+  0 wrote), and the memory case of that config asserts that refusal instead; so does
+  ``hf3fs``'s with its in-process index (each process indexes its own files), whose refusal
+  names the metadata service to configure.
 * The AIBrix test's ``HiCacheStorageConfig(...)`` lacks fields 0.5.23 requires (``pp_rank``,
   ``pp_size``, ``attn_cp_*``, ``enable_storage_metrics``): given their single-rank values. Its
   positional ``MHATokenToKVPool(...)`` / ``MHATokenToKVPoolHost(...)`` calls no longer match
@@ -52,7 +57,8 @@ it cannot run against any backend); ``eic/test_unit.py`` (the EIC client alone, 
 
 Mocked: only upstream's own mock host pool (the Mooncake test's; a real pool needs model
 geometry upstream did not give). Everything else is real: SGLang's storage factory and config,
-SGLang's MHA host pool, kvconnect's stores, Mooncake's master and client.
+SGLang's MHA host pool, kvconnect's stores, the HF3FS metadata service, Mooncake's master and
+client, the peer pool's seed node.
 """
 
 from __future__ import annotations
@@ -69,23 +75,12 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 
 from kvconnect.connectors.base import Capability  # noqa: E402
 from kvconnect.connectors.errors import MissingCapability  # noqa: E402
-from kvconnect.connectors.testing.harness import harness_class, in_harness_namespace  # noqa: E402
-from kvconnect.connectors.testing.harness import inside_harness_namespace  # noqa: E402
-from kvconnect.connectors.testing.mooncake import mooncake_skip_reason  # noqa: E402
+from kvconnect.connectors.testing.harness import harness_fixture, in_harness_namespace  # noqa: E402
 from kvconnect.connectors.testing.sglang import HICACHE_EXTRA_CONFIG, MinimalHostPool, make_cpu_host_pool  # noqa: E402
 
-STORE = "mooncake" if inside_harness_namespace() else "memory"
-
-
-@pytest.fixture(scope="module")
-def store_harness(tmp_path_factory):
-    """This run's store as its harness runs it (``mooncake``: a master and a segment holder)."""
-    cls = harness_class(STORE)
-    why = cls.skip_reason()
-    if why:
-        pytest.skip(why)
-    with cls(tmp_path_factory.mktemp(STORE)) as harness:
-        yield harness
+# Every registered store and variant, as its harness runs it, all inside the module's own
+# loopback-only namespace (the run of ``test_in_loopback_namespace`` below).
+store_harness = harness_fixture(namespace_run=True)
 
 
 @pytest.fixture
@@ -176,7 +171,7 @@ def test_batch_operation(make_backend, store_harness, mla, tp_rank, tp_size):
     if Capability.SHARED not in store_harness.claims and mla and tp_size > 1:
         with pytest.raises(MissingCapability) as e:
             make_backend(config, mock_host_kv_cache)
-        assert e.value.store == STORE and e.value.capability == "shared"
+        assert e.value.store == store_harness.store and e.value.capability == "shared"
         assert f"all {tp_size} TP ranks, each its own process, read it" in str(e.value)
         return
     store = make_backend(config, mock_host_kv_cache)
@@ -244,6 +239,6 @@ def test_with_page_size(make_backend, page_size):
         assert _bytes(partial_get_tensor[i]) == _bytes(rand_tensor[i + partial])
 
 
-# The same tests against the mooncake store: this module again, inside a loopback-only
-# namespace where its harness starts a real mooncake_master (None in that run).
-test_mooncake_store_in_loopback_namespace = in_harness_namespace(__file__, skip_reason=mooncake_skip_reason)
+# This module again, inside a loopback-only namespace where each harness starts its store's
+# services (None in that run).
+test_in_loopback_namespace = in_harness_namespace(__file__)
