@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -35,7 +36,8 @@ GiB = 1 << 30
 
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
-        "hostname_hash": hex(hash(platform.node()) & 0xFFFF),
+        # the same host gives the same value in every run (str hash() is salted per process)
+        "hostname_hash": hex(zlib.crc32(platform.node().encode()) & 0xFFFF),
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "cpus": os.cpu_count(),
