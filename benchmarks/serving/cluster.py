@@ -228,8 +228,9 @@ def mooncake_master_binary() -> str:
 class Services:
     """The stores' side processes, started by name and stopped together."""
 
-    def __init__(self, workdir: Path, ports: dict):
+    def __init__(self, workdir: Path, ports: dict, mooncake_segment: int = 32 << 30):
         self.workdir, self.ports = Path(workdir), ports
+        self.mooncake_segment = mooncake_segment  # bytes the standalone Mooncake store process lends
         self.log_dir = self.workdir / "logs"
         self.running: dict[str, Process] = {}
 
@@ -262,7 +263,7 @@ class Services:
             self.start("mooncake_master")
             shared = "true" if name == "mooncake_store_shm" else "false"
             self._start(name, [*KVCONNECT_CLI, "mooncake-store", "--master", f"127.0.0.1:{p['mooncake_master']}",
-                               "--segment", p["mooncake_segment"], "-o", "protocol=tcp", "-o", "local_hostname=127.0.0.1",
+                               "--segment", str(self.mooncake_segment), "-o", "protocol=tcp", "-o", "local_hostname=127.0.0.1",
                                "-o", f"shared_segment={shared}",
                                "--metrics-port", p["mooncake_store_metrics"]],
                         lambda: port_open(p["mooncake_store_metrics"]), timeout_s=180)

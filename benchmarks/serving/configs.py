@@ -181,5 +181,5 @@ def default_ports(base: int = 0) -> dict:
     p = {"server": 30000, "router": 31000, "kvc_meta": 18000, "mini_3fs_meta": 18010, "mooncake_master": 50051,
          "mooncake_metrics": 9003, "mooncake_store_metrics": 9310, "peer_seed": 31998, "kvc_metrics": 9400,
          "peercache_discovery": 32998, "peercache_metrics": 31900}
-    return {k: v + base for k, v in p.items()} | {"mooncake_segment": "32gb"}
+    return {k: v + base for k, v in p.items()}
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from kvconnect.connectors.config import parse_size
+
 from . import client, workloads
 from .cluster import Router, SGLangServer, Services, http
 from .configs import BASELINE, CONFIGS, Config, Setup
@@ -336,7 +338,10 @@ def execute(plan: Plan) -> list[dict]:
     setup.write_hf3fs_ref_config()
     model_dir = Path(plan.spec.model_path) if plan.spec.model_path else \
         write_model_dir(Path(plan.workdir) / f"model-{plan.spec.shape}", plan.spec.shape)
-    services = Services(plan.workdir, plan.ports)
+    # the Mooncake store process lends what the peer pools lend in all (every server's share), so
+    # the shared stores compare at one capacity
+    services = Services(plan.workdir, plan.ports,
+                        mooncake_segment=plan.spec.servers * parse_size(plan.l3_bytes_per_server))
     cluster = Cluster(plan, setup, model_dir)
     runs_path, reqs_path = plan.out / "runs.jsonl", plan.out / "requests.jsonl.gz"
     capacity, reference, done = previous_runs(runs_path) if plan.resume else ({}, {}, [])

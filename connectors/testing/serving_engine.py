@@ -156,9 +156,11 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
             if request.method == "PUT":
                 body = await request.json()
                 extra = json.loads(body.get("hicache_storage_backend_extra_config_json") or "{}")
-                await asyncio.to_thread(engine.attach, body["hicache_storage_backend"], extra)
+                # on the main thread, as SGLang's scheduler attaches (its hf3fs backend installs
+                # signal handlers, which only the main thread may)
+                engine.attach(body["hicache_storage_backend"], extra)
                 return web.Response(text="HiCache storage backend attached.\n")
-            await asyncio.to_thread(engine.detach)
+            engine.detach()
             return web.Response(text="HiCache storage backend detached.\n")
         except Exception as e:  # noqa: BLE001 - SGLang answers a failed attach with 400 and the reason
             return web.Response(status=400, text=f"Failed: {e}\n")
