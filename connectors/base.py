@@ -55,8 +55,21 @@ MAX_KEY_BYTES = 4096
 
 
 def _check_keys(keys: Sequence[str]) -> list[str]:
-    """The key contract (module docstring); ``InvalidKey`` naming the first key that breaks it."""
+    """The key contract (module docstring); ``InvalidKey`` naming the first key that breaks it.
+
+    Every lookup passes here (``batch_exists`` is on SGLang's scheduler path), so a batch of
+    ASCII keys is checked at C speed in one pass over their join; anything else (and any
+    batch that breaks the contract, for the message) takes the key-by-key loop."""
     keys = list(keys)
+    if not keys:
+        return keys
+    try:
+        joined = "\n".join(keys)
+    except TypeError:  # a key that is not a str: the loop names it
+        joined = None
+    if (joined is not None and joined.isascii() and joined.count("\n") == len(keys) - 1
+            and "\x00" not in joined and min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_KEY_BYTES):
+        return keys
     for k in keys:
         if not isinstance(k, str):
             raise InvalidKey(f"keys are str, got {type(k).__name__} {k!r:.80}")

@@ -454,7 +454,7 @@ class MooncakeStore(PageStore):
         codes = self._call("batch_is_exist", self._client.batch_is_exist, keys)
         if codes is None or len(codes) != len(keys):
             return [False] * len(keys)
-        if any(c < 0 for c in codes):
+        if codes and min(codes) < 0:
             self.record_error(sum(1 for c in codes if c < 0))
         return [c == 1 for c in codes]
 
