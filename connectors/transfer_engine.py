@@ -337,7 +337,7 @@ def load_transfer_engine(user: str, extra: str) -> type:
 
 
 class TransferFailed(Exception):
-    """A one-sided transfer did not complete."""
+    """A one-sided transfer, a registration or (PD relay) a store operation did not complete."""
 
 
 class Pending:

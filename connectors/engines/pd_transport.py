@@ -222,8 +222,9 @@ class BufferLayout:
 # ---------------------------------------------------------------------------------
 
 
-class TransferFailed(Exception):
-    """A one-sided write or a store operation did not complete."""
+# One failure type for every data plane: the Transfer Engine's own (a one-sided write, a
+# registration) and the relay's store operations raise the same class.
+TransferFailed = transfer_engine.TransferFailed
 
 
 class DataPlane:
@@ -246,17 +247,11 @@ class DirectPlane(DataPlane):
         self.layout = layout
         self.engine = transfer_engine.EngineClient(local_ip, config.protocol, config.device, user="PD direct plane")
         self.session_id = self.engine.name
-        try:
-            self.engine.register_many(layout.regions())
-        except transfer_engine.TransferFailed as e:
-            raise TransferFailed(str(e)) from e
+        self.engine.register_many(layout.regions())
 
     def write(self, session: str, blocks: Sequence[tuple[int, int, int]]) -> None:
         """One-sided writes ``(local_src, remote_dst, nbytes)``; raises ``TransferFailed``."""
-        try:
-            self.engine.write_sync(session, blocks, self.config.max_batch)
-        except transfer_engine.TransferFailed as e:
-            raise TransferFailed(str(e)) from e
+        self.engine.write_sync(session, blocks, self.config.max_batch)
 
     def close(self) -> None:
         self.engine.close()
