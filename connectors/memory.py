@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage, page_nbytes
 from kvconnect.connectors.buffers import buffer_address, gather_many, scatter_many
 from kvconnect.connectors.config import Size, StoreConfig, field_doc
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.errors import ConfigError
 
 _EVICTED_KEPT = 65536  # how many evicted keys a miss can still be explained by
@@ -38,7 +39,7 @@ class MemoryStore(PageStore):
     capabilities = frozenset({Capability.ANY_PAGE_SIZE,  # one process's memory: shared with nobody
                               Capability.EVICTION_EVENTS})
 
-    def __init__(self, config: MemoryStoreConfig | None = None, context=None):
+    def __init__(self, config: MemoryStoreConfig | None = None, context: EngineContext | None = None):
         super().__init__(context)
         self.config = config or MemoryStoreConfig()
         self._lock = threading.Lock()

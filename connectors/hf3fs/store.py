@@ -45,6 +45,7 @@ from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, 
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from kvconnect.connectors.hf3fs.config import HF3FSConfig, check_page_count, merged_options
 from kvconnect.connectors.buffers import page_checksum
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.rate_limited_log import RateLimitedLog
 from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
                                               on_3fs_mount, on_local_fs, usable_cpus)
@@ -161,12 +162,12 @@ class HF3FSStore(PageStore):
             return "set metadata_server_url to a 'kvconnect hf3fs-meta serve' service"
         return ""
 
-    def __init__(self, config: HF3FSConfig, context: Any = None, *, metadata: MetadataClient | None = None):
+    def __init__(self, config: HF3FSConfig, context: EngineContext | None = None, *, metadata: MetadataClient | None = None):
         super().__init__(context)
         self.config = config
-        rank = context.data_rank if context is not None else None
-        self.file_rank = int(rank or 0)
-        self.pool = str(context.pool if context is not None else "kv")
+        rank = context.data_rank if context is not None else None  # None: no engine, any free file
+        self.file_rank = rank or 0
+        self.pool = context.pool if context is not None else "kv"
         page_bytes = context.page_bytes if context is not None else None
         suffix = "" if self.pool == "kv" else f".{self.pool}"
         self.path = f"{config.file_path_prefix}.{self.file_rank}.bin{suffix}"

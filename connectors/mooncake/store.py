@@ -69,6 +69,7 @@ from kvconnect.connectors.base import (BackendUnavailable, Capability, MissingDe
                                        page_nbytes)
 from kvconnect.connectors.buffers import gather_into, scatter, scatter_many
 from kvconnect.connectors.config import parse_config
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.mooncake import errors as mc_errors
 from kvconnect.connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
 from kvconnect.connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
@@ -167,7 +168,7 @@ class MooncakeStore(PageStore):
             return "install a CUDA build of Mooncake (mooncake-transfer-engine); the -non-cuda wheel is installed"
         return ""
 
-    def __init__(self, config: MooncakeConfig, context: Any = None):
+    def __init__(self, config: MooncakeConfig, context: EngineContext | None = None):
         super().__init__(context)
         self.config = config
         self._Client, ReplicateConfig = _import_mooncake()
@@ -281,7 +282,7 @@ class MooncakeStore(PageStore):
         # a shared segment is mounted from its file after setup, not allocated by Mooncake
         segment = 0 if c.shared_segment else c.global_segment_size
         args = (c.local_hostname, c.metadata_server, segment, c.local_buffer_size,
-                c.protocol, c.rdma_devices(self.context.tp_rank if self.context else None),
+                c.protocol, c.rdma_devices(self.context.tp_rank if self.context is not None else None),
                 c.master_server_address)
         result: dict[str, Any] = {}
         done = threading.Event()

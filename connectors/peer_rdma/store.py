@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.peer_rdma.config import PeerRdmaConfig
 from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS, MEMBERSHIP_COUNTERS
 
@@ -29,7 +29,7 @@ class PeerRdmaStore(PageStore):
     metric_prefix = "kvconnect_peer"
     metric_counters = frozenset(COUNTERS + DISK_COUNTERS + MEMBERSHIP_COUNTERS)
 
-    def __init__(self, config: PeerRdmaConfig | None = None, context: Any = None):
+    def __init__(self, config: PeerRdmaConfig | None = None, context: EngineContext | None = None):
         super().__init__(context)
         from kvconnect.connectors.peer_rdma.node import PeerNode
 
