@@ -23,7 +23,9 @@ store's documented behaviour, bounded, not what these suites test.
 
 * ``HiCacheSuite``: SGLang 0.5.23's ``StorageBackendFactory`` builds kvconnect's backend
   (``--hicache-storage-backend dynamic``) over a real CPU host KV pool; pages go through
-  ``batch_set_v1`` / ``batch_exists`` / ``batch_get_v1`` as SGLang's cache controller calls them.
+  ``batch_set_v1`` / ``batch_exists`` / ``batch_get_v1`` as SGLang's cache controller calls them;
+  on a ``durable`` store, SGLang's real ``HiCacheController`` (on CPU) detaches and re-attaches
+  the backend and finds every page written before the detach.
 * ``LMCacheL2Suite``: LMCache 0.5.6's plugin factory builds the L2 adapter from the
   ``--l2-adapter`` JSON; LMCache ``TensorMemoryObj`` buffers are stored, looked up (and
   locked) and loaded through the adapter's task interface.
@@ -105,6 +107,19 @@ class HiCacheSuite:
             writer.backend.close()
             if reader is not writer:
                 reader.backend.close()
+
+
+    def test_hicache_reattach_finds_every_page_written_before_the_detach(self, store_harness):
+        """Durable stores: pages SGLang's real ``HiCacheController`` backed up before
+        ``detach_storage_backend`` are all found, byte-exact, after ``attach_storage_backend``
+        and by a second engine's controller (``check_reattach_finds_every_page``)."""
+        pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
+        if Capability.DURABLE not in store_harness.claims:
+            pytest.skip(f"{store_harness.label} is not durable: its pages live with the instance that wrote them")
+        from kvconnect.connectors.testing.hicache_controller import check_reattach_finds_every_page
+
+        in_process(store_harness)
+        assert check_reattach_finds_every_page(lambda: dict(store_harness.options(0))) == 2 * (6 + 7 + 8)
 
 
 class LMCacheL2Suite:

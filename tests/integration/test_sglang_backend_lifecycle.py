@@ -13,13 +13,13 @@ real ``MemoryStore`` that a second backend instance in this process reaches by n
 Not real, and why: the scheduler. The controller's GPU<->host copies and the radix tree need
 a model on CUDA; the few scheduler lines that move a prefetch from the hit queue to the I/O
 thread (``UnifiedRadixCache``: allocate host slots, ``prefetch_buffer.put``) are copied into
-``prefetch()`` below, and the controller is handed a stand-in token allocator whose only use is
-``get_kvcache()`` (the real CPU device pool). ``FaultyStore`` (kvconnect's fault-injecting
+``prefetch()`` (``kvconnect.connectors.testing.hicache_controller``), and the controller is
+handed a stand-in token allocator whose only use is ``get_kvcache()`` (the real CPU device pool). ``FaultyStore`` (kvconnect's fault-injecting
 wrapper around the real store) stands in for a store whose service fails mid-run.
 
-Left out: Mooncake (its master runs only inside a loopback network namespace that a test
-module re-enters as a whole, ``kvconnect.connectors.testing.mooncake``'s ``outer_test``; no
-helper gives one to a single test).
+Left out here: Mooncake and the peer pool (their services run only inside a loopback network
+namespace that a test module re-enters as a whole); the re-attach check runs over every
+durable store's harness, ``mooncake`` included, in ``test_sglang_reattach_stores.py``.
 """
 
 from __future__ import annotations
@@ -37,8 +37,14 @@ pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage  # noqa: E402
+from kvconnect.connectors.testing.hicache_controller import (  # noqa: E402
+    MODEL,
+    attach,
+    check_reattach_finds_every_page,
+    controller,
+    pages_at,
+)
 from kvconnect.connectors.testing.sglang import (  # noqa: E402
-    HICACHE_EXTRA_CONFIG,
     fill_pages,
     make_cpu_host_pool,
     page_bytes,
@@ -47,7 +53,6 @@ from kvconnect.connectors.testing.sglang import (  # noqa: E402
 )
 from kvconnect.connectors.testing.stores import clear_spaces  # noqa: E402
 
-MODEL = "tiny/lifecycle"
 SHARED = "kvconnect.connectors.testing.stores:SharedMemoryStore"
 FAULTY = "kvconnect.connectors.testing.stores:FaultyStore"
 STORES = ["memory", "hf3fs"]
@@ -95,92 +100,6 @@ def store_extra(request, tmp_path):
     return make
 
 
-# ---------------------------------------------------------------------------------
-# SGLang's controller on CPU
-# ---------------------------------------------------------------------------------
-
-_published = False
-
-
-def _publish_single_rank() -> None:
-    """SGLang's runtime context of one scheduler rank (what the controller's storage config reads)."""
-    global _published
-    if _published:
-        return
-    from sglang.srt import runtime_context as rc
-    from sglang.srt.server_args import ServerArgs
-
-    rc.publish(ServerArgs(model_path="dummy", device="cpu"), role="scheduler", ranks=rc.SpawnRanks(world_rank=0))
-    rc.get_parallel().override_permanently(pp_group=None)
-    _published = True
-
-
-class _Allocator:
-    """The scheduler's token allocator, as far as the controller uses it on CPU: its device pool."""
-
-    def __init__(self, device_pool):
-        self.device_pool = device_pool
-
-    def get_kvcache(self):
-        return self.device_pool
-
-
-def controller(host, extra: dict, attach: bool = True):
-    """A real ``HiCacheController`` over ``host`` with kvconnect attached at start, as
-    ``--hicache-storage-backend dynamic`` does."""
-    from sglang.srt.managers.cache_controller import HiCacheController
-
-    _publish_single_rank()
-    return HiCacheController(
-        _Allocator(host._kvconnect_device_pool), host, host.page_size, None, threading.Event(), io_backend="direct",
-        storage_backend="dynamic" if attach else None, model_name=MODEL,
-        storage_backend_extra_config={**HICACHE_EXTRA_CONFIG, **extra})
-
-
-def attach(cc, extra: dict) -> None:
-    cc.attach_storage_backend("dynamic", model_name=MODEL, storage_backend_extra_config={**HICACHE_EXTRA_CONFIG,
-                                                                                          **extra})
-
-
-def backup(cc, host_indices, tokens) -> int:
-    """Write a request's pages to L3 through the controller's backup thread; tokens written."""
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-    keys = list(get_storage_hash_str(list(tokens), None, page_size=PS))
-    op_id = cc.write_storage(host_indices, list(tokens), hash_value=keys)
-    ack = cc.ack_backup_queue.get(timeout=30)
-    assert ack.id == op_id
-    return ack.completed_tokens
-
-
-def prefetch(cc, rid: str, tokens):
-    """A request's L3 prefetch through the controller's threads (hit query, then I/O), with the
-    scheduler's part in between (``UnifiedRadixCache``: allocate host slots for the hit, queue
-    it for I/O). Returns (tokens loaded, host indices or None)."""
-    cc.prefetch(rid, list(tokens))
-    op = cc.prefetch_hit_queue.get(timeout=30)
-    if op.storage_hit_count == 0:
-        return 0, None
-    op.host_indices = cc.mem_pool_host.alloc(op.storage_hit_count)
-    cc.prefetch_buffer.put(op)
-    done = 0
-    while True:
-        ack = cc.ack_prefetch_queue.get(timeout=30)
-        if ack.completed_tokens is not None:
-            done = max(done, ack.completed_tokens)
-        if ack.completed_req:
-            return done, op.host_indices
-
-
-def request_tokens(n_pages: int, tag: int) -> list[int]:
-    rng = random.Random(tag)
-    return [rng.randrange(1, 30000) for _ in range(n_pages * PS)]
-
-
-def pages_at(host, idx) -> list[bytes]:
-    return [page_bytes(host, int(idx[i * PS])) for i in range(len(idx) // PS)]
-
-
 def direct_backend(host, extra: dict, **fields) -> KVConnectStorage:
     """Built as SGLang's controller builds it: factory, register the host pool."""
     cfg = storage_config(extra_config=extra, model_name=MODEL, layout=host.layout, **fields)
@@ -203,41 +122,10 @@ def hashes(n: int, tag: str) -> list[str]:
 def test_reattach_finds_every_page_written_before_the_detach(store_extra):
     """Pages a real controller backed up before ``detach_storage_backend`` (which closes the
     backend) are all found, byte-exact, after ``attach_storage_backend`` builds a new backend
-    over the same store, and by a second engine's controller. Real: everything but the
-    scheduler's two lines in ``prefetch`` (module docstring)."""
-    host = make_cpu_host_pool("page_first", page_size=PS, host_tokens=PS * 80)
-    cc = controller(host, store_extra())
-    first = cc.storage_backend
-    assert type(first) is KVConnectStorage and cc.page_get_func == cc._page_get_zero_copy
-    requests = {f"r{i}": request_tokens(6 + i, 100 + i) for i in range(3)}
-    want = {}
-    for rid, tokens in requests.items():
-        idx = host.alloc(len(tokens))
-        fill_pages(host, idx, seed=len(want) + 1)
-        assert backup(cc, idx, tokens) == len(tokens)
-        want[rid] = pages_at(host, idx)
-    pages_written = sum(len(w) for w in want.values())
-
-    cc.detach_storage_backend()
-    assert cc.storage_backend is None and not cc.enable_storage
-    assert first.store.closed
-
-    attach(cc, store_extra())
-    assert cc.storage_backend is not first and not cc.storage_backend.store.closed
-    other_host = make_cpu_host_pool("page_first", page_size=PS, host_tokens=PS * 80)
-    other = controller(other_host, store_extra())  # a second engine on the same store
-    try:
-        found = 0
-        for c, h in ((cc, host), (other, other_host)):
-            for rid, tokens in requests.items():
-                done, idx = prefetch(c, f"{rid}-{id(c)}", tokens)
-                assert done == len(tokens), f"{rid}: {done} of {len(tokens)} tokens after re-attach"
-                assert pages_at(h, idx) == want[rid]
-                found += done // PS
-        assert found == 2 * pages_written  # 100 % of the pages, on both engines
-    finally:
-        cc.detach_storage_backend()
-        other.detach_storage_backend()
+    over the same store, and by a second engine's controller (``check_reattach_finds_every_page``;
+    every durable store's harness: ``test_sglang_reattach_stores.py``). Real: everything but
+    the scheduler's two lines in ``prefetch`` (module docstring)."""
+    assert check_reattach_finds_every_page(store_extra, page_size=PS) == 2 * (6 + 7 + 8)
 
 
 @pytest.mark.parametrize("store_extra", STORES, indirect=True)
