@@ -52,6 +52,9 @@ class EngineContext:
     device: str = "cpu"
     """Where the engine's pages live: ``"cpu"`` (host memory) or a GPU kind (``"cuda"``,
     ...); a store must be able to reach that memory."""
+    cross_rank_lookups: bool = False
+    """One process looks up the pages of every rank (vLLM's scheduler; each rank's key space
+    names its rank): a store that keeps per-rank files or namespaces keeps one for all ranks."""
 
     def __post_init__(self) -> None:
         if self.dp_rank < 0:

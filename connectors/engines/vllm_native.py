@@ -67,8 +67,10 @@ from kvconnect.connectors.engines.vllm_pages import (
     PageGeometry,
     VLLMConnectorConfig,
     lora_weights,
+    engine_context,
     page_hashes,
     rank_keyspaces,
+    store_requirements,
     salt_seed,
     vllm_kv_dtype,
 )
@@ -108,17 +110,18 @@ _stores_lock = threading.Lock()
 _stores: dict[str, list[Any]] = {}  # config json -> [store, refcount]
 
 
-def _acquire_store(options: Mapping[str, Any], model: str) -> tuple[PageStore, str]:
+def _acquire_store(options: Mapping[str, Any], context: EngineContext) -> tuple[PageStore, str]:
     """One store per configuration and process: the scheduler and the worker of an offline
-    ``LLM`` share it (so the in-process ``memory`` store serves both). The context carries no
-    rank: every rank's pages live in its own key space (``rank_keyspaces``), which the
-    scheduler checks all of."""
-    ident = json.dumps(options, sort_keys=True, default=str)
+    ``LLM`` share it (so the in-process ``memory`` store serves both). The context carries the
+    worker's ranks (rank 0 for the scheduler); every rank's pages live in its own key space
+    (``rank_keyspaces``), which the scheduler checks all of, so with several ranks the store
+    must be ``shared`` (``store_requirements``: the factory refuses one that is not)."""
+    ident = json.dumps([options, repr(context)], sort_keys=True, default=str)
     with _stores_lock:
         entry = _stores.get(ident)
         if entry is None or entry[0].closed:
-            store, _ = build_store(options, where=WHERE, engine_keys=ENGINE_KEYS,
-                                   context=EngineContext(engine="vllm", model=model))
+            store, _ = build_store(options, where=WHERE, engine_keys=ENGINE_KEYS, context=context,
+                                   require=store_requirements(context))
             entry = _stores[ident] = [store, 0]
         entry[1] += 1
         return entry[0], ident
@@ -240,14 +243,17 @@ class KVConnectConnector(KVConnectorBase_V1):
         self.tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
         self.pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
         self.geometry = geo
-        self.store, self._store_ident = _acquire_store(self.config.options, self.model_name)
+        tp_rank, pp_rank = (0, 0) if role == KVConnectorRole.SCHEDULER else _ranks()
+        self.context = engine_context(self.model_name, tp_rank=tp_rank, tp_size=self.tp_size, pp_rank=pp_rank,
+                                      pp_size=self.pp_size)
+        self.store, self._store_ident = _acquire_store(self.config.options, self.context)
         self._spaces: dict[tuple[str, int, int], KeySpace] = {}
         self._views: dict[str, PrefixedStore] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._reqs: dict[str, _ReqState] = {}
             self._pending_loads: list[BlockOp] = []
         else:
-            self.tp_rank, self.pp_rank = _ranks()
+            self.tp_rank, self.pp_rank = tp_rank, pp_rank
             self.codec: BlockCodec | None = None
             self._staging = None
             self._load_errors: set[int] = set()

@@ -31,8 +31,9 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvconnect.connectors.base import ConfigError
+from kvconnect.connectors.base import Capability, ConfigError
 from kvconnect.connectors.config import parse_size
+from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import split_engine_options
 from kvconnect.namespace import KeySpace, resolve_kv_dtype
 from kvconnect.namespace.dtypes import dtype_name
@@ -209,6 +210,26 @@ def lora_weights(weights: str, lora_name: str | None) -> str:
     if not lora_name:
         return weights
     return f"{weights}+lora:{lora_name}"
+
+
+def engine_context(model: str, *, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
+                   pp_size: int = 1) -> EngineContext:
+    """The ``EngineContext`` of one vLLM process: a worker's TP and PP ranks, or rank 0 for
+    the scheduler, which looks up the pages of every rank (``cross_rank_lookups``)."""
+    return EngineContext(engine="vllm", model=model, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
+                         pp_size=pp_size, cross_rank_lookups=True)
+
+
+def store_requirements(context: EngineContext) -> dict[Capability, str]:
+    """The capabilities the connector needs of its store (for the factory's ``require=``):
+    ``shared`` with more than one worker rank, whose pages the scheduler looks up from its
+    own process."""
+    ranks = context.tp_size * context.pp_size
+    if ranks == 1:
+        return {}
+    return {Capability.SHARED: f"vLLM with {ranks} worker ranks (TP {context.tp_size} x PP {context.pp_size}) "
+                               "needs: each rank writes its pages and the scheduler, another process, "
+                               "looks all of them up"}
 
 
 def rank_keyspaces(base: KeySpace, tp_size: int, pp_size: int,

@@ -165,7 +165,8 @@ class HF3FSStore(PageStore):
     def __init__(self, config: HF3FSConfig, context: EngineContext | None = None, *, metadata: MetadataClient | None = None):
         super().__init__(context)
         self.config = config
-        rank = context.data_rank if context is not None else None  # None: no engine, any free file
+        # None: no engine, or one process looks up every rank's keys: one file and namespace for all
+        rank = context.data_rank if context is not None and not context.cross_rank_lookups else None
         self.file_rank = rank or 0
         self.pool = context.pool if context is not None else "kv"
         page_bytes = context.page_bytes if context is not None else None

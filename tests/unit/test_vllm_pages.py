@@ -8,11 +8,15 @@ from kvconnect.connectors.base import ConfigError
 from kvconnect.connectors.engines.vllm_pages import (
     BlockCodec,
     PageGeometry,
+    ENGINE_KEYS,
+    WHERE,
     VLLMConnectorConfig,
+    engine_context,
     lora_weights,
     page_hashes,
     rank_keyspaces,
     salt_seed,
+    store_requirements,
 )
 
 torch = pytest.importorskip("torch")
@@ -107,3 +111,31 @@ def test_block_codec_kv_first_shape_and_unknown_shapes():
     with pytest.raises(ValueError, match="needs a KV cache shape"):
         BlockCodec([torch.randn(5, 64) for _ in range(2)], 5, 4, 2, 4, "layer_first")
     assert BlockCodec([torch.randn(5, 64) for _ in range(2)], 5, 4, 2, 4, "native").backend_block == "64"
+
+
+def test_ranks_go_in_the_context_and_several_ranks_need_a_shared_store(tmp_path):
+    from kvconnect.connectors.engines.common import build_store
+    from kvconnect.connectors.errors import MissingCapability
+    from kvconnect.connectors.hf3fs.store import HF3FSStore
+    from kvconnect.connectors.registry import check_capabilities
+
+    assert store_requirements(engine_context("m")) == {}  # one rank: any store
+    store, _ = build_store({"store": "memory"}, where=WHERE, engine_keys=ENGINE_KEYS, context=engine_context("m"),
+                           require=store_requirements(engine_context("m")))
+    store.close()
+    for ranks in ({"tp_rank": 1, "tp_size": 2}, {"pp_rank": 1, "pp_size": 2}):
+        ctx = engine_context("m", **ranks)
+        assert ctx.cross_rank_lookups and (ctx.tp_rank, ctx.tp_size, ctx.pp_rank, ctx.pp_size) == (
+            ranks.get("tp_rank", 0), ranks.get("tp_size", 1), ranks.get("pp_rank", 0), ranks.get("pp_size", 1))
+        with pytest.raises(MissingCapability, match="'shared'.*scheduler") as e:
+            build_store({"store": "memory"}, where=WHERE, engine_keys=ENGINE_KEYS, context=ctx,
+                        require=store_requirements(ctx))
+        assert e.value.capability == "shared" and WHERE in str(e.value)
+        # a shared store passes; HF3FS keeps one file and namespace for every rank of vLLM
+        shared = HF3FSStore.config_from_options({"file_path_prefix": str(tmp_path / "f"), "file_size": "1mb",
+                                                 "numjobs": 1, "entries": 1, "metadata_server_url": "http://127.0.0.1:1"})
+        check_capabilities(HF3FSStore, shared, "hf3fs", store_requirements(ctx), store_requirements(ctx))
+    local = HF3FSStore.config_from_options({"file_path_prefix": str(tmp_path / "g"), "file_size": "1mb",
+                                            "numjobs": 1, "entries": 1})
+    with HF3FSStore(local, engine_context("m", tp_rank=1, tp_size=2)) as s:
+        assert s.file_rank == 0 and s.context.tp_rank == 1
