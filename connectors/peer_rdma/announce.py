@@ -48,6 +48,34 @@ class Announcer:
             self._outbox.append(("drop", key, [key, self.node.node_id, slot.seq]))
         self.flush()
 
+    def tombstone(self, items: list[tuple[str, int]], also: tuple = ()) -> None:
+        """Slots (key, seq) this node no longer holds (deleted, freed, or gone while a
+        publication of them was in flight), dropped now from their owners in the current
+        view and in the views ``also`` (a publication's): each owner forgets the entry and
+        keeps a tombstone that refuses a re-publish of that slot arriving later, so a
+        publication racing the removal cannot bring the page back. Returns when every
+        owner answered (or the control call's deadline passed)."""
+        if not items:
+            return
+        me = self.node.node_id
+        per: dict[str, dict[tuple[str, int], list]] = {}
+        for view in (self.node.view, *also):
+            for key, seq in items:
+                for t in self.node.dir_owners(key, view):
+                    per.setdefault(t, {})[(key, seq)] = [key, me, seq]
+        local = per.pop(me, None)
+        if local:
+            self.node.directory.drop(list(local.values()))
+        if per:
+            self.node.clients.fan_out({t: list(b.values()) for t, b in per.items()}, "DirDrop")
+
+    def unpublish_gone(self, sent: list[tuple[str, int]], view) -> None:
+        """After a publication in ``view``: tombstone the slots among ``sent`` (key, seq)
+        that were removed meanwhile (their removal's own tombstones may have gone to the
+        owners of a newer view, or arrived before this publication did)."""
+        holds = self.node.segment.holds
+        self.tombstone([(k, q) for k, q in sent if not holds(k, q)], also=(view,))
+
     def wake(self) -> None:
         self._outbox_event.set()
 
@@ -79,6 +107,7 @@ class Announcer:
                     result[i], decided[i] = bool(ok), True
                 elif not decided[i]:
                     result[i] = bool(ok) or bool(result[i])
+        self.unpublish_gone([(key, slot.seq) for key, slot in items], view)
         failed = [items[i][0] for i, r in enumerate(result) if r is None]
         if failed:
             self.node.count(publish_failures=len(failed))

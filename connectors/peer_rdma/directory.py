@@ -4,8 +4,10 @@ Each key's entry ``[holder, incarnation, offset, length, seq, checksum, resident
 the key's owner and ``directory_replicas`` successors (rendezvous hashing over live members).
 An entry whose holder left the view (or restarted: another incarnation) is kept but
 invisible, so a member dropped by a false suspicion comes back with its entries intact;
-``purge_holders`` forgets them once the holder stays away. A holder's drop of a slot leaves
-a tombstone, so a re-publish taken from an older snapshot cannot bring the slot back.
+``purge_holders`` forgets them once the holder stays away. A holder's drop of a slot (a
+clear, an eviction, a delete's ``Free``) and a delete's removal of an entry leave a tombstone
+per (holder, slot generation), so a re-publish taken from an older snapshot (re-homing after
+a view change) cannot bring the slot back, whichever arrives first.
 """
 
 from __future__ import annotations
@@ -83,18 +85,25 @@ class DirectoryShard:
                 out.append(None if e is None else e if live_holder(e, view) is not None else HOLDER_GONE)
         return out
 
+    def _bury(self, slots: list[tuple[str, int]]) -> None:
+        """Tombstones for (holder, seq) pairs (_dlock held)."""
+        for h, s in slots:
+            self._tombs[(h, s)] = None
+        while len(self._tombs) > 262144:  # slot generations are never reused: old ones are moot
+            self._tombs.popitem(last=False)
+
     def drop(self, items: list) -> list:
         if any(s is not None for _, _, s in items):
             with self._dlock:
-                for _, h, s in items:
-                    if s is not None:
-                        self._tombs[(h, s)] = None
-                while len(self._tombs) > 262144:  # slot generations are never reused: old ones are moot
-                    self._tombs.popitem(last=False)
+                self._bury([(h, s) for _, h, s in items if s is not None])
         return [self.pop(k, h, s) is not None for k, h, s in items]
 
     def delete(self, keys: list) -> list:
-        return [self.pop(k) for k in keys]
+        """Remove the entries of ``keys`` (a delete), each leaving a tombstone for its slot."""
+        out = [self.pop(k) for k in keys]
+        with self._dlock:
+            self._bury([(e[HOLDER], e[SEQ]) for e in out if e is not None])
+        return out
 
     def clear(self, prefix: str = "") -> None:
         """Forget the entries of keys starting with ``prefix`` (every entry for "")."""

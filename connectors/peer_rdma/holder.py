@@ -84,18 +84,23 @@ class Holder:
             out.append(True)
         if new:
             published = self.node.announcer.publish(new)
-            for (key, slot), ok in zip(new, published):
-                if ok is False:  # another holder won the key: ours is a duplicate
-                    self.node.segment.remove(key, slot.seq)
+            dup = [(key, slot) for (key, slot), ok in zip(new, published) if ok is False]
+            for key, slot in dup:  # another holder won the key: ours is a duplicate
+                self.node.segment.remove(key, slot.seq)
+            self.node.announcer.tombstone([(key, slot.seq) for key, slot in dup])  # where a replica took it
         return out
 
     def free(self, items: list) -> list:
+        """A delete's last step: remove the slots its owners named, then tombstone them on
+        every owner (a re-publish from a snapshot taken before the removal, re-homing after
+        a view change, would otherwise bring the page back after the delete returned)."""
         out = []
         for key, seq in items:
             slot = self.node.segment.remove(key, seq)
             if self.node.disk is not None:
                 self.node.disk.remove(key)
             out.append(slot is not None)
+        self.node.announcer.tombstone([(key, seq) for key, seq in items if seq is not None])
         return out
 
     def promote(self, keys: list) -> list:

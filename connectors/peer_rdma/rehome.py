@@ -3,7 +3,9 @@
 When the view changes, every holder publishes its pages to the owners that joined their
 owner sets (a restarted member lost its shard: it counts as new), and retries the pages no
 owner accepted yet; owners forget entries of holders that stayed away and, once the view
-settled, entries they no longer own.
+settled, entries they no longer own. A round publishes from a snapshot of the slots: a slot
+removed meanwhile (deleted, evicted) is dropped again from the owners it was sent to once
+the round's calls are answered, and its removal's tombstones refuse it where it arrives late.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import threading
 import time
 
+from kvconnect.connectors.peer_rdma.directory import SEQ
 from kvconnect.connectors.peer_rdma.membership import View
 from kvconnect.connectors.peer_rdma.placement import owners
 from kvconnect.connectors.peer_rdma.rpc import RpcError
@@ -63,10 +66,11 @@ class Rehoming:
             except Exception:  # noqa: BLE001
                 log.exception("re-homing directory entries failed")
 
-    def rehome(self, old: View | None, new: View) -> None:
+    def rehome(self, old: View | None, new: View, held: list | None = None) -> None:
         """Publish every held page to the owners that joined its owner set since ``old``
-        (and retry the pages no owner accepted yet)."""
-        held = self.node.segment.items()
+        (and retry the pages no owner accepted yet). ``held``: the slots to publish, (key,
+        slot) pairs (default: a snapshot of the segment taken now)."""
+        held = self.node.segment.items() if held is None else held
         n = 1 + self.node.config.directory_replicas
         new_ids = new.ids
         old_ids = old.ids if old else []
@@ -102,6 +106,8 @@ class Rehoming:
                     break
         if failed:
             self.node.announcer.retry_later(failed)
+        sent = {(k, e[SEQ]) for b in (*by_target.values(), local or []) for k, e in b}
+        self.node.announcer.unpublish_gone(list(sent), new)
         if by_target:
             self.node.count(directory_republishes=sum(len(b) for b in by_target.values()))
 

@@ -15,6 +15,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -153,7 +154,9 @@ class Segment:
         self._alloc = Allocator(size)
         self._slots: OrderedDict[str, Slot] = OrderedDict()
         self._lock = threading.Lock()
-        self._seq = 0
+        # slot generations start at the clock, so a restarted node (same id, new segment)
+        # never reuses one: owners' tombstones name (holder, seq)
+        self._seq = time.time_ns()
         self.evictions = 0
         self.on_evict = on_evict
 

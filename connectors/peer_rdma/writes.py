@@ -57,11 +57,12 @@ class Writer:
         if new:
             self.node.count(writes_stored=len(new))
             published = self.node.announcer.publish([(k, s) for _, k, s in new])
-            for (j, k, s), ok in zip(new, published):
-                if ok is False:  # another node already holds this key: keep theirs (idempotent put)
-                    self.node.segment.remove(k, s.seq)
-                    if self.node.disk is not None:
-                        self.node.disk.remove(k)
+            dup = [(k, s) for (j, k, s), ok in zip(new, published) if ok is False]
+            for k, s in dup:  # another node already holds this key: keep theirs (idempotent put)
+                self.node.segment.remove(k, s.seq)
+                if self.node.disk is not None:
+                    self.node.disk.remove(k)
+            self.node.announcer.tombstone([(k, s.seq) for k, s in dup])  # where a replica took ours
         return out
 
     def _put_owner(self, keys: list[str], pages: list[Page]) -> list[bool]:
@@ -172,16 +173,25 @@ class Writer:
             out[i] = bool(by_tok.get(tok))
 
     def delete(self, keys: list[str]) -> list[bool]:
-        """Remove keys here, on their directory owners, and on the holders the owners named."""
+        """Remove keys here, on their directory owners, and on the holders the owners named.
+
+        Every removed slot is tombstoned on its owners before this returns (here for this
+        node's own slots, by the holder's ``Free`` for the others'), so a publication of it
+        still in flight (re-homing from a snapshot taken before the delete) is refused where
+        it lands: once ``delete`` returned True, the page is gone from every owner."""
         view = self.node.view
         deadline = time.monotonic() + self.node.config.timeout
         out = [False] * len(keys)
+        mine = []
         for i, k in enumerate(keys):
-            if self.node.segment.remove(k) is not None:
+            slot = self.node.segment.remove(k)
+            if slot is not None:
                 out[i] = True
+                mine.append((k, slot.seq))
             if self.node.disk is not None:
                 self.node.disk.remove(k)
         self.node.reader.forget(keys)
+        self.node.announcer.tombstone(mine)
         per: dict[str, list[int]] = {}
         for i, k in enumerate(keys):
             for t in self.node.dir_owners(k, view):
@@ -204,6 +214,7 @@ class Writer:
                     if e[HOLDER] != self.node.node_id:
                         frees.setdefault(e[HOLDER], {})[keys[i]] = [keys[i], e[SEQ]]
         if frees:
+            # Free tombstones the slots on their owners (nested calls): twice the time
             self.node.clients.fan_out({h: list(v.values()) for h, v in frees.items() if h in view.members}, "Free",
-                                      min(self.node.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
+                                      min(2 * self.node.config.rpc_timeout, max(0.01, deadline - time.monotonic())))
         return out
