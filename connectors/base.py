@@ -115,9 +115,11 @@ from kvconnect.connectors.errors import (  # noqa: E402,F401
 
 
 class Capability(str, Enum):
-    """What a store can do beyond the interface. A store declares its capabilities; an
+    """What a store can do beyond the interface, and what a caller must do for it. A store
+    declares its capabilities (``capabilities``, narrowed by ``capabilities_of(config)``); an
     integration names the ones it needs and the factory refuses a store without them
-    (``MissingCapability``), so no integration ever asks which store it was given."""
+    (``MissingCapability``), and asks ``supports()`` for the rest, so no integration ever asks
+    which store it was given."""
 
     SHARED = "shared"
     """Pages one process writes, other processes (on other hosts, where the store spans
@@ -135,6 +137,10 @@ class Capability(str, Enum):
     EVICTION_EVENTS = "eviction_events"
     """The store tells ``add_eviction_listener`` listeners which keys it evicted, as it
     evicts them (a store whose evictions happen in another process, unseen here, lacks it)."""
+    NEEDS_REGISTERED_MEMORY = "needs_registered_memory"
+    """Zero-copy I/O needs the caller's pages inside memory given to ``register_memory`` first
+    (RDMA): a caller registers its pools or staging buffers once, at start. A trait callers
+    read with ``supports()``, never one to require."""
 
     @property
     def meaning(self) -> str:
@@ -148,6 +154,7 @@ _MEANINGS = {
     Capability.ZERO_COPY: "moves bytes without a staging copy",
     Capability.ANY_PAGE_SIZE: "takes pages of any size at no extra cost",
     Capability.EVICTION_EVENTS: "reports the pages it evicts to listeners in this process",
+    Capability.NEEDS_REGISTERED_MEMORY: "moves bytes without a copy only in memory registered with it",
 }
 
 
@@ -238,8 +245,6 @@ class PageStore(ABC):
     config_class: ClassVar[type] = type(None)
     capabilities: ClassVar[frozenset[Capability]] = frozenset()
     """What every instance can do; ``capabilities_of(config)`` says what a configured one can."""
-    needs_registered_memory: ClassVar[bool] = False
-    """True when ``register_memory`` must cover caller pages before zero-copy I/O."""
     metric_prefix: ClassVar[str] = ""
     """Prometheus name prefix of the store's own figures (``stats().extra``); default ``kvconnect_<name>``."""
     metric_counters: ClassVar[frozenset[str]] = frozenset()
@@ -280,6 +285,11 @@ class PageStore(ABC):
 
     def supports(self, capability: Capability | str) -> bool:
         return Capability(capability) in type(self).capabilities_of(getattr(self, "config", None))
+
+    @property
+    def needs_registered_memory(self) -> bool:
+        """``supports(Capability.NEEDS_REGISTERED_MEMORY)``, read by that name (declare the capability)."""
+        return self.supports(Capability.NEEDS_REGISTERED_MEMORY)
 
     # -- public API (final) -------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:

@@ -30,8 +30,6 @@ class PrefixedStore(PageStore):
             raise ValueError("a key-space view needs a non-empty prefix")
         self.inner = inner
         self.prefix = prefix
-        # what the caller must know about the medium is the inner store's
-        self.needs_registered_memory = inner.needs_registered_memory  # type: ignore[misc]
 
     @classmethod
     def for_keyspace(cls, inner: PageStore, keyspace: KeySpace) -> "PrefixedStore":
@@ -45,6 +43,7 @@ class PrefixedStore(PageStore):
         return [p + k for k in keys]
 
     def supports(self, capability) -> bool:
+        """The inner store's (needs_registered_memory included: the medium is the inner store's)."""
         return self.inner.supports(capability)
 
     def add_eviction_listener(self, listener: Callable[[list[str]], None]) -> Callable[[], None]:

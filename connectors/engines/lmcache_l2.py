@@ -470,7 +470,7 @@ class KVConnectL2Adapter(L2AdapterInterface):
     def _register_l1(self, desc: Any) -> None:
         """Stores that need registered memory (Mooncake, RDMA) register LMCache's L1 arena
         once, so loads and stores move bytes without a bounce copy."""
-        if desc is None or not self.store.needs_registered_memory:
+        if desc is None or not self.store.supports(Capability.NEEDS_REGISTERED_MEMORY):
             return
         ptr, size = int(getattr(desc, "ptr", 0)), int(getattr(desc, "size", 0))
         if ptr and size > 0:

@@ -393,7 +393,7 @@ class MarkerSlots:
         self._free = list(range(slots))
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        if store.needs_registered_memory:
+        if store.supports(Capability.NEEDS_REGISTERED_MEMORY):
             store.register_memory(self.base, slots * MARKER_BYTES)
 
     def acquire(self, timeout: float = 30.0) -> int:
@@ -508,7 +508,7 @@ class StoreRelay(DataPlane):
         self.layout = layout
         context = context or EngineContext(engine="sglang-pd", page_bytes=max(1, layout.page_bytes))
         self.store = store if store is not None else create_relay_store(config, context)
-        if self.store.needs_registered_memory:
+        if self.store.supports(Capability.NEEDS_REGISTERED_MEMORY):
             for ptr, n in layout.regions():
                 self.store.register_memory(ptr, n)
         self.markers = MarkerSlots(self.store)

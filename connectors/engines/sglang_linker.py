@@ -431,7 +431,7 @@ class KVConnectLinker(UnifiedCacheLinker):
             self.options.staging == "auto" and self.context.on_device
             and not self.store.supports(Capability.DEVICE_MEMORY))
         try:
-            if self.staged and self.store.needs_registered_memory:
+            if self.staged and self.store.supports(Capability.NEEDS_REGISTERED_MEMORY):
                 raise ConfigError("staging", f"store {self.store.name!r} reads only into memory registered with it, "
                                   "and host staging memory is allocated per batch",
                                   "a store with device_memory (staging 'off'), or one that reads into any memory",
@@ -541,7 +541,7 @@ class KVConnectLinker(UnifiedCacheLinker):
                           segments=segments, page_nbytes=page_nbytes)
 
     def _register_buffers(self) -> None:
-        if not self.store.needs_registered_memory or self.staged:
+        if not self.store.supports(Capability.NEEDS_REGISTERED_MEMORY) or self.staged:
             return
         seen = set()
         for entry in self.pools.values():

@@ -41,7 +41,7 @@ How vLLM's contract maps onto the store (one store page = one vLLM block of one 
   (``vllm_pages``): such pages are shared with SGLang servers of the same model geometry.
 
 Engine glue only: the store is used through ``PageStore`` and its declared capabilities
-(``needs_registered_memory``), never by name. One store instance per process and
+(``Capability.NEEDS_REGISTERED_MEMORY``), never by name. One store instance per process and
 configuration serves both roles when they share a process (offline ``LLM`` with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor): the process-local ``memory``
 store serves hits only there; ``vllm serve`` runs the two roles in two processes.
@@ -56,7 +56,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from kvconnect.connectors.base import ConfigError, PageStore, Unsupported
+from kvconnect.connectors.base import Capability, ConfigError, PageStore, Unsupported
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.engines.common import ErrorCounter, RateLimitedLog, build_store, safe_call, serve_store_metrics
 from kvconnect.connectors.engines.vllm_pages import (
@@ -445,7 +445,7 @@ class KVConnectConnector(KVConnectorBase_V1):
         self.keyspace = self._space("", self.tp_rank, self.pp_rank, geo)
         pages = max(1, self.config.staging_size // codec.page_nbytes)
         self._staging = torch.empty((pages, codec.page_elems), dtype=codec.dtype)
-        if self.store.needs_registered_memory:
+        if self.store.supports(Capability.NEEDS_REGISTERED_MEMORY):
             self.store.register_memory(self._staging.data_ptr(), pages * codec.page_nbytes)
         log.info("kvconnect vLLM worker tp%d pp%d: %d layers, %s layout (%s backend), %d B pages, "
                  "%d staging pages; keys %s", self.tp_rank, self.pp_rank, len(names), self.config.page_layout,

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from kvconnect.connectors.base import Page, PageStore
+from kvconnect.connectors.base import Capability, Page, PageStore
 
 log = logging.getLogger("kvconnect.engines")
 
@@ -45,7 +45,7 @@ class WriteBehind:
         self.slots = slots
         self._buf = mmap.mmap(-1, slots * page_nbytes)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
-        if store.needs_registered_memory:
+        if store.supports(Capability.NEEDS_REGISTERED_MEMORY):
             store.register_memory(self._base, slots * page_nbytes)
         self._free = list(range(slots - 1, -1, -1))
         self._queue: collections.deque = collections.deque()

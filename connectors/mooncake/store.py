@@ -142,8 +142,7 @@ class MooncakeStore(PageStore):
                                  "staged_pages", "poisoned_removed", "local_copy_pages", "local_copy_late",
                                  "shared_copy_pages", "shared_copy_holder_gone"})
     capabilities = frozenset({Capability.SHARED, Capability.DURABLE, Capability.DEVICE_MEMORY, Capability.ZERO_COPY,
-                              Capability.ANY_PAGE_SIZE})
-    needs_registered_memory = True
+                              Capability.ANY_PAGE_SIZE, Capability.NEEDS_REGISTERED_MEMORY})
 
     # -- construction -------------------------------------------------------------
     @classmethod

@@ -23,8 +23,9 @@ class PeerRdmaStore(PageStore):
     name = "peer_rdma"
     config_class = PeerRdmaConfig
     # pages live in the lending nodes' memory: shared while they run, gone with them
-    capabilities = frozenset({Capability.SHARED, Capability.ZERO_COPY, Capability.ANY_PAGE_SIZE})
-    needs_registered_memory = True  # registered pages are read in place; others via a bounce buffer
+    # registered pages are read in place; others via a bounce buffer
+    capabilities = frozenset({Capability.SHARED, Capability.ZERO_COPY, Capability.ANY_PAGE_SIZE,
+                              Capability.NEEDS_REGISTERED_MEMORY})
     # Prometheus: the node's counters are kvconnect_peer_<name>_total, its gauges kvconnect_peer_<name>
     metric_prefix = "kvconnect_peer"
     metric_counters = frozenset(COUNTERS + DISK_COUNTERS + MEMBERSHIP_COUNTERS)

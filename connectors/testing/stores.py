@@ -117,6 +117,9 @@ class FaultyStore(PageStore):
         s = self.inner.stats()
         return StoreUsage(s.keys, s.bytes_used, s.capacity_bytes, s.evictions, dict(s.extra))
 
+    def _register_memory(self, address: int, nbytes: int) -> None:
+        self.inner.register_memory(address, nbytes)  # it claims the inner store's needs_registered_memory
+
     def _close(self) -> None:
         self.inner.close()
 

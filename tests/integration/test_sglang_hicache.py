@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
-from kvconnect.connectors.base import ConfigError, Page, Unsupported, UnknownStore  # noqa: E402
+from kvconnect.connectors.base import Capability, ConfigError, Page, Unsupported, UnknownStore  # noqa: E402
 from kvconnect.connectors.config import StoreConfig  # noqa: E402
 from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage  # noqa: E402
 from kvconnect.connectors.testing.sglang import (  # noqa: E402
@@ -73,7 +73,7 @@ class RegisteringStore(SharedMemoryStore):
 
     name = "registering"
     config_class = RegisteringConfig
-    needs_registered_memory = True
+    capabilities = SharedMemoryStore.capabilities | {Capability.NEEDS_REGISTERED_MEMORY}
     spans: list = []
 
     def __init__(self, config: RegisteringConfig, context=None):

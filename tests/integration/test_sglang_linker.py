@@ -23,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (installed by scripts/install.sh)")
 pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
 
-from kvconnect.connectors.base import ConfigError, UnknownConfigKey  # noqa: E402
+from kvconnect.connectors.base import Capability, ConfigError, UnknownConfigKey  # noqa: E402
 from kvconnect.connectors.testing.linker import MODEL, LinkedServer, page_content  # noqa: E402
 from kvconnect.connectors.testing.stores import SharedMemoryStore, clear_spaces  # noqa: E402
 
@@ -409,7 +409,7 @@ def test_a_staged_load_that_outlives_its_deadline_fails_and_never_touches_the_sl
 class RegisteringStore(SharedMemoryStore):
     """A shared memory store that, like an RDMA store, reads only into registered memory."""
 
-    needs_registered_memory = True
+    capabilities = SharedMemoryStore.capabilities | {Capability.NEEDS_REGISTERED_MEMORY}
 
 
 def test_staging_refuses_a_store_that_needs_registered_memory():

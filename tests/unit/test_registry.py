@@ -167,3 +167,21 @@ def test_hf3fs_metadata_client_without_grpc_names_the_extra(tmp_path, monkeypatc
     assert e.value.store == "hf3fs" and e.value.extra == "hf3fs"
     assert 'pip install "kvconnect[hf3fs]"' in str(e.value)
     assert not list(tmp_path.iterdir())
+
+
+def test_needs_registered_memory_is_a_capability_read_through_views():
+    from kvconnect.connectors.base import Capability
+    from kvconnect.connectors.registry import store_class
+    from kvconnect.connectors.views import PrefixedStore
+
+    need = Capability.NEEDS_REGISTERED_MEMORY
+    assert {n for n in ("memory", "hf3fs", "mooncake", "peer_rdma") if need in store_class(n).capabilities} \
+        == {"mooncake", "peer_rdma"}
+
+    class Registering(MemoryStore):
+        capabilities = MemoryStore.capabilities | {need}
+
+    for store, needs in ((MemoryStore(), False), (Registering(), True)):
+        view = PrefixedStore(store, "p-")
+        assert store.supports(need) is view.supports(need) is view.needs_registered_memory is needs
+        store.close()
