@@ -24,8 +24,9 @@ store's documented behaviour, bounded, not what these suites test.
 * ``HiCacheSuite``: SGLang 0.5.23's ``StorageBackendFactory`` builds kvconnect's backend
   (``--hicache-storage-backend dynamic``) over a real CPU host KV pool; pages go through
   ``batch_set_v1`` / ``batch_exists`` / ``batch_get_v1`` as SGLang's cache controller calls them;
-  on a ``durable`` store, SGLang's real ``HiCacheController`` (on CPU) detaches and re-attaches
-  the backend and finds every page written before the detach.
+  ``clear()`` empties the engine's key space and nothing else; on a ``durable`` store, SGLang's
+  real ``HiCacheController`` (on CPU) detaches and re-attaches the backend and finds every page
+  written before the detach.
 * ``LMCacheL2Suite``: LMCache 0.5.6's plugin factory builds the L2 adapter from the
   ``--l2-adapter`` JSON; LMCache ``TensorMemoryObj`` buffers are stored, looked up (and
   locked) and loaded through the adapter's task interface.
@@ -120,6 +121,22 @@ class HiCacheSuite:
 
         in_process(store_harness)
         assert check_reattach_finds_every_page(lambda: dict(store_harness.options(0))) == 2 * (6 + 7 + 8)
+
+
+    def test_hicache_clear_empties_the_engines_key_space_and_nothing_else(self, store_harness):
+        """``clear()`` of one engine rank's backend removes its key space only: another
+        tenant's, TP rank 1's and another model's pages on the same store survive, byte-exact
+        (``check_clear_empties_only_its_key_space``)."""
+        pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
+        from kvconnect.connectors.base import PageStore
+        from kvconnect.connectors.registry import store_class
+        from kvconnect.connectors.testing.hicache_controller import check_clear_empties_only_its_key_space
+
+        if store_class(store_harness.store)._clear_prefix is PageStore._clear_prefix:
+            pytest.skip(f"{store_harness.store} cannot remove a key space (no _clear_prefix): the adapter's "
+                        f"clear() answers False")
+        in_process(store_harness)
+        check_clear_empties_only_its_key_space(lambda **more: {**store_harness.options(0), **more})
 
 
 class LMCacheL2Suite:

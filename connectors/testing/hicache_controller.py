@@ -11,13 +11,14 @@ the I/O thread (``UnifiedRadixCache``: allocate host slots, ``prefetch_buffer.pu
 copied into ``prefetch()``, and the controller is handed a stand-in token allocator whose
 only use is ``get_kvcache()`` (the real CPU device pool of ``make_cpu_host_pool``).
 
-``check_reattach_finds_every_page`` is the re-attach check itself, shared by the tests that
-run it over the in-process test store, the HF3FS metadata service and every durable store's
-harness.
+``check_reattach_finds_every_page`` and ``check_clear_empties_only_its_key_space`` are the
+re-attach and ``clear()`` checks themselves, shared by the tests that run them over the
+in-process test store, the HF3FS metadata service and every store's harness.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 import threading
 from typing import Any, Callable
@@ -150,3 +151,62 @@ def check_reattach_finds_every_page(make_extra: Callable[[], dict[str, Any]], pa
     finally:
         cc.detach_storage_backend()
         other.detach_storage_backend()
+
+
+def direct_backend(host, extra: dict, model: str = MODEL, **fields):
+    """kvconnect's backend built as SGLang's controller builds it: the storage factory
+    (``dynamic``), then the host pool registered; ``fields``: ``HiCacheStorageConfig`` fields."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvconnect.connectors.testing.sglang import storage_config
+
+    cfg = storage_config(extra_config=extra, model_name=model, layout=host.layout, **fields)
+    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    b.register_mem_pool_host(host)
+    b.on_host_pools_registered()
+    return b
+
+
+def check_clear_empties_only_its_key_space(make_extra: Callable[..., dict[str, Any]], page_size: int = 4) -> None:
+    """``clear()`` removes every page of the engine's key space; another tenant's pages, TP
+    rank 1's pages and another model's pages on the same store survive, byte-exact, and the
+    cleared engine writes and reads again. ``make_extra(**keys)``: the extra config of one
+    backend over the store, with more adapter keys (``tenant``, ``model_fingerprint``)."""
+    ps = page_size
+    host = make_cpu_host_pool("page_first", page_size=ps, host_tokens=ps * 120)
+    n = 6
+    keys = [hashlib.sha256(f"clear:{i}".encode()).hexdigest() for i in range(n)]
+    engines = {
+        "mine": direct_backend(host, make_extra(tenant="a")),
+        "tenant b": direct_backend(host, make_extra(tenant="b")),
+        "tp rank 1": direct_backend(host, make_extra(tenant="a"), tp_rank=1, tp_size=2),
+        "other model": direct_backend(host, make_extra(tenant="a", model_fingerprint="v2")),
+    }
+    try:
+        want = {}
+        for seed, (name, b) in enumerate(engines.items()):
+            idx = host.alloc(n * ps)
+            fill_pages(host, idx, seed=seed + 10)
+            want[name] = pages_at(host, idx)
+            assert b.batch_set_v1(keys, idx) == [True] * n, name
+            assert b.batch_exists(keys) == n, name
+        assert engines["mine"].clear() is True
+        assert engines["mine"].batch_exists(keys) == 0
+        assert not any(engines["mine"].batch_get_v1(keys, host.alloc(n * ps)))
+        for name, b in engines.items():
+            if name == "mine":
+                continue
+            idx = host.alloc(n * ps)
+            assert b.batch_exists(keys) == n, name
+            assert b.batch_get_v1(keys, idx) == [True] * n, name
+            assert pages_at(host, idx) == want[name], name
+        # the cleared engine writes and reads again
+        idx = host.alloc(n * ps)
+        fill_pages(host, idx, seed=99)
+        assert engines["mine"].batch_set_v1(keys, idx) == [True] * n
+        back = host.alloc(n * ps)
+        assert engines["mine"].batch_get_v1(keys, back) == [True] * n
+        assert pages_at(host, back) == pages_at(host, idx)
+    finally:
+        for b in engines.values():
+            b.close()

@@ -34,21 +34,18 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (installed by scripts/install.sh)")
 pytest.importorskip("sglang", reason="needs sglang 0.5.23 (installed by scripts/install.sh)")
 
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-
-from kvconnect.connectors.engines.sglang_hicache import KVConnectStorage  # noqa: E402
 from kvconnect.connectors.testing.hicache_controller import (  # noqa: E402
-    MODEL,
     attach,
+    check_clear_empties_only_its_key_space,
     check_reattach_finds_every_page,
     controller,
+    direct_backend,
     pages_at,
 )
 from kvconnect.connectors.testing.sglang import (  # noqa: E402
     fill_pages,
     make_cpu_host_pool,
     page_bytes,
-    storage_config,
     zero_pages,
 )
 from kvconnect.connectors.testing.stores import clear_spaces  # noqa: E402
@@ -98,15 +95,6 @@ def store_extra(request, tmp_path):
 
     make.name = name
     return make
-
-
-def direct_backend(host, extra: dict, **fields) -> KVConnectStorage:
-    """Built as SGLang's controller builds it: factory, register the host pool."""
-    cfg = storage_config(extra_config=extra, model_name=MODEL, layout=host.layout, **fields)
-    b = StorageBackendFactory.create_backend("dynamic", cfg, host)
-    b.register_mem_pool_host(host)
-    b.on_host_pools_registered()
-    return b
 
 
 def hashes(n: int, tag: str) -> list[str]:
@@ -290,44 +278,11 @@ def test_close_returns_quickly_with_gets_in_flight(case, tmp_path, request):
 @pytest.mark.parametrize("store_extra", STORES, indirect=True)
 def test_clear_empties_the_engines_key_space_and_nothing_else(store_extra):
     """``clear()`` removes every page of the engine's key space; another tenant's pages, TP
-    rank 1's pages and another model's pages on the same store survive, byte-exact. Real:
-    the factory-built backends over the real store (``memory``: one ``MemoryStore`` reached by
-    four backends through the shared test store)."""
-    host = make_cpu_host_pool("page_first", page_size=PS, host_tokens=PS * 120)
-    n = 6
-    keys = hashes(n, "clear")
-    engines = {
-        "mine": direct_backend(host, store_extra(tenant="a")),
-        "tenant b": direct_backend(host, store_extra(tenant="b")),
-        "tp rank 1": direct_backend(host, store_extra(tenant="a"), tp_rank=1, tp_size=2),
-        "other model": direct_backend(host, store_extra(tenant="a", model_fingerprint="v2")),
-    }
-    want = {}
-    for seed, (name, b) in enumerate(engines.items()):
-        idx = host.alloc(n * PS)
-        fill_pages(host, idx, seed=seed + 10)
-        want[name] = pages_at(host, idx)
-        assert b.batch_set_v1(keys, idx) == [True] * n
-        assert b.batch_exists(keys) == n
-    assert engines["mine"].clear() is True
-    assert engines["mine"].batch_exists(keys) == 0
-    assert not any(engines["mine"].batch_get_v1(keys, host.alloc(n * PS)))
-    for name, b in engines.items():
-        if name == "mine":
-            continue
-        idx = host.alloc(n * PS)
-        assert b.batch_exists(keys) == n, name
-        assert b.batch_get_v1(keys, idx) == [True] * n, name
-        assert pages_at(host, idx) == want[name], name
-    # the cleared engine writes and reads again
-    idx = host.alloc(n * PS)
-    fill_pages(host, idx, seed=99)
-    assert engines["mine"].batch_set_v1(keys, idx) == [True] * n
-    back = host.alloc(n * PS)
-    assert engines["mine"].batch_get_v1(keys, back) == [True] * n
-    assert pages_at(host, back) == pages_at(host, idx)
-    for b in engines.values():
-        b.close()
+    rank 1's pages and another model's pages on the same store survive, byte-exact
+    (``check_clear_empties_only_its_key_space``; every store's harness: the HiCache suite).
+    Real: the factory-built backends over the real store (``memory``: one ``MemoryStore``
+    reached by four backends through the shared test store)."""
+    check_clear_empties_only_its_key_space(store_extra, page_size=PS)
 
 
 # ---------------------------------------------------------------------------------
