@@ -51,7 +51,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvconnect.benchmarks.harness import BenchResult  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult, run_worker, systems_arg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("kvc_mooncake", "sglang_mooncake", "kvc_hf3fs", "sglang_hf3fs", "kvc_mooncake_inline")
@@ -190,24 +190,6 @@ def _worker(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------
 
 
-def _run_worker(cluster, params: dict, timeout: float) -> dict:
-    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", GLOG_minloglevel="2",
-               OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    cmd = cluster.exec_prefix() + [sys.executable, "-m", "kvconnect.benchmarks.batch_exists", "--worker",
-                                   "--params", json.dumps(params)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    for line in proc.stderr.splitlines():
-        if line.startswith("# "):
-            print(line[2:], flush=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"benchmark worker failed (rc {proc.returncode}):\n"
-                       + "\n".join([ln for ln in proc.stderr.splitlines()
-                                    if ln[:1] not in "IWE" or "Error" in ln][-40:]))
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvconnect bench batch_exists", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small run for tests (~30 s)")
@@ -231,10 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"batch_exists benchmark needs a network namespace and Mooncake: {why}", file=sys.stderr)
         return 2
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        ap.error(f"unknown systems {sorted(unknown)} (accepted: {', '.join(SYSTEMS)})")
+    systems = systems_arg(ap, args.systems, SYSTEMS)
     stored = args.stored or (160 if args.quick else 512)
     if args.keys < 2 or args.keys > stored:
         ap.error(f"--keys must be between 2 and --stored ({stored})")
@@ -250,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start_holder("256mb")
         params["master"] = cluster.master.address
         t0 = time.monotonic()
-        fig = _run_worker(cluster, params, timeout=240 if args.quick else 560)
+        fig = run_worker(cluster.exec_prefix(), "kvconnect.benchmarks.batch_exists",
+                         ["--params", json.dumps(params)], 240 if args.quick else 560, ROOT)
         res.params["worker_s"] = round(time.monotonic() - t0, 1)
     finally:
         cluster.close()

@@ -125,6 +125,38 @@ class BenchResult:
         return self.write(Path(out) if out else None)
 
 
+def systems_arg(ap: Any, value: str, accepted: tuple[str, ...]) -> list[str]:
+    """The systems a comma-separated ``--systems`` names; ``ap.error`` for any not ``accepted``."""
+    systems = [s for s in value.split(",") if s]
+    unknown = set(systems) - set(accepted)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)} (accepted: {', '.join(accepted)})")
+    return systems
+
+
+def run_worker(exec_prefix: list[str], module: str, args: list[str], timeout: float, cwd: Path) -> dict[str, Any]:
+    """``python -m <module> --worker <args>`` under ``exec_prefix`` (e.g. a namespace's): its
+    ``# `` stderr lines echoed, the JSON of its ``RESULT `` stdout line returned; a worker that
+    prints none fails with the last lines of its stderr (Mooncake's I/W/E log lines dropped).
+
+    One OpenMP thread: torch's idle OpenMP workers spin after each tensor op and, on a small
+    machine, starve Mooncake's transfer threads (the same for every system)."""
+    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", GLOG_minloglevel="2",
+               OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(cwd)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    cmd = list(exec_prefix) + [sys.executable, "-m", module, "--worker", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stderr.splitlines():
+        if line.startswith("# "):
+            print(line[2:], flush=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"benchmark worker failed (rc {proc.returncode}):\n"
+                       + "\n".join([ln for ln in proc.stderr.splitlines()
+                                    if ln[:1] not in "IWE" or "Error" in ln][-40:]))
+
+
 def load_limits() -> dict[str, Any]:
     """Machine limits from the last ``limits`` run (empty if never run)."""
     p = RESULTS_DIR / "limits.json"

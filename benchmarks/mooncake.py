@@ -48,7 +48,6 @@ import os
 import secrets
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +59,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable, 
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(_here)]
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvconnect.benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
+from kvconnect.benchmarks.harness import BenchResult, gib_per_s, run_worker, systems_arg  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("raw", "kvc", "kvc_hicache", "sglang", "raw_per_segment", "kvc_inline", "kvc_hicache_inline")
@@ -305,22 +304,8 @@ def _merge(figs: list[dict], batch_bytes: int) -> dict:
 
 
 def _run_worker(cluster, params: dict, timeout: float) -> dict:
-    # One OpenMP thread: torch's idle OpenMP workers spin after each tensor op and, on a
-    # small machine, starve Mooncake's transfer threads (the same for every system).
-    env = dict(os.environ, LMCACHE_TRACK_USAGE="false", DO_NOT_TRACK="1", GLOG_minloglevel="2",
-               OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    cmd = cluster.exec_prefix() + [sys.executable, "-m", "kvconnect.benchmarks.mooncake", "--worker",
-                                   "--master", cluster.master.address, "--params", json.dumps(params)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    for line in proc.stderr.splitlines():
-        if line.startswith("# "):
-            print(line[2:], flush=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"benchmark worker failed (rc {proc.returncode}):\n"
-                       + "\n".join([ln for ln in proc.stderr.splitlines() if not ln[:1] in "IWE" or "Error" in ln][-40:]))
+    return run_worker(cluster.exec_prefix(), "kvconnect.benchmarks.mooncake",
+                      ["--master", cluster.master.address, "--params", json.dumps(params)], timeout, ROOT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,10 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"mooncake benchmark needs a network namespace: {why}", file=sys.stderr)
         return 2
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        ap.error(f"unknown systems {sorted(unknown)} (accepted: {', '.join(SYSTEMS)})")
+    systems = systems_arg(ap, args.systems, SYSTEMS)
     params = {"pages": args.pages or (16 if args.quick else 64), "reps": args.reps or (6 if args.quick else 30),
               "caller": args.caller, "processes": args.processes or (1 if args.quick else 3),
               "page_size": 64, "layers": 8, "heads": 2, "head_dim": 128, "systems": systems}
