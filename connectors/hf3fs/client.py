@@ -20,7 +20,6 @@ import itertools
 import json
 import logging
 import queue
-import random
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from kvconnect.connectors.base import BackendUnavailable, ConfigError, KVStoreEr
 from kvconnect.connectors.auth import grpc_metadata
 from kvconnect.connectors.hf3fs import protocol as P
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, PUT_DUP, IndexError_, NamespaceInfo, PageIndex
+from kvconnect.connectors.retry import GIVE_UP, RETRY, CoolOff, RetriesFailed, call_with_retries
 
 log = logging.getLogger("kvconnect.hf3fs")
 
@@ -510,7 +510,7 @@ class RemoteMetadata(LeasedWrites):
         self.retries = max(1, retries)
         self.cooldown = cooldown
         self.transport = transport
-        self._down_until = 0.0
+        self._cool_off = CoolOff(cooldown)
         self._lock = threading.Lock()
         self._init_leases(lease_ahead)
         self._metadata = grpc_metadata(token)
@@ -561,27 +561,22 @@ class RemoteMetadata(LeasedWrites):
     def identity(self) -> str | None:
         """The service's identity (``Identity``, a unary gRPC call: a service from before it
         answers UNIMPLEMENTED, None here); retried within ``timeout`` like any call."""
-        deadline = time.monotonic() + self.timeout
-        last = None
-        for attempt in range(self.retries):
+        def once(deadline: float) -> bytes:
             try:
-                rep = self._calls["Identity"](b"", timeout=max(0.001, deadline - time.monotonic()),
-                                              metadata=self._metadata)
-                return rep.decode() or None
+                return self._calls["Identity"](b"", timeout=max(0.001, deadline - time.monotonic()),
+                                               metadata=self._metadata)
             except self._grpc.RpcError as e:
-                code = e.code()
-                if code == self._grpc.StatusCode.UNIMPLEMENTED:
-                    return None
-                if code == self._grpc.StatusCode.UNAUTHENTICATED:
-                    raise AuthError(f"metadata service at {self.address} rejected the token "
-                                    f"(config keys 'auth_token' / 'auth_token_file')") from e
-                last = e
-                if code.name not in self.RETRYABLE or time.monotonic() >= deadline:
-                    break
-            if attempt + 1 < self.retries:
-                time.sleep(min(0.05 * (attempt + 1), max(0.0, deadline - time.monotonic())))
-        raise MetadataError(f"metadata call Identity to {self.address} failed: "
-                            f"{last.code().name}: {last.details()}" if last else "deadline")
+                if e.code() == self._grpc.StatusCode.UNIMPLEMENTED:
+                    return b""
+                raise
+
+        try:
+            rep = call_with_retries(once, attempts=self.retries, timeout=self.timeout, on_error=self._retryable)
+        except RetriesFailed as failed:
+            last = failed.last
+            raise MetadataError(f"metadata call Identity to {self.address} failed: "
+                                + (f"{last.code().name}: {last.details()}" if last is not None else "deadline")) from last
+        return rep.decode() or None
 
     def _tcp_call(self, port: int, payload: bytes, deadline: float) -> bytes:
         with self._lock:
@@ -641,51 +636,16 @@ class RemoteMetadata(LeasedWrites):
         return _reply_body(rep)
 
     def _call(self, method: str, payload: bytes) -> bytes:
-        now = time.monotonic()
-        if now < self._down_until:
+        """One call, retried within ``timeout`` (``connectors/retry.py``); then ``cooldown``
+        seconds of fast failures."""
+        if not self._cool_off.allow():
             raise MetadataError(f"metadata service at {self.address} is down (cooling off)")
-        deadline = now + self.timeout
-        delay = 0.02
-        last: Exception | None = None
-        for attempt in range(self.retries):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                if self.transport == "tcp" or (self.transport == "auto" and time.monotonic() >= self._tcp_off_until):
-                    port = self._endpoint(deadline)
-                    if port:
-                        try:
-                            return self._tcp_call(port, bytes((P.METHOD_ID[method],)) + payload, deadline)
-                        except _StreamError as e:
-                            if self.transport == "tcp" or not e.connect_failed:
-                                raise
-                            # gRPC answered (Endpoint) but the TCP port does not (a firewall,
-                            # a port forward of the gRPC port only): gRPC for a while
-                            rep = self._grpc_call(method, payload, deadline)
-                            self._tcp_off_until = time.monotonic() + self.TCP_RETRY_S
-                            log.warning("hf3fs-meta at %s: framed TCP port %d unreachable (%s); using gRPC "
-                                        "for %g s", self.address, port, e.message, self.TCP_RETRY_S)
-                            return rep
-                    if self.transport == "tcp":
-                        raise MetadataError(f"metadata service at {self.address} offers no framed TCP port")
-                return self._grpc_call(method, payload, deadline)
-            except (self._grpc.RpcError, _StreamError) as e:
-                code = e.code().name if isinstance(e, self._grpc.RpcError) else e.code_name
-                details = e.details() if isinstance(e, self._grpc.RpcError) else e.message
-                if code == "UNAUTHENTICATED":
-                    raise AuthError(f"metadata service at {self.address} rejected the token "
-                                    f"(config keys 'auth_token' / 'auth_token_file')") from e
-                if code == "FAILED_PRECONDITION":
-                    raise ConfigError("page_bytes", details or "rejected by the metadata service") from e
-                last = e
-                if code not in self.RETRYABLE:
-                    break
-            if attempt + 1 < self.retries:
-                time.sleep(min(delay * (1 + random.random()), max(0.0, deadline - time.monotonic())))
-                delay *= 2
-        with self._lock:
-            self._down_until = time.monotonic() + self.cooldown
+        try:
+            return call_with_retries(lambda deadline: self._call_once(method, payload, deadline),
+                                     attempts=self.retries, timeout=self.timeout, on_error=self._retryable)
+        except RetriesFailed as failed:
+            last = failed.last
+        self._cool_off.trip()
         if isinstance(last, self._grpc.RpcError):
             detail = f"{last.code().name}: {last.details()}"
         elif isinstance(last, _StreamError):
@@ -693,6 +653,39 @@ class RemoteMetadata(LeasedWrites):
         else:
             detail = "deadline"
         raise MetadataError(f"metadata call {method} to {self.address} failed: {detail}")
+
+    def _call_once(self, method: str, payload: bytes, deadline: float) -> bytes:
+        if self.transport == "tcp" or (self.transport == "auto" and time.monotonic() >= self._tcp_off_until):
+            port = self._endpoint(deadline)
+            if port:
+                try:
+                    return self._tcp_call(port, bytes((P.METHOD_ID[method],)) + payload, deadline)
+                except _StreamError as e:
+                    if self.transport == "tcp" or not e.connect_failed:
+                        raise
+                    # gRPC answered (Endpoint) but the TCP port does not (a firewall,
+                    # a port forward of the gRPC port only): gRPC for a while
+                    rep = self._grpc_call(method, payload, deadline)
+                    self._tcp_off_until = time.monotonic() + self.TCP_RETRY_S
+                    log.warning("hf3fs-meta at %s: framed TCP port %d unreachable (%s); using gRPC "
+                                "for %g s", self.address, port, e.message, self.TCP_RETRY_S)
+                    return rep
+            if self.transport == "tcp":
+                raise MetadataError(f"metadata service at {self.address} offers no framed TCP port")
+        return self._grpc_call(method, payload, deadline)
+
+    def _retryable(self, e: Exception) -> str | None:
+        """What a failed try means (``call_with_retries``' ``on_error``)."""
+        if not isinstance(e, (self._grpc.RpcError, _StreamError)):
+            return None  # not a transport error: passed on as it is
+        code = e.code().name if isinstance(e, self._grpc.RpcError) else e.code_name
+        if code == "UNAUTHENTICATED":
+            raise AuthError(f"metadata service at {self.address} rejected the token "
+                            f"(config keys 'auth_token' / 'auth_token_file')") from e
+        if code == "FAILED_PRECONDITION":
+            details = e.details() if isinstance(e, self._grpc.RpcError) else e.message
+            raise ConfigError("page_bytes", details or "rejected by the metadata service") from e
+        return RETRY if code in self.RETRYABLE else GIVE_UP
 
     # -- methods --------------------------------------------------------------------------
     def initialize(self, ns, num_pages, page_bytes):

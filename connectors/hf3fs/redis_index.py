@@ -59,7 +59,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import random
 import struct
 import threading
 import time
@@ -71,6 +70,8 @@ from kvconnect.connectors.hf3fs.index import DEFAULT_READ_LEASE_S, DEFAULT_WRITE
 from kvconnect.connectors.hf3fs.ownership import new_identity
 from kvconnect.connectors.hf3fs.pageid import key_digests
 from kvconnect.connectors.hf3fs.redis_lua import MAX_PAGES, SCRIPTS, SUFFIXES
+from kvconnect.connectors.hf3fs.redis_slots import SlotUnserved
+from kvconnect.connectors.retry import AT_ONCE, RETRY, CoolOff, RetriesFailed, call_with_retries
 
 from kvconnect.connectors.redis_url import (DEFAULT_KEY, SCHEMES, URL_FORMS, RedisURL,  # noqa: F401 - re-exported
                                             is_redis_url, parse_redis_url)
@@ -161,7 +162,7 @@ class RedisMetadata(LeasedWrites):
         self.prefix = key_prefix
         self.read_lease_ms = int(read_lease_s * 1000)
         self.write_lease_ms = int(write_lease_s * 1000)
-        self._down_until: dict[int | None, float] = {}  # cooling off: per hash slot on a cluster, else None
+        self._cool_off = CoolOff(cooldown)  # per hash slot on a cluster, else None
         self._lock = threading.Lock()
         self._init_leases(lease_ahead)
         self._keys: dict[str, tuple[str, ...]] = {}
@@ -311,55 +312,48 @@ class RedisMetadata(LeasedWrites):
             pass
 
     def _call(self, what: str, fn, route: str):
-        """``fn(deadline)`` with retries of transient failures, all within ``timeout``;
-        ``route`` is a key of the call (on a cluster: whose slot cools off after a failure)."""
-        from kvconnect.connectors.hf3fs.redis_slots import SlotUnserved
-
-        R = self._redis.exceptions
-        now = time.monotonic()
+        """``fn(deadline)`` with retries of transient failures, all within ``timeout``
+        (``connectors/retry.py``); ``route`` is a key of the call (on a cluster: whose slot
+        cools off after a failure)."""
         slot = self._slot(route)
-        if now < self._down_until.get(slot, 0.0):
+        if not self._cool_off.allow(slot):
             raise MetadataError(f"redis index at {self.address} is down (cooling off)")
-        deadline = now + self.timeout
-        delay = 0.02
-        last: Exception | None = None
-        for attempt in range(self.retries):
-            if time.monotonic() >= deadline:
-                break
-            try:
-                return fn(deadline)
-            except (R.AuthenticationError, R.NoPermissionError, R.AuthenticationWrongNumberOfArgsError) as e:
-                raise AuthError(f"redis index at {self.address} refused the credentials (config keys "
-                                f"'metadata_server_url' (user), 'auth_token_file'): {e}") from e
-            except R.AskError as e:  # MOVED (and ASK): the slot is served elsewhere now; ask at once
-                last = e
-                self._reset(slot)
-                continue
-            except (R.ReadOnlyError, R.BusyLoadingError, R.ClusterDownError, R.TryAgainError, SlotUnserved) as e:
-                last = e  # a demoted primary, a server loading its data, a shard without a primary ...
-                self._reset(slot)
-            except R.ResponseError as e:
-                if not str(e).startswith(_TRANSIENT):
-                    self.failed_calls += 1
-                    raise MetadataError(f"redis index {what} at {self.address}: {e}") from e
-                last = e
-                self._reset(slot)
-            except (R.ConnectionError, R.TimeoutError, OSError) as e:  # MasterNotFoundError included
-                last = e
-                self._reset(slot)
-            except MetadataError:
-                raise
-            except Exception as e:  # noqa: BLE001 - a malformed reply is a failed call, never a crash
-                self.failed_calls += 1
-                raise MetadataError(f"redis index {what} at {self.address}: {e!r}") from e
-            if attempt + 1 < self.retries:
-                time.sleep(max(0.0, min(delay * (1 + random.random()), deadline - time.monotonic())))
-                delay *= 2
+        try:
+            return call_with_retries(fn, attempts=self.retries, timeout=self.timeout,
+                                     on_error=lambda e: self._retryable(e, what, slot))
+        except RetriesFailed as failed:
+            last = failed.last
+        self._cool_off.trip(slot)
         with self._lock:
-            self._down_until[slot] = time.monotonic() + self.cooldown
             self.failed_calls += 1
         raise MetadataError(f"redis index {what} at {self.address} failed: {last!r}" if last else
                             f"redis index {what} at {self.address}: no time left")
+
+    def _retryable(self, e: Exception, what: str, slot: int | None) -> str | None:
+        """What a failed try means (``call_with_retries``' ``on_error``)."""
+        R = self._redis.exceptions
+        if isinstance(e, (R.AuthenticationError, R.NoPermissionError, R.AuthenticationWrongNumberOfArgsError)):
+            raise AuthError(f"redis index at {self.address} refused the credentials (config keys "
+                            f"'metadata_server_url' (user), 'auth_token_file'): {e}") from e
+        if isinstance(e, R.AskError):  # MOVED (and ASK): the slot is served elsewhere now; ask at once
+            self._reset(slot)
+            return AT_ONCE
+        if isinstance(e, (R.ReadOnlyError, R.BusyLoadingError, R.ClusterDownError, R.TryAgainError, SlotUnserved)):
+            self._reset(slot)  # a demoted primary, a server loading its data, a shard without a primary ...
+            return RETRY
+        if isinstance(e, R.ResponseError):
+            if not str(e).startswith(_TRANSIENT):
+                self.failed_calls += 1
+                raise MetadataError(f"redis index {what} at {self.address}: {e}") from e
+            self._reset(slot)
+            return RETRY
+        if isinstance(e, (R.ConnectionError, R.TimeoutError, OSError)):  # MasterNotFoundError included
+            self._reset(slot)
+            return RETRY
+        if isinstance(e, MetadataError):
+            return None
+        self.failed_calls += 1  # a malformed reply is a failed call, never a crash
+        raise MetadataError(f"redis index {what} at {self.address}: {e!r}") from e
 
     def _script(self, name: str, ns: str, args) -> object:
         keys = self._ns_keys(ns)

@@ -73,6 +73,7 @@ from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.mooncake import errors as mc_errors
 from kvconnect.connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
 from kvconnect.connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
+from kvconnect.connectors.retry import CoolOff
 from kvconnect.connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, mapping_base, memory_replicas
 from kvconnect.connectors.shared_memory import SameHostSegments, SharedSegmentFile
 from kvconnect.connectors.transfer_engine import (RegisteredRegions, StagingMemory, apply_engine_defaults,
@@ -177,8 +178,9 @@ class MooncakeStore(PageStore):
         self._runner = DeadlineRunner(config.io_threads, "kvc-mooncake")  # threads start on first use
         self._lock = threading.Lock()
         self._regions = RegisteredRegions()  # registered caller memory
-        self._healthy = True
-        self._next_probe = 0.0
+        # unhealthy (open) from a timeout or an unreachable master until a health probe passes;
+        # one probe per reconnect_interval
+        self._circuit = CoolOff(config.reconnect_interval, one_probe=True)
         self._counts = {"timeouts": 0, "abandoned": 0, "unavailable": 0, "short_circuited": 0,
                         "direct_pages": 0, "staged_pages": 0, "poisoned_removed": 0,
                         "local_copy_pages": 0, "local_copy_late": 0, "shared_copy_pages": 0,
@@ -404,30 +406,23 @@ class MooncakeStore(PageStore):
         return self._runner.run(fn, args, self.config.op_timeout, on_late)
 
     def _mark_unhealthy(self, why: str) -> None:
-        with self._lock:
-            was = self._healthy
-            self._healthy = False
-            self._next_probe = time.monotonic() + self.config.reconnect_interval
-        if was:
+        if self._circuit.trip():
             log.warning("mooncake store unhealthy (master %s): %s; returning misses until it recovers",
                         self.config.master_server_address, why)
 
     def _available(self) -> bool:
         """Healthy, or a due health probe succeeded. Never blocks beyond ``op_timeout``."""
-        if self._healthy:
+        if not self._circuit.tripped:
             return True
-        now = time.monotonic()
-        with self._lock:
-            if self._runner.abandoned or now < self._next_probe:
+        if self._runner.abandoned or not self._circuit.allow():  # allow(): this caller is the one prober
+            with self._lock:
                 self._counts["short_circuited"] += 1
-                return False
-            self._next_probe = now + self.config.reconnect_interval  # one prober at a time
+            return False
         # a probe that hangs counts as abandoned: no further probe until it returned
         status, rc = self._invoke(self._client.health_check, ())
         ok = status == DONE and rc == 0
         if ok:
-            with self._lock:
-                self._healthy = True
+            self._circuit.reset()
             log.warning("mooncake store healthy again (master %s)", self.config.master_server_address)
         else:
             with self._lock:
@@ -715,7 +710,7 @@ class MooncakeStore(PageStore):
 
     def _usage(self) -> StoreUsage:
         with self._lock:
-            extra = dict(self._counts, healthy=self._healthy, abandoned_running=self._runner.abandoned,
+            extra = dict(self._counts, healthy=self._circuit.closed(), abandoned_running=self._runner.abandoned,
                          registered_bytes=self._regions.nbytes,
                          staging_in_use=self._staging.in_use, io_mode=self.config.io_mode,
                          call_mode=self.config.call_mode, local_copy_endpoint=self._own_endpoint,
@@ -734,7 +729,7 @@ class MooncakeStore(PageStore):
                 f"bytes, tenant {c.tenant_id}")
 
     def _backend_ok(self) -> bool:
-        return self._healthy  # unhealthy from a timeout or an unreachable master until a probe succeeds
+        return self._circuit.closed()  # unhealthy from a timeout or an unreachable master until a probe succeeds
 
     def health(self) -> bool:
         """Whether the store currently serves calls (probes the master if a probe is due)."""
