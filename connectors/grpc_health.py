@@ -5,6 +5,16 @@ Load balancers, Kubernetes' ``grpc`` probes and ``grpc_health_probe`` ask it. Th
 encoded here (their wire format is fixed): ``HealthCheckRequest{string service = 1}`` and
 ``HealthCheckResponse{ServingStatus status = 1}``. The check needs no token (it says only
 whether the server answers), as probes send none. ``Watch`` is not served.
+
+Why by hand: that package would bring ``protobuf`` and its generated modules into every
+install of the ``hf3fs`` and ``peer`` extras, whose own messages are raw bytes (no protobuf
+anywhere else in the product), and its servicer keeps a status table we would have to feed;
+what is served is one unary method of two one-field messages, which this module encodes in
+~60 lines. That it is the standard wire format is tested, not assumed:
+``tests/unit/test_grpc_health.py`` compiles the standard ``health.proto`` with grpcio-tools
+(the ``dev`` extra), checks both messages byte for byte against protobuf's encoding, has the
+generated ``HealthStub`` ask the peer nodes' and the metadata service's handlers, and this
+module's ``check`` ask a server of the generated ``HealthServicer``.
 """
 
 from __future__ import annotations
