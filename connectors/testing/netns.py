@@ -193,19 +193,23 @@ def outer_test(module_file: str, env_var: str, skip_reason: Callable[[], str | N
     namespace, with ``env_var`` set to the namespace's name (the module's inner tests run
     when it is set), and asserts every inner test passed. Mooncake keeps process-wide I/O
     threads in the namespace it started in, so a module that talks to Mooncake runs in a
-    pytest process of its own, started inside the namespace."""
+    pytest process of its own, started inside the namespace. A marker expression the outer
+    run was given (``-m failure_injection``) selects the inner tests too."""
     import pytest
 
     from kvconnect.connectors.testing.processes import child_env
 
-    def test_in_loopback_namespace(tmp_path):
+    def test_in_loopback_namespace(tmp_path, request):
         reason = skip_reason()
         if reason:
             pytest.skip(reason)
+        markexpr = request.config.getoption("markexpr", "")
         ns = Netns(prefix)
         try:
             cmd = ns.exec_prefix() + [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rA",
                                       "--basetemp", str(tmp_path / "inner"), str(Path(module_file).resolve())]
+            if markexpr:
+                cmd += ["-m", markexpr]
             proc = subprocess.Popen(cmd, env=child_env({env_var: ns.name}), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
             try:

@@ -121,6 +121,7 @@ def test_two_sglang_processes_share_pages_byte_exact(tmp_path, meta):
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.failure_injection
 def test_kill9_during_writes_keeps_every_confirmed_page(tmp_path, meta):
     """Writers hammer the service; SIGKILL it mid-load; restart on the same data dir: every
     key whose put returned True is found and byte-exact, and no page has two keys."""

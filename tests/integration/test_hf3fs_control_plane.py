@@ -59,14 +59,16 @@ def token_file(tmp_path, name="token", value=None):
 # ---------------------------------------------------------------------------------
 
 
-def test_two_thousand_idle_connections_do_not_lock_out_a_client(tmp_path):
-    """2,000 framed TCP connections that never send HELLO, against a service started with
-    the common 1,024 open-file soft limit: the service raises its limit, closes connections
-    past its cap and those that do not authenticate in time, and a real client still writes
-    and reads pages byte-exact within a bound."""
-    restore_limit = own_open_file_limit(4500, "2,000 sockets here and a service's raised limit")
+@pytest.mark.failure_injection
+def test_two_thousand_idle_connections_at_a_hard_limit_of_1024_do_not_lock_out_a_client(tmp_path):
+    """2,000 framed TCP connections that never send HELLO, against a service whose soft *and*
+    hard open-file limits are 1,024 (so it cannot raise them; a soft limit alone it raises,
+    ``tests/unit/test_rpc.py``): the service closes connections past its cap of waiting ones
+    and those that do not authenticate in time, and a real client still writes and reads
+    pages byte-exact within a bound."""
+    restore_limit = own_open_file_limit(2200, "the test itself holds 2,000 sockets")
     tok = token_file(tmp_path)
-    meta = MetaProcess(tmp_path / "meta", tok, nofile=1024).start()
+    meta = MetaProcess(tmp_path / "meta", tok, nofile=1024, nofile_hard=True).start()
     idle: list[socket.socket] = []
     try:
         store = create_store("hf3fs", opts(tmp_path, meta, tok))
@@ -95,6 +97,7 @@ def test_two_thousand_idle_connections_do_not_lock_out_a_client(tmp_path):
         restore_limit()
 
 
+@pytest.mark.failure_injection
 def test_two_thousand_idle_grpc_connections_at_a_hard_limit_of_1024(tmp_path):
     """The gRPC port (framed TCP off, so clients use gRPC) of a service whose soft and hard
     open-file limits are both 1,024: 2,000 TCP connections that never start HTTP/2 are held.
@@ -143,11 +146,13 @@ def test_two_thousand_idle_grpc_connections_at_a_hard_limit_of_1024(tmp_path):
         restore_limit()
 
 
+@pytest.mark.failure_injection
 def test_unknown_framed_method_is_refused_by_name_not_with_a_traceback(tmp_path):
     """After HELLO, a framed message whose method id the service does not have is answered
     ``INVALID_ARGUMENT unknown method id``: no Python exception text goes back, and the
     connection keeps serving (a real Endpoint call on it afterwards). An empty frame breaks the
-    framing itself: the service closes that connection."""
+    framing itself: the service closes that connection, as it does one that announces a frame
+    over 4 KiB before HELLO, or sends a HELLO with the wrong token (after answering it)."""
     from kvconnect.connectors.hf3fs import protocol as P
 
     tok = token_file(tmp_path)
@@ -178,6 +183,15 @@ def test_unknown_framed_method_is_refused_by_name_not_with_a_traceback(tmp_path)
             assert rep[:1] == P.OK and len(rep) == 3 and int.from_bytes(rep[1:], "little") == port
             sock.sendall(P.FRAME.pack(0))
             assert sock.recv(16) == b""
+        # before HELLO: a frame over 4 KiB closes the connection unread (no reply), and a HELLO
+        # with the wrong token is answered UNAUTHENTICATED, then closed
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+            sock.sendall(P.FRAME.pack(4097))  # its length alone is refused: the body is never read
+            assert sock.recv(16) == b""
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+            rep = call(sock, bytes((P.HELLO,)) + b"not-the-token")
+            assert rep[:1] == P.ERR and rep[1:].decode().startswith("UNAUTHENTICATED"), rep
+            assert sock.recv(16) == b""
     finally:
         meta.stop()
 
@@ -190,6 +204,7 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
+@pytest.mark.failure_injection
 def test_unauthenticated_large_bodies_are_refused_before_they_are_read(tmp_path):
     """Six 64 MiB bodies without a token: refused UNAUTHENTICATED, and the service's memory
     does not grow by the bodies (the token is checked from the call's metadata first)."""
@@ -296,6 +311,7 @@ def _restart_and_time(tmp_path, port, meta, call) -> float | None:
         meta.stop()
 
 
+@pytest.mark.failure_injection
 def test_store_is_back_within_a_second_of_a_restart(tmp_path):
     """The store (framed TCP): the first successful read, bytes checked, <= 1.5 s after the
     restarted service is ready."""

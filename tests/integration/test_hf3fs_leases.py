@@ -72,6 +72,7 @@ def test_every_transport_serves_the_same_calls(server, transport):
     other.close()
 
 
+@pytest.mark.failure_injection
 def test_framed_tcp_serves_nothing_before_the_token(server):
     bad = RemoteMetadata(server.address, "wrong", timeout=2, transport="tcp")
     with pytest.raises(AuthError):
@@ -171,6 +172,7 @@ def test_a_full_file_rewritten_evicts_nothing_and_new_keys_reserve(server):
         c.close()
 
 
+@pytest.mark.failure_injection
 def test_kill9_keeps_every_put_and_the_writers_leases(tmp_path):
     """SIGKILL the service between a writer's Lease and its Put: after the restart (on a
     new framed TCP port) every key put before is there, the writer's leased pages are

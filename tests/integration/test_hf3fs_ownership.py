@@ -68,6 +68,7 @@ def services(tmp_path):
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.failure_injection
 def test_second_service_on_the_same_data_dir_is_refused(tmp_path, services):
     a = services("meta")
     b = MetaProcess(tmp_path / "meta", fsync="never")
@@ -105,6 +106,7 @@ def test_in_process_server_on_a_held_data_dir_is_refused_and_frees_it_on_stop(tm
         again.stop()
 
 
+@pytest.mark.failure_injection
 def test_kill9_of_the_holder_frees_the_dir_and_its_pages_stay_readable(tmp_path, services):
     a = services("meta")
     prefix = tmp_path / "data" / "hicache"
@@ -150,6 +152,7 @@ def test_restart_of_the_same_service_keeps_its_pages_readable(tmp_path, services
 # ---------------------------------------------------------------------------------
 
 
+@pytest.mark.failure_injection
 @pytest.mark.parametrize("verify_pages", ["off", "on"])
 def test_two_services_sharing_a_prefix_never_return_another_keys_bytes(tmp_path, services, verify_pages):
     """The reported case: two services in separate dirs, engines of both on one

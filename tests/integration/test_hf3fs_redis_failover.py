@@ -19,7 +19,7 @@ from kvconnect.connectors.testing.redis_cluster import redis_skip_reason
 
 SKIP = redis_skip_reason()
 
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.failure_injection]
 NETNS = netns_available()
 
 

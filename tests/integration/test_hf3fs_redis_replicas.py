@@ -31,7 +31,7 @@ from kvconnect.connectors.testing.hf3fs_failover import check_all, wait_until
 from kvconnect.connectors.testing.redis_cluster import DURABILITY, RedisHA, redis_skip_reason
 
 SKIP = redis_skip_reason()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+pytestmark = [pytest.mark.skipif(SKIP is not None, reason=SKIP or ""), pytest.mark.failure_injection]
 
 FAST_S = 0.2  # a write that fails for want of replicas returns within this (measured: a few ms)
 T = PageStoreConformance()

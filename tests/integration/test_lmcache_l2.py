@@ -288,6 +288,7 @@ def test_hung_lookup_reports_misses_in_bounded_time():
         a.close()
 
 
+@pytest.mark.failure_injection
 def test_bad_config_is_a_typed_error_naming_the_key():
     cases = [
         ({}, "'store'", "memory"),

@@ -258,6 +258,7 @@ def test_local_copy_reads_own_segment_pages_itself_and_others_through_mooncake(m
         master.kill()
 
 
+@pytest.mark.failure_injection
 @pytest.mark.parametrize("call_mode,op_timeout", [("worker", 1.5), ("inline", 5.0)])
 def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cluster, tmp_path,  # noqa: F811
                                                                      call_mode, op_timeout):
@@ -350,6 +351,7 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
         master.kill()
 
 
+@pytest.mark.failure_injection
 @pytest.mark.parametrize("call_mode", ["worker", "inline"])
 def test_segment_holder_killed_reads_miss_in_time(mooncake_cluster, call_mode):  # noqa: F811
     """Pages live in another process's segment; kill -9 that process: reads of its pages
@@ -694,4 +696,4 @@ def test_start_that_fails_after_setup_closes_the_client(mooncake_cluster, monkey
 if not INNER:
     for _name in [n for n in globals() if n.startswith("test_")]:
         del globals()[_name]
-    test_in_loopback_namespace = outer_test(__file__)
+    test_in_loopback_namespace = pytest.mark.failure_injection(outer_test(__file__))  # runs the marked ones with -m

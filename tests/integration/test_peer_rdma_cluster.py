@@ -167,6 +167,7 @@ def _end_load(cluster, nodes) -> None:
             cluster.owner[k] = i
 
 
+@pytest.mark.failure_injection
 def test_kill9_under_load_then_rejoin(cluster):
     victim, survivors = 2, [0, 1, 3]
     _fresh_pages(cluster, "k9pre")
@@ -200,6 +201,7 @@ def test_kill9_under_load_then_rejoin(cluster):
     assert cluster.workers[victim].call("metrics")["read_remote_hits"] >= before + 32
 
 
+@pytest.mark.failure_injection
 def test_partition_then_heal(cluster):
     cut, rest = 0, [1, 2, 3]  # node 0 is a seed: losing it must not matter
     _fresh_pages(cluster, "ptpre")

@@ -29,7 +29,8 @@ def _deps() -> str | None:
 
 
 if not INNER:
-    test_control_plane_in_loopback_namespace = outer_test(__file__, "KVCONNECT_PEER_CP_NS", _deps, prefix="kvq")
+    test_control_plane_in_loopback_namespace = pytest.mark.failure_injection(  # runs the marked ones with -m
+        outer_test(__file__, "KVCONNECT_PEER_CP_NS", _deps, prefix="kvq"))
 else:
     from kvconnect.connectors.buffers import HostBuffer
     from kvconnect.connectors.registry import create_store
@@ -101,6 +102,7 @@ else:
         finally:
             a.close()
 
+    @pytest.mark.failure_injection
     def test_failed_start_leaves_no_listener_and_no_threads(tmp_path):
         """A disk_path that cannot be created fails the start after the control port, the
         Transfer Engine and the pool threads were started: all of it is stopped again (the
@@ -140,6 +142,7 @@ else:
             assert ready.exists(), log.read_text()[-3000:]
         return p, log
 
+    @pytest.mark.failure_injection
     def test_a_segment_larger_than_the_host_memory_is_refused_naming_the_key():
         """1,000 TB of lent memory on a host with far less: a ConfigError naming
         global_segment_size before anything is mapped or started."""
@@ -151,6 +154,7 @@ else:
         assert ei.value.key == "global_segment_size" and "memory" in str(ei.value), str(ei.value)
         assert wait(lambda: peer_threads() <= before, 5), peer_threads() - before
 
+    @pytest.mark.failure_injection
     def test_two_thousand_idle_connections_at_a_hard_limit_of_1024(tmp_path):
         """A node (``kvconnect peer serve``) whose soft and hard open-file limits are both 1,024:
         2,000 TCP connections to its control port that never start HTTP/2 are held. gRPC takes at

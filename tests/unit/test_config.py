@@ -10,6 +10,9 @@ import pytest
 from kvconnect.connectors.base import ConfigError, UnknownConfigKey
 from kvconnect.connectors.config import Size, StoreConfig, describe_config, field_doc, parse_config, parse_size
 
+# every bad value refused naming its key: part of the failure-injection suite (docs/operations.md)
+pytestmark = pytest.mark.failure_injection
+
 
 @dataclass(frozen=True)
 class DemoConfig(StoreConfig):

@@ -31,3 +31,25 @@ def test_connection_limit_keeps_a_reserve_below_the_open_file_limit(monkeypatch)
     monkeypatch.setattr(resource, "getrlimit", lambda _r: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert rpc.connection_limit() is None
     assert "grpc.max_allowed_incoming_connections" not in dict(rpc.server_options())
+
+
+def test_a_service_raises_its_soft_open_file_limit_to_the_hard_limit():
+    """What ``hf3fs-meta serve`` does at start (a flood at a 1,024 soft limit then finds the
+    hard limit's descriptors; the flood at a hard limit of 1,024 is the control-plane test's)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kvconnect.connectors.testing.processes import child_env
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= 1024:
+        pytest.skip(f"the hard open-file limit here is {hard}: nothing to raise to")
+    code = ("import resource; from kvconnect.connectors import rpc; n = rpc.raise_nofile_limit(); "
+            "print(n, resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], env=child_env({}), capture_output=True, text=True,
+                         timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard)))
+    assert out.returncode == 0, out.stderr
+    raised, now = map(int, out.stdout.split())
+    assert raised == now and now == (hard if hard != resource.RLIM_INFINITY else 1 << 20), out.stdout
