@@ -10,6 +10,11 @@ Upstream files (the ``sglang==0.5.23`` wheel, ``sglang/srt/mem_cache/storage/``)
 * ``aibrix_kvcache/unit_test.py``: ``AIBrixKVCacheStorageTest.test_with_page_size`` (page
   sizes 1 and 2): the legacy tensor ``batch_set`` / ``batch_get`` / ``batch_exists`` over a
   real ``layer_first`` MHA host pool, including the prefix count of a partial key list.
+* ``tensorcast_store/test_tensorcast_store.py``: its three tests of what any backend owes
+  SGLang's controller, not of Tensorcast's own planner: ``test_exists_single_item_and_empty_call_behavior``,
+  ``test_batch_get_v1_and_batch_set_v1_empty_calls_skip_session_rpc`` and
+  ``test_worker_callbacks_survive_get_and_backup_failures`` (the controller's
+  ``_page_get_zero_copy`` / ``_page_set_zero_copy`` over a backend whose store fails).
 
 Each runs against every registered kvconnect store and variant, as its harness
 (``kvconnect.connectors.testing.harness``) runs it: ``memory``; ``hf3fs`` on POSIX files with
@@ -17,7 +22,7 @@ its in-process index and with a real metadata service process (``kvconnect hf3fs
 serve``, variant ``service``); ``mooncake`` against a real ``mooncake_master`` and segment
 holder; ``peer_rdma`` joining a real seed node over TCP. The module re-runs itself inside a
 loopback-only network namespace (``in_harness_namespace``), where the ``store_harness``
-fixture starts each store's services and every case runs (7 cases x 5 stores).
+fixture starts each store's services and every case runs (10 cases x 5 stores).
 
 What was changed, and why:
 
@@ -46,17 +51,29 @@ What was changed, and why:
   0.5.23 (``ValueError: Invalid MHA geometry: ... head_num=64``): the same pool
   (``layer_first``, float16, 1 head of 128, 64 layers) comes from ``make_cpu_host_pool``. Its
   ``torch.distributed`` environment and AIBrix metrics summary are AIBrix's own: dropped.
+* The Tensorcast tests run over a fake Tensorcast session (calls recorded, results and
+  failures scripted): here the real store is asked, its own call counters (``stats()``) stand
+  for the session's recorded calls, a page missing from the store for the session's
+  ``existence_mask`` with a missing fragment, and ``FaultyStore`` (kvconnect's fault-injecting
+  wrapper around the real store, raising ``BackendUnavailable`` from ``get_into`` /
+  ``put_from``) for the session's ``get_error`` / ``put_error`` (one backend for both
+  callbacks, where upstream builds one per failure). Their host pool, a
+  Tensorcast-registered pool of two-token pages, is a real ``page_first`` MHA pool of
+  two-token pages.
 * Upstream's mock pool is ``MinimalHostPool`` (``kvconnect.connectors.testing.sglang``), the
   same class, kept once for these tests and the adapter's own.
 
 Not adapted, and why: ``simm/test_simm.py`` (its single test is the Mooncake one; its batch
 test passes pool *data* as host indices and its mock pool hands out offsets, not addresses:
 it cannot run against any backend); ``eic/test_unit.py`` (the EIC client alone, no
-``HiCacheStorage``); ``tensorcast_store/test_*.py`` (Tensorcast internals over a fake session);
-``hf3fs/test_hf3fs_utils.py`` (HF3FS's C++ copy helpers).
+``HiCacheStorage``); the other tests of ``tensorcast_store/test_tensorcast_store.py`` and
+``test_tensorcast_host_allocator.py`` (Tensorcast's fragment registration, identities, scratch
+and allocator, checked against the RPCs its session records); ``hf3fs/test_hf3fs_utils.py``
+(HF3FS's C++ copy helpers).
 
 Mocked: only upstream's own mock host pool (the Mooncake test's; a real pool needs model
-geometry upstream did not give). Everything else is real: SGLang's storage factory and config,
+geometry upstream did not give), and the failures of the Tensorcast callback test
+(``FaultyStore`` raising around the real store). Everything else is real: SGLang's storage factory and config,
 SGLang's MHA host pool, kvconnect's stores, the HF3FS metadata service, Mooncake's master and
 client, the peer pool's seed node.
 """
@@ -94,8 +111,8 @@ def make_backend(store_extra):
     """SGLang's factory for ``dynamic``; every backend made is closed after the test."""
     made = []
 
-    def make(config: HiCacheStorageConfig, host):
-        config.extra_config = dict(store_extra)
+    def make(config: HiCacheStorageConfig, host, extra: dict | None = None):
+        config.extra_config = dict(extra or store_extra)
         b = StorageBackendFactory.create_backend("dynamic", config, host)
         made.append(b)
         b.register_mem_pool_host(host)
@@ -237,6 +254,74 @@ def test_with_page_size(make_backend, page_size):
     kv.batch_get(partial_keys, partial_get_tensor)
     for i in range(partial):
         assert _bytes(partial_get_tensor[i]) == _bytes(rand_tensor[i + partial])
+
+
+# ---------------------------------------------------------------------------------
+# tensorcast_store/test_tensorcast_store.py
+# ---------------------------------------------------------------------------------
+
+FAULTY = "kvconnect.connectors.testing.stores:FaultyStore"
+
+
+def _registered_store(make_backend, extra: dict | None = None):
+    """Upstream's ``_registered_store``: a backend over a pool of two-token pages, registered."""
+    host = make_cpu_host_pool("page_first", page_size=2, host_tokens=16)
+    return make_backend(make_hicache_storage_config(is_mla_model=False, tp_rank=0, tp_size=1), host, extra), host
+
+
+def _calls(backend) -> tuple[int, int, int]:
+    s = backend.store.stats()
+    return s.exists_calls, s.get_calls, s.put_calls
+
+
+def test_exists_single_item_and_empty_call_behavior(make_backend):
+    """Upstream: ``exists`` of one key asks the store once a call; a key the store does not
+    hold in full is False; ``batch_exists([])`` is 0 without a call."""
+    store, host = _registered_store(make_backend)
+    idx = host.alloc(2)
+    assert store.batch_set_v1(["one"], idx) == [True]
+    before = _calls(store)[0]
+    assert store.exists("one") is True
+    assert _calls(store)[0] == before + 1
+    assert store.exists("two") is False  # upstream: the session's mask loses a fragment
+    assert _calls(store)[0] == before + 2
+    assert store.batch_exists([]) == 0
+    assert _calls(store)[0] == before + 2
+
+
+def test_batch_get_v1_and_batch_set_v1_empty_calls_skip_session_rpc(make_backend):
+    """Upstream: empty ``batch_get_v1`` / ``batch_set_v1`` answer ``[]`` and never reach the store."""
+    store, _ = _registered_store(make_backend)
+    empty_indices = torch.empty(0, dtype=torch.int64)
+    before = _calls(store)
+    assert store.batch_get_v1([], empty_indices) == []
+    assert store.batch_set_v1([], empty_indices) == []
+    assert _calls(store) == before
+
+
+def test_worker_callbacks_survive_get_and_backup_failures(make_backend, store_extra):
+    """Upstream: SGLang's controller's prefetch (``_page_get_zero_copy``) and backup
+    (``_page_set_zero_copy``) callbacks over a backend whose store fails answer 0 pages / False,
+    nothing raised. Real: the controller's own methods; the store fails through ``FaultyStore``."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.cache_controller import HiCacheController
+
+    inner = {k: v for k, v in store_extra.items() if k not in HICACHE_EXTRA_CONFIG}
+    faulty = {**HICACHE_EXTRA_CONFIG, "store": FAULTY, "inner": inner.pop("store"), "inner_options": inner,
+              "raise_on": ["get_into", "put_from"]}
+    indices = torch.tensor([0, 1], dtype=torch.int64)
+    operation = SimpleNamespace(request_id="worker-operation")
+
+    store, _ = _registered_store(make_backend, faulty)  # upstream: two stores, one failing each way
+    get_controller = object.__new__(HiCacheController)
+    get_controller.storage_backend = store
+    assert get_controller._page_get_zero_copy(operation, ["page"], indices) == 0
+
+    put_controller = object.__new__(HiCacheController)
+    put_controller.storage_backend = store
+    assert put_controller._page_set_zero_copy(["page"], indices) is False
+    assert store.store.calls["get_into"] == 1 and store.store.calls["put_from"] == 1
 
 
 # This module again, inside a loopback-only namespace where each harness starts its store's
