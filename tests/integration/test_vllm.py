@@ -171,3 +171,50 @@ def test_mooncake_store_second_vllm_reads_what_the_first_wrote(model, tmp_path):
                 check_hit(cold, hit)
     finally:
         cluster.close()
+
+
+_RANKS_CHECK = """
+import json
+from types import SimpleNamespace as NS
+import torch
+from kvconnect.connectors.errors import MissingCapability
+from kvconnect.connectors.engines.vllm_native import KVConnectConnector, KVConnectorRole
+
+def config(store, tp, pp=1):
+    spec = NS(num_kv_heads=2, head_size=16, block_size=32, dtype=torch.bfloat16, use_mla=False)
+    vc = NS(kv_transfer_config=NS(kv_load_failure_policy="recompute", kv_connector_extra_config={"store": store}),
+            model_config=NS(served_model_name="tiny", model="tiny", get_total_num_hidden_layers=lambda: 2),
+            parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp), cache_config=NS(cache_dtype="auto"))
+    return vc, NS(kv_cache_groups=[NS(kv_cache_spec=spec)])
+
+out = {}
+for tp in (1, 2):
+    vllm_config, kv_cache_config = config("memory", tp)
+    try:
+        KVConnectConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+        out[f"memory-tp{tp}"] = "ok"
+    except MissingCapability as e:
+        out[f"memory-tp{tp}"] = str(e)
+vllm_config, kv_cache_config = config("kvconnect.connectors.testing.stores:SharedMemoryStore", 2)
+ctx = KVConnectConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config).store.context
+out["shared-tp2"] = [ctx.tp_rank, ctx.tp_size, ctx.pp_size, ctx.cross_rank_lookups]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_tp2_hands_the_ranks_to_a_shared_store_and_refuses_memory(tmp_path):
+    """The connector itself in vLLM's environment (no engine started): with TP 2 its store gets
+    the ranks in its EngineContext and must be shared; ``memory`` is refused naming the capability."""
+    import json
+    import subprocess
+
+    from kvconnect.connectors.testing.processes import child_env
+    from kvconnect.connectors.testing.vllm import REPO_ROOT, VLLM_PY
+
+    r = subprocess.run([str(VLLM_PY), "-c", _RANKS_CHECK], cwd=str(REPO_ROOT), env=child_env(),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.split("RESULT ", 1)[1])
+    assert out["memory-tp1"] == "ok"
+    assert "'memory' does not have the capability 'shared'" in out["memory-tp2"] and "TP 2" in out["memory-tp2"]
+    assert out["shared-tp2"] == [0, 2, 1, True]
