@@ -286,11 +286,6 @@ class PageStore(ABC):
     def supports(self, capability: Capability | str) -> bool:
         return Capability(capability) in type(self).capabilities_of(getattr(self, "config", None))
 
-    @property
-    def needs_registered_memory(self) -> bool:
-        """``supports(Capability.NEEDS_REGISTERED_MEMORY)``, read by that name (declare the capability)."""
-        return self.supports(Capability.NEEDS_REGISTERED_MEMORY)
-
     # -- public API (final) -------------------------------------------------------
     def exists(self, keys: Sequence[str]) -> list[bool]:
         """For each key, whether a complete page is stored (LRU order untouched)."""

@@ -357,7 +357,7 @@ class KVConnectStorage(HiCacheStorage):
             span = (t.data_ptr(), t.numel() * t.element_size())
             if not span[1] or span in self._registered:
                 continue
-            if self.store.needs_registered_memory:
+            if self.store.supports(Capability.NEEDS_REGISTERED_MEMORY):
                 self.store.register_memory(*span)
             self._registered.add(span)
             self._host_spans.append((span[0], span[0] + span[1]))

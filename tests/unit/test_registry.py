@@ -183,5 +183,5 @@ def test_needs_registered_memory_is_a_capability_read_through_views():
 
     for store, needs in ((MemoryStore(), False), (Registering(), True)):
         view = PrefixedStore(store, "p-")
-        assert store.supports(need) is view.supports(need) is view.needs_registered_memory is needs
+        assert store.supports(need) is view.supports(need) is needs
         store.close()
