@@ -12,6 +12,8 @@ machine it runs on:
   GPU is there, as SGLang's host pool is), alone and while another thread keeps writing other
   pages into the same store (write-through puts of other requests); every read is checked byte
   for byte on its first and last page;
+* ``xxh3``: the xxh3-64 of every page (what the peer pool checks after a same-host copy or a
+  transfer), on one thread and shared out over the copy threads;
 * ``h2d``: the same bytes from that pinned buffer to the GPU, one copy per page on one stream
   (torch): what an L2 hit costs in copies.
 
@@ -183,6 +185,19 @@ def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: 
     return {"get": alone, "get_under_puts": under}
 
 
+def measure_checksums(pages: PinnedPages, n: int, repeats: int) -> dict[str, Any]:
+    """xxh3-64 of every page of the prefix (what a validated read checks: peer_rdma's same-host
+    and remote reads), on the calling thread alone and shared out over the copy threads."""
+    from kvconnect.connectors.peer_rdma.segment import checksum_page, checksum_pages
+
+    all_pages = [pages.page(i) for i in range(n)]
+    want = [checksum_page(p) for p in all_pages]
+    assert checksum_pages(all_pages) == want, "spread checksums differ from one thread's"
+    nbytes = n * pages.page_bytes
+    return {"one_thread": summary(nbytes, timed(lambda: [checksum_page(p) for p in all_pages], repeats)),
+            "copy_threads": summary(nbytes, timed(lambda: checksum_pages(all_pages), repeats))}
+
+
 def measure_h2d(torch: Any, src: PinnedPages, repeats: int) -> dict[str, Any]:
     """One copy per host piece (a page, or a page's layer piece), on one stream."""
     dev = torch.empty(src.n * src.page_bytes, dtype=torch.uint8, device="cuda")
@@ -276,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
             figs[name]["l3_floor_ms"] = round(l3, 3)
             res.ratio(f"{name}_l3_floor_over_l2_floor", l3, figs["h2d"]["ms_median"],
                       "host-to-device copy alone (what an L2 hit copies), same run", higher_is_better=False)
+    try:
+        import xxhash  # noqa: F401  (the peer pool's checksum)
+
+        figs["xxh3"] = measure_checksums(dst, pages, a.repeats)
+        res.ratio("xxh3_copy_threads_over_one_thread", figs["xxh3"]["copy_threads"]["gib_per_s"],
+                  figs["xxh3"]["one_thread"]["gib_per_s"], "the same pages hashed on one thread, same run")
+    except ImportError:
+        res.notes.append("xxhash is not installed: no checksum figures")
     if "hf3fs_e16" in stores and "hf3fs_2t" in stores:
         res.ratio("hf3fs_e16_get_over_2_workers", figs["hf3fs_e16"]["get"]["gib_per_s"],
                   figs["hf3fs_2t"]["get"]["gib_per_s"],

@@ -11,7 +11,7 @@ import hashlib
 import os
 import threading
 import zlib
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from kvconnect.connectors.base import Page, Segment, page_nbytes
 
@@ -121,6 +121,26 @@ def copy_many(moves: Sequence[tuple[int, int, int]]) -> None:
     _run_moves(groups[0])
     for f in futures:
         f.result()
+
+
+def map_spread(fn: Callable[[Any], Any], items: Sequence[Any], total_bytes: int) -> list:
+    """``[fn(x) for x in items]``, the items shared out over the copy threads when they cover
+    ``total_bytes`` >= 8 MiB (``fn`` must release the GIL, as memmove and xxhash do); the calling
+    thread does one share itself. Results in item order."""
+    threads = min(copy_threads(), len(items))
+    if threads <= 1 or total_bytes < _PARALLEL_MIN_BYTES:
+        return [fn(x) for x in items]
+    share = -(-len(items) // threads)
+    groups = [items[i:i + share] for i in range(0, len(items), share)]
+
+    def run(group: Sequence[Any]) -> list:
+        return [fn(x) for x in group]
+
+    futures = [_pool().submit(run, g) for g in groups[1:]]
+    out = run(groups[0])
+    for f in futures:
+        out.extend(f.result())
+    return out
 
 
 def scatter_many(srcs: Sequence[int], pages: Sequence[Page]) -> None:

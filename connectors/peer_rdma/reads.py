@@ -19,7 +19,7 @@ from kvconnect.connectors.buffers import scatter, scatter_many
 from kvconnect.connectors.peer_rdma.directory import CSUM, HOLDER, HOLDER_GONE, LEN, OFF, RESIDENT, live_holder
 from kvconnect.connectors.peer_rdma.membership import Member
 from kvconnect.connectors.peer_rdma.rpc import RpcError
-from kvconnect.connectors.peer_rdma.segment import Slot, checksum_at, checksum_page
+from kvconnect.connectors.peer_rdma.segment import Slot, checksum_at, checksum_pages
 
 
 class Reader:
@@ -277,8 +277,9 @@ class Reader:
         """Checks pages copied straight into caller memory against their published checksums:
         a page that does not match is a miss ("corrupt", counted in ``read_stale``)."""
         stale = 0
-        for i, e in items:
-            ok = checksum_page(pages[i]) == e[CSUM]
+        sums = checksum_pages([pages[i] for i, _ in items])
+        for (i, e), got in zip(items, sums):
+            ok = got == e[CSUM]
             out[i] = ok
             if not ok:
                 stale += 1

@@ -22,8 +22,8 @@ from typing import Callable
 
 import xxhash
 
-from kvconnect.connectors.base import Page
-from kvconnect.connectors.buffers import gather_into, page_view, scatter_many
+from kvconnect.connectors.base import Page, page_nbytes
+from kvconnect.connectors.buffers import gather_into, map_spread, page_view, scatter_many
 
 ALIGN = 256
 
@@ -34,6 +34,12 @@ def checksum_page(page: Page) -> int:
     for mv in page_view(page):
         h.update(mv)
     return h.intdigest()
+
+
+def checksum_pages(pages: list[Page]) -> list[int]:
+    """:func:`checksum_page` of each page; a prefix's worth is hashed on the copy threads (xxhash
+    releases the GIL): one thread hashed a 1 GiB prefix's same-host copies for ~90 ms of its get."""
+    return map_spread(checksum_page, pages, sum(page_nbytes(p) for p in pages))
 
 
 def checksum_at(address: int, nbytes: int) -> int:

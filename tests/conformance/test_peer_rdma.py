@@ -252,12 +252,12 @@ else:
             owners when it arrives after the clear."""
             from kvconnect.connectors.peer_rdma.placement import owners
 
-            keys = self.keys(24)
-            assert self.write(store, keys) == [True] * 24
+            keys = self.keys(48)  # placement hashes the keys: ~32 on the other nodes, >= 4 all but surely
+            assert self.write(store, keys) == [True] * 48
             node = store.node
             stale = [(k, e) for k, e in zip(keys, node.reader.locate(keys, time.monotonic() + 5))
                      if e is not None and e[0] != node.node_id]  # held by the other nodes
-            assert len(stale) >= 8
+            assert len(stale) >= 4
             store.clear()
             view = node.view
             per: dict[str, list] = {}
@@ -269,8 +269,8 @@ else:
                     node.directory.put([batch, True])
                 else:
                     node.clients.call(t, "DirPut", [batch, True])
-            assert store.exists(keys) == [False] * 24
-            assert self.read(store, keys)[0] == [False] * 24
+            assert store.exists(keys) == [False] * 48
+            assert self.read(store, keys)[0] == [False] * 48
 
         def test_a_republish_racing_a_delete_cannot_resurrect_the_page(self, store):
             """The race behind the flaky delete (issue 26): a holder re-homes its entries from
@@ -281,12 +281,14 @@ else:
             re-publish arrives, as they send it, at every owner of the view."""
             from kvconnect.connectors.peer_rdma.placement import owners
 
-            keys = self.keys(24)
-            assert self.write(store, keys) == [True] * 24
+            keys = self.keys(48)
+            assert self.write(store, keys) == [True] * 48
             node = store.node
             entries = node.reader.locate(keys, time.monotonic() + 5)
             stale = [(k, e) for k, e in zip(keys, entries) if e is not None and e[0] != node.node_id]
-            assert len(stale) >= 8  # held by the two pool nodes (owner placement)
+            # held by the two pool nodes (owner placement hashes the keys: about two thirds of them;
+            # 24 keys once gave 6, under a bound of 8 that was about the placement, not the race)
+            assert len(stale) >= 4
             gone, kept = [k for k, _ in stale], [k for k in keys if k not in {k for k, _ in stale}]
             assert store.delete(gone) == [True] * len(gone)
             per: dict[str, list] = {}
@@ -308,12 +310,12 @@ else:
             slots is taken, the delete of the pages it holds completes, then the round
             publishes the snapshot (to every owner, as a first round does). No owner may
             name the deleted pages afterwards."""
-            keys = self.keys(24)
-            assert self.write(store, keys) == [True] * 24
+            keys = self.keys(48)
+            assert self.write(store, keys) == [True] * 48
             node = store.node
             held = node.segment.items()  # the round's snapshot, before the delete
             mine = [k for k in keys if node.segment.lookup(k, touch=False) is not None]
-            assert len(mine) >= 4  # owner placement: about a third of the keys are this node's
+            assert len(mine) >= 4  # owner placement: about a third of the keys (~16) are this node's
             assert store.delete(mine) == [True] * len(mine)
             node.rehoming.rehome(None, node.view, held=held)  # ... and its round runs after it
             # locate asks the owners (an entry naming this node is not filtered here)

@@ -21,9 +21,12 @@ def test_quick_floor_measures_every_store_and_checks_its_bytes(tmp_path):
         g, u = figs[store]["get"], figs[store]["get_under_puts"]
         assert g["gib_per_s"] > 0 and u["gib_per_s"] > 0 and g["repeats"] == 3
         assert u["writer_gib_per_s"] > 0  # the writer really wrote while the reads ran
+    x = figs["xxh3"]  # the peer pool's page checksums, one thread and spread, agreeing (checked inside)
+    assert x["one_thread"]["gib_per_s"] > 0 and x["copy_threads"]["gib_per_s"] > 0
     names = {r["metric"] for r in doc["ratios"]}
     assert {"memory_get_over_memcpy_16t", "hf3fs_get_under_puts_over_alone",
-            "serving_store_time_over_hf3fs_get_floor", "hf3fs_e16_get_over_2_workers"} <= names
+            "serving_store_time_over_hf3fs_get_floor", "hf3fs_e16_get_over_2_workers",
+            "xxh3_copy_threads_over_one_thread"} <= names
     if not doc["params"]["cuda"]:
         assert "h2d" not in figs and any("no CUDA" in n for n in doc["notes"])
 

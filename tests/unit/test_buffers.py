@@ -1,5 +1,6 @@
 """kvconnect.connectors.buffers: the parallel copy path moves exactly the requested bytes."""
 
+import ctypes
 import os
 
 import pytest
@@ -43,3 +44,32 @@ def test_copy_threads_env_is_validated(monkeypatch):
         buffers.copy_threads()
     monkeypatch.setenv(buffers.COPY_THREADS_ENV, "0")
     assert buffers.copy_threads() == 1
+
+
+def test_map_spread_keeps_order_and_shares_a_large_batch_out(monkeypatch):
+    import threading
+
+    import xxhash
+
+    from kvconnect.connectors.buffers import map_spread
+    from kvconnect.connectors.peer_rdma.segment import checksum_page, checksum_pages
+
+    monkeypatch.setenv(buffers.COPY_THREADS_ENV, "4")
+    monkeypatch.setattr(buffers, "_copy_pool", None)
+    seen: set = set()
+
+    def tagged(x):
+        seen.add(threading.get_ident())
+        return x * 2
+
+    assert map_spread(tagged, list(range(40)), 64 << 20) == [x * 2 for x in range(40)]
+    assert len(seen) > 1                                      # shared out over the copy threads
+    seen.clear()
+    assert map_spread(tagged, list(range(40)), 1 << 20) == [x * 2 for x in range(40)]
+    assert seen == {threading.get_ident()}                    # a small batch stays on the caller
+    # page checksums, spread or not, are each page's own xxh3 over its segments in order
+    bufs = [bytearray(os.urandom(3 << 20)) for _ in range(8)]
+    pages = [[(ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)), 1 << 20),
+              (ctypes.addressof((ctypes.c_char * len(b)).from_buffer(b)) + (1 << 20), 2 << 20)] for b in bufs]
+    assert checksum_pages(pages) == [checksum_page(p) for p in pages] == [xxhash.xxh3_64_intdigest(bytes(b))
+                                                                          for b in bufs]
