@@ -188,7 +188,10 @@ class HF3FSStore(PageStore):
         self._refused: dict[int, tuple[float, ConfigError]] = {}  # size -> when its file was refused, why
         self._spaces_checked = 0.0
         self._local_path: str | None = None
+        # Reads and writes have workers of their own: a prefetch never queues behind the tasks of
+        # write-through puts (SGLang's backup thread writes while its prefetch thread reads).
         self._executor: ThreadPoolExecutor | None = None
+        self._write_executor: ThreadPoolExecutor | None = None
         self._owns_meta = metadata is None
         self.validations = 0
         self.rejected_reads = 0
@@ -220,7 +223,8 @@ class HF3FSStore(PageStore):
                 log.warning("kvconnect hf3fs: file_path_prefix %s looks like a 3FS mount but %s is on %r, not "
                             "3FS: pages go to that file system, not to 3FS (is the mount missing?)",
                             config.file_path_prefix, self.path, mount_fstype(self.path))
-            self._executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-io")
+            self._executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-read")
+            self._write_executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-write")
             hint = config.page_bytes or page_bytes
             if hint:
                 self._lane(int(hint), create=True)
@@ -381,14 +385,16 @@ class HF3FSStore(PageStore):
         floor = -(-MIN_TASK_BYTES // max(1, page_bytes))
         return max(1, min(self.config.entries, max(spread, floor)))
 
-    def _fan_out(self, fn, items: list, lane: "_Lane", *args) -> list:
-        """Run ``fn(chunk, lane, *args)`` over chunks of :meth:`_chunk_pages` items on the workers,
-        the first chunk on the calling thread; results in item order. Waits for every chunk: no
-        I/O into caller memory is ever left running when a call returns."""
+    def _fan_out(self, fn, items: list, lane: "_Lane", *args, pool: ThreadPoolExecutor | None = None) -> list:
+        """Run ``fn(chunk, lane, *args)`` over chunks of :meth:`_chunk_pages` items on ``pool``
+        (the read workers by default), the first chunk on the calling thread; results in item
+        order. Waits for every chunk: no I/O into caller memory is ever left running when a
+        call returns."""
         e = self._chunk_pages(len(items), lane.page_bytes)
         args = (lane, *args)
         chunks = [items[i:i + e] for i in range(0, len(items), e)]
-        futs = [self._executor.submit(fn, c, *args) for c in chunks[1:]]
+        pool = pool or self._executor
+        futs = [pool.submit(fn, c, *args) for c in chunks[1:]]
         out = list(fn(chunks[0], *args)) if chunks else []
         for f in futs:
             out.extend(f.result())
@@ -570,7 +576,7 @@ class HF3FSStore(PageStore):
         ids = ([None] * len(new) if lane.ids is None else
                page_idents([kb[j] for j in new], [gens[j] for j in new]))
         res = self._fan_out(self._write_chunk, [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], lane,
-                            deadline, self.config.checksums)
+                            deadline, self.config.checksums, pool=self._write_executor)
         if self.config.fsync_data and any(o for o, _ in res):
             try:
                 lane.file.sync()
@@ -670,9 +676,11 @@ class HF3FSStore(PageStore):
         if index is not None:
             index.evict_listeners = tuple(x for x in index.evict_listeners if x != self._index_evicted)
             self._evict_index = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for attr in ("_executor", "_write_executor"):
+            pool = getattr(self, attr, None)
+            if pool is not None:
+                pool.shutdown(wait=True)
+                setattr(self, attr, None)
         for lane in self._lanes.values():
             lane.file.close()
             if lane.ids is not None:

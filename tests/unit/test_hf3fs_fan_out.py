@@ -59,3 +59,32 @@ def test_spread_reads_and_writes_keep_every_pages_bytes(tmp_path, monkeypatch):
         s.close()
     assert dst.raw == src.raw
     assert len(threads) > 1  # 32 pages over 8 workers: eight tasks of four pages, on several threads
+
+
+def test_reads_and_writes_run_on_workers_of_their_own(tmp_path, monkeypatch):
+    """A prefetch never waits behind write-through puts' tasks: each side has its own workers."""
+    s = _store(tmp_path, numjobs=4, entries=16)
+    names: dict = {"read": set(), "write": set()}
+    cls = hf3fs_store.HF3FSStore
+    read_chunk, write_chunk = cls._read_chunk, cls._write_chunk
+
+    def reads(chunk, lane, checks):
+        names["read"].add(threading.current_thread().name.rsplit("_", 1)[0])
+        return read_chunk(chunk, lane, checks)
+
+    def writes(chunk, lane, *rest):
+        names["write"].add(threading.current_thread().name.rsplit("_", 1)[0])
+        return write_chunk(chunk, lane, *rest)
+
+    monkeypatch.setattr(cls, "_read_chunk", staticmethod(reads))
+    monkeypatch.setattr(cls, "_write_chunk", staticmethod(writes))
+    n = 16
+    buf = (ctypes.c_char * (n * MiB))()
+    pages = [[(ctypes.addressof(buf) + i * MiB, MiB)] for i in range(n)]
+    keys = [f"k{i}" for i in range(n)]
+    try:
+        assert all(s.put_from(keys, pages)) and all(s.get_into(keys, pages))
+    finally:
+        s.close()
+    caller = threading.current_thread().name.rsplit("_", 1)[0]
+    assert names["read"] == {caller, "hf3fs-read"} and names["write"] == {caller, "hf3fs-write"}
