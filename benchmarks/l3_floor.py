@@ -94,6 +94,11 @@ def open_stores(names: list[str], directory: Path, page_bytes: int, pages: int) 
         else:
             options = {**options, "file_path_prefix": str(directory / n), "file_size": room, "page_bytes": page_bytes}
         stores[n] = create_store(store, options)
+        if n.endswith("_1pool"):
+            # before reads and writes had workers of their own: the writes' tasks on the read workers
+            st = stores[n]
+            st._write_executor.shutdown(wait=True)
+            st._write_executor = st._executor
     return stores
 
 
@@ -105,6 +110,8 @@ FLOOR_STORES = {
     "hf3fs_e16": ("hf3fs", {"numjobs": 16, "entries": 16}),
     # two workers: the threads a 32-page batch had with entries 16 before batches were spread over numjobs
     "hf3fs_2t": ("hf3fs", {"numjobs": 2, "entries": 16}),
+    # hf3fs_e16 with one pool of workers for reads and writes (as before they had pools of their own)
+    "hf3fs_e16_1pool": ("hf3fs", {"numjobs": 16, "entries": 16}),
 }
 
 
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                         "layer_first, where each page is one piece per layer and K/V)")
     p.add_argument("--stores", default="memory,hf3fs", help="stores to read from, of " + ", ".join(FLOOR_STORES)
                    + " (default memory,hf3fs; hf3fs: numjobs 16, entries 8; hf3fs_e16: entries 16, the serving "
-                   "benchmark's; hf3fs_2t: 2 workers)")
+                   "benchmark's; hf3fs_2t: 2 workers; hf3fs_e16_1pool: reads and writes on one pool)")
     p.add_argument("--dir", default=None, help="hf3fs data directory (default: a temporary one under /dev/shm "
                                                "where it exists, so the file system is not the limit)")
     p.add_argument("--store-s-per-l3-hit", type=float, default=None,
@@ -299,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
                   figs["xxh3"]["one_thread"]["gib_per_s"], "the same pages hashed on one thread, same run")
     except ImportError:
         res.notes.append("xxhash is not installed: no checksum figures")
+    if "hf3fs_e16" in stores and "hf3fs_e16_1pool" in stores:
+        res.ratio("hf3fs_e16_get_under_puts_over_one_pool", figs["hf3fs_e16"]["get_under_puts"]["gib_per_s"],
+                  figs["hf3fs_e16_1pool"]["get_under_puts"]["gib_per_s"],
+                  "the same reads under puts with reads and writes on one pool of workers, same run")
     if "hf3fs_e16" in stores and "hf3fs_2t" in stores:
         res.ratio("hf3fs_e16_get_over_2_workers", figs["hf3fs_e16"]["get"]["gib_per_s"],
                   figs["hf3fs_2t"]["get"]["gib_per_s"],

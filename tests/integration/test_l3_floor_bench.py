@@ -13,11 +13,11 @@ from kvconnect.benchmarks import l3_floor
 def test_quick_floor_measures_every_store_and_checks_its_bytes(tmp_path):
     out = tmp_path / "l3_floor.json"
     assert l3_floor.main(["--quick", "--out", str(out), "--store-s-per-l3-hit", "0.039",
-                          "--stores", "memory,hf3fs,hf3fs_e16,hf3fs_2t"]) == 0
+                          "--stores", "memory,hf3fs,hf3fs_e16,hf3fs_2t,hf3fs_e16_1pool"]) == 0
     doc = json.loads(out.read_text())
     figs = doc["figures"]
     assert doc["params"]["pages"] == 4 and doc["params"]["page_bytes"] == 8 << 20
-    for store in ("memory", "hf3fs", "hf3fs_e16", "hf3fs_2t"):
+    for store in ("memory", "hf3fs", "hf3fs_e16", "hf3fs_2t", "hf3fs_e16_1pool"):
         g, u = figs[store]["get"], figs[store]["get_under_puts"]
         assert g["gib_per_s"] > 0 and u["gib_per_s"] > 0 and g["repeats"] == 3
         assert u["writer_gib_per_s"] > 0  # the writer really wrote while the reads ran
@@ -26,7 +26,7 @@ def test_quick_floor_measures_every_store_and_checks_its_bytes(tmp_path):
     names = {r["metric"] for r in doc["ratios"]}
     assert {"memory_get_over_memcpy_16t", "hf3fs_get_under_puts_over_alone",
             "serving_store_time_over_hf3fs_get_floor", "hf3fs_e16_get_over_2_workers",
-            "xxh3_copy_threads_over_one_thread"} <= names
+            "xxh3_copy_threads_over_one_thread", "hf3fs_e16_get_under_puts_over_one_pool"} <= names
     if not doc["params"]["cuda"]:
         assert "h2d" not in figs and any("no CUDA" in n for n in doc["notes"])
 
@@ -34,7 +34,7 @@ def test_quick_floor_measures_every_store_and_checks_its_bytes(tmp_path):
 def test_an_unknown_store_name_is_refused_with_the_accepted_ones(tmp_path):
     import pytest
 
-    with pytest.raises(SystemExit, match="unknown nope; accepted values: memory, hf3fs, hf3fs_e16, hf3fs_2t"):
+    with pytest.raises(SystemExit, match="unknown nope; accepted values: memory, hf3fs, hf3fs_e16, hf3fs_2t, hf3fs_e16_1pool"):
         l3_floor.open_stores(["memory", "nope"], tmp_path, 1 << 20, 4)
 
 
