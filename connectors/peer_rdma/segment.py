@@ -38,7 +38,8 @@ def checksum_page(page: Page) -> int:
 
 def checksum_pages(pages: list[Page]) -> list[int]:
     """:func:`checksum_page` of each page; a prefix's worth is hashed on the copy threads (xxhash
-    releases the GIL): one thread hashed a 1 GiB prefix's same-host copies for ~90 ms of its get."""
+    releases the GIL). Hashed one by one on the caller, a 1 GiB prefix's same-host get took 131 ms
+    in a serving run where Mooncake's shared segment, which copies without hashing, took 41 ms."""
     return map_spread(checksum_page, pages, sum(page_nbytes(p) for p in pages))
 
 
