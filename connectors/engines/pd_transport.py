@@ -1,12 +1,14 @@
-"""Data planes of the ``kvconnect`` PD transfer backend (no SGLang imports here).
+"""Byte movement of the ``kvconnect`` PD transfer backend (no SGLang imports here).
 
-Two ways to move one request's KV pages and aux rows from prefill to decode, behind one
-``DataPlane`` interface (``open_data_plane``; ``transport`` in ``KVCONNECT_PD_CONFIG``):
+Two ways to move one request's KV pages and aux rows from prefill to decode; the strategy
+around each (``DataPlane``: ``DirectPlane``, ``RelayPlane``) is in
+``kvconnect.connectors.engines.pd_planes``. Here: the config, address arithmetic and the
+relay's store I/O.
 
-* ``DirectPlane`` (``"direct"``): every process registers its KV, aux and state buffers
-  with a Transfer Engine; prefill writes pages one-sided into the slots decode
-  pre-allocated (RDMA where a NIC exists, TCP otherwise). Prefill waits for decode's
-  destinations.
+* ``"direct"``: every process registers its KV, aux and state buffers with a Transfer
+  Engine; prefill writes pages one-sided into the slots decode pre-allocated (RDMA where a
+  NIC exists, TCP otherwise; ``kv_blocks``, ``aux_blocks``, ``state_blocks``). Prefill waits
+  for decode's destinations.
 * ``StoreRelay`` (``"relay"``): prefill writes each request's pages and aux rows into a
   kvconnect store, under a key-space view of the room (``PrefixedStore``), then a
   completion marker; decode waits for the marker and reads straight into its
@@ -14,7 +16,7 @@ Two ways to move one request's KV pages and aux rows from prefill to decode, beh
   deleted after success, failure or timeout. Any store with the ``shared`` capability will
   do (and ``device_memory`` where the KV lives on a GPU); the factory refuses others.
 
-``kvconnect.connectors.engines.sglang_pd`` drives these from SGLang's ``Common*`` classes.
+``kvconnect.connectors.engines.sglang_pd`` drives the planes from SGLang's ``Common*`` classes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -218,43 +220,13 @@ class BufferLayout:
 
 
 # ---------------------------------------------------------------------------------
-# The data planes
+# One failure type; direct write blocks
 # ---------------------------------------------------------------------------------
 
 
-# One failure type for every data plane: the Transfer Engine's own (a one-sided write, a
+# One failure type for both transports: the Transfer Engine's own (a one-sided write, a
 # registration) and the relay's store operations raise the same class.
 TransferFailed = transfer_engine.TransferFailed
-
-
-class DataPlane:
-    """How a room's bytes move from prefill to decode (one per SGLang process)."""
-
-    waits_for_decode: ClassVar[bool]
-    """Prefill needs decode's destination slots before it moves a byte (direct), or not (relay)."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-class DirectPlane(DataPlane):
-    """One-sided writes into decode's pre-allocated slots, over this process's Transfer Engine."""
-
-    waits_for_decode = True
-
-    def __init__(self, config: PDConfig, layout: BufferLayout, local_ip: str):
-        self.config = config
-        self.layout = layout
-        self.engine = transfer_engine.EngineClient(local_ip, config.protocol, config.device, user="PD direct plane")
-        self.session_id = self.engine.name
-        self.engine.register_many(layout.regions())
-
-    def write(self, session: str, blocks: Sequence[tuple[int, int, int]]) -> None:
-        """One-sided writes ``(local_src, remote_dst, nbytes)``; raises ``TransferFailed``."""
-        self.engine.write_sync(session, blocks, self.config.max_batch)
-
-    def close(self) -> None:
-        self.engine.close()
 
 
 def kv_blocks(src: BufferLayout, dst_kv_ptrs: Sequence[int], src_pages: np.ndarray,
@@ -497,10 +469,9 @@ class KeyCleaner:
         self._wake.set()
 
 
-class StoreRelay(DataPlane):
-    """Both halves of the relay over one ``PageStore``; one instance per SGLang process."""
-
-    waits_for_decode = False
+class StoreRelay:
+    """Both halves of the relay's byte movement over one ``PageStore``; one instance per SGLang
+    process (``pd_planes.RelayPlane`` decides when each half runs)."""
 
     def __init__(self, config: PDConfig, layout: BufferLayout, context: EngineContext | None = None,
                  store: PageStore | None = None):

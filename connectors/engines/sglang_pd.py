@@ -5,7 +5,8 @@ The classes build on SGLang's ``Common*`` classes, so the bootstrap server, its 
 protocol, the request state machine (``KVPoll``), timeouts, heartbeats, abort notifications
 and ``failure_exception`` are SGLang's own; kvconnect supplies the control messages between
 one prefill rank and one decode rank and the data plane chosen by ``KVCONNECT_PD_CONFIG``
-(see ``kvconnect.connectors.engines.pd_transport``):
+(a ``DataPlane`` strategy, ``kvconnect.connectors.engines.pd_planes``: the manager calls
+its hooks and never asks which transport it has):
 
 * ``direct``: decode registers its KV/aux/state buffers with prefill over ZMQ; prefill
   writes each chunk's pages one-sided into the slots decode pre-allocated (Transfer Engine),
@@ -27,7 +28,6 @@ with a message saying so.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -46,22 +46,14 @@ from sglang.srt.utils.network import NetworkAddress
 
 from kvconnect.connectors.auth import token_matches
 from kvconnect.connectors.context import EngineContext
+from kvconnect.connectors.engines.pd_planes import DataPlane, open_data_plane
 from kvconnect.connectors.engines.pd_transport import (
     ENV_CONFIG,
     BufferLayout,
-    Deadlines,
-    DirectPlane,
     PDConfig,
-    RelayKeys,
-    RoomMismatch,
-    StoreRelay,
     TransferFailed,
-    aux_blocks,
-    kv_blocks,
     load_pd_config,
     kv_dtype_tag,
-    room_namespace,
-    state_blocks,
 )
 from kvconnect.connectors.engines.common import RateLimitedLog
 from kvconnect.connectors.engines.sglang_pd_compat import ABORT_TAG, ManagerBase, ReceiverBase, SenderBase, abort_room
@@ -125,34 +117,13 @@ class TransferChunk:
     indices_event: Any = None
 
 
-@dataclasses.dataclass
-class _RelayRoomOut:
-    """Prefill side of one relayed room."""
-
-    keys: RelayKeys
-    src_pages: np.ndarray
-    written_blocks: int = 0
-
-
-@dataclasses.dataclass
-class _RelayRoomIn:
-    """Decode side of one relayed room: where its bytes go."""
-
-    room: int
-    keys: RelayKeys
-    dst_pages: np.ndarray
-    aux_row: int
-    state_indices: Optional[List[Any]]
-    prefill_endpoint: str
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    inflight: bool = False
-    cancelled: bool = False
-    not_before: float = 0.0
-    last_error: Optional[str] = None
-
-
 class KVConnectKVManager(ManagerBase):
-    """One per scheduler process: SGLang's control plane plus a kvconnect data plane."""
+    """One per scheduler process: SGLang's control plane plus a kvconnect data plane.
+
+    The protocol layer, the same for every transport: where the transports differ it calls
+    the ``DataPlane`` (``pd_planes``) and never asks which one it has. It is the planes'
+    ``PlaneHost``.
+    """
 
     kv_status_msg_tag = STATUS_TAG
     kv_status_msg_carries_reason = True
@@ -172,39 +143,28 @@ class KVConnectKVManager(ManagerBase):
             tp_size=int(getattr(self, "attn_tp_size", 1) or 1), pp_rank=int(getattr(self, "pp_rank", 0) or 0),
             pp_size=int(getattr(self, "pp_size", 1) or 1), dp_rank=int(getattr(self, "attn_dp_rank", 0) or 0),
             rank_replicated=bool(is_mla_backend), page_bytes=max(1, self.layout.page_bytes), device=_kv_device())
-        # One interface, two data planes; which one is the config's, never the store's.
-        self.plane = StoreRelay(cfg, self.layout, self.context) if cfg.is_relay else \
-            DirectPlane(cfg, self.layout, self.local_ip)
-        self.relay: Optional[StoreRelay] = self.plane if isinstance(self.plane, StoreRelay) else None
-        self.direct: Optional[DirectPlane] = self.plane if isinstance(self.plane, DirectPlane) else None
-        self.session_id = self.direct.session_id if self.direct else f"{self.local_ip}:{self.rank_port}"
-        self._executor = concurrent.futures.ThreadPoolExecutor(cfg.workers, thread_name_prefix="kvconnect-pd")
-        # Notices that must not delay the read path (relay: "keys taken" to prefill).
-        self._cleanup = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="kvconnect-pd-notices")
+        # One interface; which data plane is the config's, never the store's.
+        self.plane: DataPlane = open_data_plane(cfg, self.layout, self.context, self)
+        self.session_id = self.plane.session_id
         if disaggregation_mode == DisaggregationMode.PREFILL:
             if cfg.timeout_s is not None:
                 self.bootstrap_timeout = cfg.timeout_s
             self._live_senders: set = set()
             self._meta_seen: Dict[int, float] = {}
-            self._relay_out: Dict[int, _RelayRoomOut] = {}
-            self._relay_deadlines = Deadlines()
             self.transfer_queues = [FastQueue() for _ in range(cfg.workers)]
             for q in self.transfer_queues:
                 self._spawn(self._transfer_worker, q)
             self._spawn(self._prefill_control_loop)
             self._spawn(self._prefill_janitor)
+            self.plane.start_prefill()
         elif disaggregation_mode == DisaggregationMode.DECODE:
             if cfg.timeout_s is not None:
                 self.waiting_timeout = cfg.timeout_s
-            self._relay_in: Dict[int, _RelayRoomIn] = {}
-            self._relay_lock = threading.Lock()
-            self._relay_wake = threading.Event()
             self._spawn(self._decode_control_loop)
             heartbeat = self._start_heartbeat_checker_thread()  # 0.5.17 returns None (its thread never stops)
             if heartbeat is not None:
                 self._threads.append(heartbeat)
-            if self.relay is not None:
-                self._spawn(self._relay_reader)
+            self.plane.start_decode()
 
     def _spawn(self, fn: Any, *args: Any) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvconnect-pd-{fn.__name__}")
@@ -216,12 +176,8 @@ class KVConnectKVManager(ManagerBase):
         self._stopped = True
         for q in getattr(self, "transfer_queues", []):
             q.put(None)
-        if getattr(self, "_relay_wake", None) is not None:
-            self._relay_wake.set()
         if getattr(self, "_heartbeat_shutdown", None) is not None:
             self._heartbeat_shutdown.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._cleanup.shutdown(wait=False, cancel_futures=True)
         self.plane.close()
 
     # =============================================================================
@@ -273,7 +229,7 @@ class KVConnectKVManager(ManagerBase):
                         continue
                     (self._on_registration if msg[0] == REG_TAG else self._on_metadata)(d)
                 elif msg[0] == TAKEN_TAG:
-                    self._relay_deadlines.pop(int(msg[1]))
+                    self.plane.prefill_taken(int(msg[1]))
                 else:
                     logger.warning("kvconnect PD: dropping unknown control message %r", msg[0][:16])
             except Exception:  # noqa: BLE001 - one bad message must not stop the control thread
@@ -307,8 +263,8 @@ class KVConnectKVManager(ManagerBase):
             dst_kv_indices=np.frombuffer(d["kv"], dtype=np.int32), dst_aux_index=d["aux"],
             dst_state_indices=d["state"], required_dst_info_num=int(d["required"]), is_dummy=bool(d["dummy"]),
             decode_prefix_len=int(d["prefix"]))
-        if self.relay is not None and room in self._relay_deadlines:
-            return  # already published: decode reads the store by itself
+        if self.plane.prefill_published(room):
+            return  # already on decode's side without destinations (relay: decode reads the store)
         status = self.request_status.get(room)
         if status in (KVPoll.Failed, KVPoll.Success) and room in self._live_senders:
             if status == KVPoll.Failed:  # decode asked after we gave up: tell it now, not at its timeout
@@ -334,7 +290,7 @@ class KVConnectKVManager(ManagerBase):
         if status is not None and status != KVPoll.Success:
             self.record_failure(room, "decode aborted the request")
             self.update_status(room, KVPoll.Failed)
-        self._relay_discard_out(room)
+        self.plane.prefill_discard(room)
 
     # =============================================================================
     # Prefill side: data plane
@@ -359,7 +315,7 @@ class KVConnectKVManager(ManagerBase):
             room = chunk.room
             try:
                 if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
-                    self._relay_discard_out(room)
+                    self.plane.prefill_discard(room)
                     continue
                 for event in (chunk.wait_event, chunk.indices_event):
                     if event is not None:  # GPU: the forward pass / index copy must finish first
@@ -368,97 +324,48 @@ class KVConnectKVManager(ManagerBase):
                 if hasattr(pages, "cpu"):
                     pages = pages.cpu().numpy()
                 pages = np.asarray(pages, dtype=np.int64)
-                if self.relay is not None:
-                    self._relay_send(chunk, pages)
-                else:
-                    self._peer_send(chunk, pages)
+                self.plane.prefill_send(chunk, pages)
             except TransferFailed as e:
                 self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect {self.pd_config.transport}: {e}")
-                self._relay_discard_out(room)
+                self.plane.prefill_discard(room)
             except Exception as e:  # noqa: BLE001 - fail the request, keep the worker alive
                 logger.exception("kvconnect PD: transfer of room %s crashed", room)
                 self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect transfer error: {e!r}")
-                self._relay_discard_out(room)
+                self.plane.prefill_discard(room)
 
-    def _peer_send(self, chunk: TransferChunk, pages: np.ndarray) -> None:
-        room = chunk.room
-        infos = self.transfer_infos.get(room)
-        if not infos:
-            raise TransferFailed(f"no decode destinations for room {room}")
-        targets = []
-        for info in list(infos.values()):
-            if info.is_dummy:
-                continue
-            reg = self.decode_kv_args_table.get(info.session)
-            if reg is None:
-                raise TransferFailed(f"decode {info.session} sent destinations before registering its buffers")
-            if reg.rejection:
-                raise TransferFailed(reg.rejection)
-            dst = np.asarray(info.dst_kv_indices[chunk.index_slice], dtype=np.int64)
-            if dst.size != pages.size or (chunk.is_last_chunk and info.dst_kv_indices.size != chunk.index_slice.stop):
-                raise RoomMismatch(
-                    f"room mismatch: decode allocated {info.dst_kv_indices.size} pages for room {room}, "
-                    f"prefill sends pages {chunk.index_slice.start}..{chunk.index_slice.start + pages.size}"
-                    f"{' (last chunk)' if chunk.is_last_chunk else ''}")
-            blocks = kv_blocks(self.layout, reg.kv_ptrs, pages, dst)
-            if chunk.is_last_chunk:
-                if info.dst_aux_index is None or chunk.prefill_aux_index is None:
-                    raise TransferFailed(f"room {room}: no aux row to send")
-                blocks += aux_blocks(self.layout, reg.aux_ptrs, chunk.prefill_aux_index, info.dst_aux_index)
-                if chunk.state_indices:
-                    blocks += state_blocks(self.layout, reg.state_ptrs, chunk.state_indices, info.dst_state_indices)
-            if blocks:
-                self.direct.write(info.session, blocks)
-            targets.append((info.endpoint, info.dst_port))
-        if chunk.is_last_chunk:
-            if targets:
-                self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets)
-            else:  # every destination is a dummy rank (MLA fan-in): nothing to write
-                self.update_status(room, KVPoll.Success)
-
-    def _kv_dtype_tag(self) -> str:
+    # =============================================================================
+    # PlaneHost: what the data plane may ask of the protocol layer
+    # =============================================================================
+    def kv_dtype_tag(self) -> str:
         """This side's KV dtype in its room namespaces: a pair of another dtype shares no room."""
         return kv_dtype_tag(getattr(self.kv_args, "kv_cache_dtype_str", None))
 
-    # -- relay (prefill) ----------------------------------------------------------
-    def relay_open(self, room: int, num_pages: int) -> None:
-        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, self.local_ip, self.rank_port, room,
-                                              self._kv_dtype_tag()), num_pages)
-        self._relay_out[room] = _RelayRoomOut(keys, np.full(num_pages, -1, dtype=np.int64))
+    def room_destinations(self, room: int) -> Optional[dict]:
+        return self.transfer_infos.get(room)
 
-    def _relay_send(self, chunk: TransferChunk, pages: np.ndarray) -> None:
-        room = chunk.room
-        out = self._relay_out.get(room)
-        if out is None:
-            raise TransferFailed(f"room {room} was not initialised")
-        sl = chunk.index_slice
-        if sl.stop > out.src_pages.size or pages.size != sl.stop - sl.start:
-            raise RoomMismatch(f"room {room}: chunk {sl.start}..{sl.stop} outside the {out.src_pages.size} pages sent")
-        out.src_pages[sl] = pages
-        keys = out.keys
-        # Blocks span chunk boundaries: write a block once all its pages were computed
-        # (earlier chunks' pages stay allocated on prefill until the room concludes).
-        upto = keys.nblocks if chunk.is_last_chunk else sl.stop // keys.block_pages
-        self.relay.put_blocks(keys, out.src_pages, list(range(out.written_blocks, upto)))
-        out.written_blocks = max(out.written_blocks, upto)
-        if not chunk.is_last_chunk:
-            return
-        if chunk.prefill_aux_index is None:
-            raise TransferFailed(f"room {room}: no aux row to send")
-        self.relay.put_tail(keys, chunk.prefill_aux_index, chunk.state_indices, room)
-        self._relay_deadlines.add(room, time.monotonic() + self.pd_config.retain_s, keys)
-        self._relay_out.pop(room, None)
-        # The KV is durable in the store: prefill may free its pages. Decode (if it already
-        # sent its destinations) gets a hint to read now instead of at its next poll.
-        self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success)
+    def decode_registration(self, session: str) -> Any:
+        return self.decode_kv_args_table.get(session)
 
-    def _relay_discard_out(self, room: int) -> None:
-        if self.relay is None or self.disaggregation_mode != DisaggregationMode.PREFILL:
-            return
-        out = self._relay_out.pop(room, None)
-        keys = out.keys if out is not None else self._relay_deadlines.pop(room)
-        if keys is not None:
-            self.relay.discard(keys)
+    def conclude_success(self, room: int, targets: Optional[list] = None) -> None:
+        self.conclude_transfer(bootstrap_room=room, status=KVPoll.Success, targets=targets)
+
+    def mark_success(self, room: int) -> None:
+        self.update_status(room, KVPoll.Success)
+
+    def mark_failed(self, room: int, reason: str) -> None:
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def room_live(self, room: int) -> bool:
+        return self.request_status.get(room) not in (None, KVPoll.Failed)
+
+    def notify_taken(self, prefill_ip: str, prefill_port: int, room: int) -> None:
+        self._send_multipart_locked(NetworkAddress(prefill_ip, prefill_port).to_tcp(),
+                                    [TAKEN_TAG, str(room).encode("ascii")])
+
+    # =============================================================================
+    # Prefill side: request lifetime
+    # =============================================================================
 
     def sender_opened(self, room: int) -> None:
         self._live_senders.add(room)
@@ -466,18 +373,14 @@ class KVConnectKVManager(ManagerBase):
     def sender_closed(self, room: int, succeeded: bool) -> None:
         self._live_senders.discard(room)
         self._meta_seen.pop(room, None)
-        if not succeeded:
-            self._relay_discard_out(room)
-        else:
-            self._relay_out.pop(room, None)
+        self.plane.prefill_closed(room, succeeded)
 
     def _prefill_janitor(self) -> None:
-        """Bounded cleanup: unread relay keys, and decode destinations for rooms prefill never saw."""
+        """Bounded cleanup: the plane's (relay: unread keys), and decode destinations for rooms prefill never saw."""
         while not self._stopped:
             time.sleep(0.2)
             try:
-                for keys in self._relay_deadlines.due():
-                    self.relay.discard(keys)
+                self.plane.prefill_tick()
                 now = time.monotonic()
                 # Decode's destinations for a room this prefill never got: normally the gap is
                 # milliseconds (the router posts to both at once). Answer well inside decode's
@@ -501,7 +404,7 @@ class KVConnectKVManager(ManagerBase):
                 logger.exception("kvconnect PD: janitor pass failed")
 
     # =============================================================================
-    # Decode side: status from prefill, relay reads
+    # Decode side: status from prefill
     # =============================================================================
     def _decode_control_loop(self) -> None:
         recv = self._make_worker_recv(self.server_socket)
@@ -516,101 +419,12 @@ class KVConnectKVManager(ManagerBase):
                 if parsed is None:
                     continue
                 room, status, prefill_rank, reason = parsed
-                if self.relay is not None and status == KVPoll.Success:
-                    self._relay_wake.set()  # marker written: read now
-                    continue
+                if status == KVPoll.Success and not self.plane.decode_prefill_succeeded(room):
+                    continue  # the plane still has work (relay: read the store) and concludes the room
                 self.apply_prefill_status(bootstrap_room=room, status=status, prefill_rank=prefill_rank,
                                           failure_reason=reason)
             except Exception:  # noqa: BLE001
                 logger.exception("kvconnect PD: failed to handle a status message")
-
-    def relay_expect(self, room: int, prefill_ip: str, prefill_port: int, kv_indices: Any, aux_index: int,
-                     state_indices: Optional[List]) -> None:
-        dst = np.asarray(kv_indices, dtype=np.int64)
-        counts = [0 if s is None else int(np.asarray(s).size) for s in (state_indices or [])]
-        keys = self.relay.keys(room_namespace(self.pd_config.key_prefix, prefill_ip, prefill_port, room,
-                                              self._kv_dtype_tag()), int(dst.size), counts)
-        entry = _RelayRoomIn(room, keys, dst, int(aux_index), state_indices,
-                             NetworkAddress(prefill_ip, prefill_port).to_tcp())
-        with self._relay_lock:
-            self._relay_in[room] = entry
-        self._relay_wake.set()
-
-    def relay_forget(self, room: int, succeeded: bool) -> None:
-        """Receiver cleared: stop reading (waiting out a read in flight) and drop unread keys."""
-        with self._relay_lock:
-            entry = self._relay_in.pop(room, None)
-        if entry is None:
-            return
-        with entry.lock:  # a read in flight is writing into slots the scheduler is about to free
-            entry.cancelled = True
-        if not succeeded:
-            self.relay.discard(entry.keys)
-
-    def relay_failure_detail(self, room: int) -> Optional[str]:
-        with self._relay_lock:
-            entry = self._relay_in.get(room)
-        if entry is not None and entry.last_error:
-            return entry.last_error
-        if self.relay is not None and self.relay.store_errors:
-            return f"store {self.relay.store.name!r}: {self.relay.store_errors[-1]}"
-        return None
-
-    def _relay_reader(self) -> None:
-        cfg = self.pd_config
-        while not self._stopped:
-            with self._relay_lock:
-                idle = not self._relay_in
-            self._relay_wake.wait(0.5 if idle else cfg.poll_interval_s)
-            self._relay_wake.clear()
-            now = time.monotonic()
-            with self._relay_lock:
-                waiting = [e for e in self._relay_in.values() if not e.inflight and e.not_before <= now]
-            if not waiting:
-                continue
-            present = self.relay.markers_present([e.keys for e in waiting])
-            for entry, ready in zip(waiting, present):
-                if ready:
-                    entry.inflight = True
-                    self._executor.submit(self._relay_read, entry)
-
-    def _relay_read(self, entry: _RelayRoomIn) -> None:
-        room = entry.room
-        with entry.lock:
-            if entry.cancelled or self.request_status.get(room) in (None, KVPoll.Failed):
-                return
-            try:
-                self.relay.read(entry.keys, room, entry.dst_pages, entry.aux_row, entry.state_indices)
-            except RoomMismatch as e:
-                self._relay_fail(entry, str(e))
-                return
-            except TransferFailed as e:
-                entry.last_error = str(e)  # maybe a store hiccup: retry until the room's timeout
-                entry.not_before = time.monotonic() + 0.05
-                entry.inflight = False
-                return
-            except Exception as e:  # noqa: BLE001
-                logger.exception("kvconnect PD: relay read of room %s crashed", room)
-                self._relay_fail(entry, f"kvconnect relay read error: {e!r}")
-                return
-            with self._relay_lock:
-                self._relay_in.pop(room, None)
-            self.update_status(room, KVPoll.Success)
-        self.relay.discard(entry.keys)  # background: a store may hold the keys while a lease lasts
-        self._cleanup.submit(self._relay_taken, entry)
-
-    def _relay_taken(self, entry: _RelayRoomIn) -> None:
-        try:
-            self._send_multipart_locked(entry.prefill_endpoint, [TAKEN_TAG, str(entry.room).encode("ascii")])
-        except Exception as e:  # noqa: BLE001 - prefill's retain_s deadline cleans up anyway
-            logger.debug("kvconnect PD: could not tell prefill room %s was taken: %r", entry.room, e)
-
-    def _relay_fail(self, entry: _RelayRoomIn, reason: str) -> None:
-        with self._relay_lock:
-            self._relay_in.pop(entry.room, None)
-        self.record_failure(entry.room, f"kvconnect relay: {reason}")
-        self.update_status(entry.room, KVPoll.Failed)
-        self.relay.discard(entry.keys)
 
 
 class KVConnectKVSender(SenderBase):
@@ -621,14 +435,13 @@ class KVConnectKVSender(SenderBase):
         has_dp = kwargs.pop("req_has_disagg_prefill_dp_rank", False)
         super().__init__(mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank=has_dp)
         mgr.sender_opened(bootstrap_room)
-        if mgr.relay is not None and self.conclude_state is None:
-            # The relay needs nothing from decode: compute and publish right away.
+        if not mgr.plane.waits_for_decode and self.conclude_state is None:
+            # The plane needs nothing from decode (relay): compute and publish right away.
             mgr.update_status(bootstrap_room, KVPoll.WaitingForInput)
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
         super().init(num_kv_indices, aux_index)
-        if self.kv_mgr.relay is not None:
-            self.kv_mgr.relay_open(self.bootstrap_room, num_kv_indices)
+        self.kv_mgr.plane.prefill_open(self.bootstrap_room, num_kv_indices)
 
     def send(self, kv_indices: Any, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
              *args: Any, **kwargs: Any) -> None:
@@ -670,30 +483,29 @@ class KVConnectKVReceiver(ReceiverBase):
                       decode_prefix_len: Optional[int] = None, *args: Any, **kwargs: Any) -> None:
         mgr = self.kv_mgr
         super().send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len)
-        if mgr.relay is None or self.conclude_state == KVPoll.Failed:
+        if self.conclude_state == KVPoll.Failed:
             return
         if mgr.request_status.get(self.bootstrap_room) == KVPoll.Failed:
             return
-        target = self.bootstrap_infos[0]
-        mgr.relay_expect(self.bootstrap_room, target["rank_ip"], int(target["rank_port"]), kv_indices,
-                         aux_index, state_indices)
+        mgr.plane.decode_expect(self.bootstrap_room, self.bootstrap_infos, kv_indices, aux_index, state_indices)
 
     def _check_waiting_timeout(self) -> Optional[int]:
         result = super()._check_waiting_timeout()
-        if result == KVPoll.Failed and self.kv_mgr.relay is not None:
-            detail = self.kv_mgr.relay_failure_detail(self.bootstrap_room)
-            with self.kv_mgr.failure_lock:
-                base = self.kv_mgr.failure_records.get(self.bootstrap_room, "timed out")
+        if result == KVPoll.Failed:
+            detail = self.kv_mgr.plane.decode_failure_detail(self.bootstrap_room)
             if detail:
-                self.kv_mgr.record_failure(self.bootstrap_room, f"{base}; last relay error: {detail}")
+                with self.kv_mgr.failure_lock:
+                    base = self.kv_mgr.failure_records.get(self.bootstrap_room, "timed out")
+                self.kv_mgr.record_failure(self.bootstrap_room, f"{base}; last {self.kv_mgr.pd_config.transport} "
+                                           f"error: {detail}")
         return result
 
     def _clear(self) -> None:
         room = self.bootstrap_room
         succeeded = self.kv_mgr.request_status.get(room) == KVPoll.Success or self.conclude_state == KVPoll.Success
         super()._clear()
-        if self.kv_mgr.relay is not None and room is not None:
-            self.kv_mgr.relay_forget(room, succeeded)
+        if room is not None:
+            self.kv_mgr.plane.decode_forget(room, succeeded)
 
 
 class KVConnectKVBootstrapServer(CommonKVBootstrapServer):

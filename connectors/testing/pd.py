@@ -342,7 +342,7 @@ class Node:
             rcv = Receiver(mgr=self.mgr, bootstrap_addr=addr, bootstrap_room=room)
             rcv.init(0)
             infos = getattr(rcv, "bootstrap_infos", None)
-            if getattr(self.mgr, "relay", None) is not None and infos:
+            if _store_relay(self.mgr) is not None and infos:
                 self.relay_rooms.append((room, int(r.get("decode_npages", r["npages"])),
                                          infos[0]["rank_ip"], int(infos[0]["rank_port"])))
             reqs[room] = {"spec": r, "rcv": rcv, "state": "prealloc", "t_created": time.time()}
@@ -401,15 +401,13 @@ class Node:
         out = {"request_status": len(m.request_status), "failure_records": len(m.failure_records)}
         if hasattr(m, "transfer_infos"):
             out["transfer_infos"] = len(m.transfer_infos)
-        for name in ("_relay_out", "_relay_in", "_meta_seen", "_live_senders"):
+        for name in ("_meta_seen", "_live_senders"):
             if hasattr(m, name):
                 out[name] = len(getattr(m, name))
-        if getattr(m, "_relay_deadlines", None) is not None:
-            out["relay_unread_rooms"] = len(m._relay_deadlines.entries)
-        if getattr(m, "relay", None) is not None:  # where relay time goes (benchmark diagnostics)
-            st = m.relay.store.stats()
-            out["store_stats"] = {k: getattr(st, k) for k in ("put_calls", "put_bytes", "put_seconds", "get_calls",
-                                                              "get_bytes", "get_seconds", "exists_calls")}
+        plane = getattr(m, "plane", None)  # kvconnect's manager (SGLang's own backends have none)
+        if plane is not None:
+            out.update(plane.leftovers())  # the plane's per-room tables (relay: and its store's stats)
+        relay = _store_relay(m)
         if self.relay_rooms:  # every key a relayed room could have used, still in the store?
             from kvconnect.connectors.engines.pd_transport import room_namespace
 
@@ -417,18 +415,23 @@ class Node:
             counts = [1] * len(m.layout.state_ptrs)  # the driver sends one state item per component
             for room, npages, ip, port in self.relay_rooms:
                 ns = room_namespace(m.pd_config.key_prefix, ip, port, room)
-                keys = m.relay.keys(ns, npages, counts)
-                rooms.append((m.relay.room(keys), keys.all()))
+                keys = relay.keys(ns, npages, counts)
+                rooms.append((relay.room(keys), keys.all()))
             # Cleanup runs in the background (a store may keep a leased key a while): wait for it,
             # bounded, then look once (an exists() probe may itself renew a Mooncake lease).
             end = time.monotonic() + 40
-            while not m.relay.cleaner.idle and time.monotonic() < end:
+            while not relay.cleaner.idle and time.monotonic() < end:
                 time.sleep(0.1)
-            out["cleaner_idle"] = m.relay.cleaner.idle
+            out["cleaner_idle"] = relay.cleaner.idle
             from kvconnect.connectors.views import exists_many
 
             out["store_keys_left"] = sum(sum(found) for found in exists_many(rooms))
         return out
+
+
+def _store_relay(mgr: Any) -> Any:
+    """The ``StoreRelay`` under a kvconnect manager's relay plane, or None (direct, SGLang's own)."""
+    return getattr(getattr(mgr, "plane", None), "relay", None)
 
 
 def torch_from(arr: np.ndarray):  # noqa: ANN201 - small helper
@@ -481,9 +484,9 @@ def main(argv: list[str]) -> int:
             while not node._stop_requested() and time.monotonic() < end:  # keep /route up for decode
                 time.sleep(0.05)
             m = node.mgr
-            if getattr(m, "_relay_deadlines", None) is not None:  # unread relay rooms expire after retain_s
+            if _store_relay(m) is not None:  # unread relay rooms expire after retain_s
                 end = time.monotonic() + m.pd_config.retain_s + 5
-                while m._relay_deadlines.entries and time.monotonic() < end:
+                while m.plane.deadlines.entries and time.monotonic() < end:
                     time.sleep(0.1)
             out["leftovers_at_stop"] = node.leftovers()
     except Exception as e:  # noqa: BLE001 - reported to the parent
