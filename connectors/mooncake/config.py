@@ -115,6 +115,11 @@ class MooncakeConfig(StoreConfig):
     lease_wait: float = field(default=12.0, metadata=field_doc(
         "seconds delete/clear wait for a read/write lease to lapse (the master's "
         "--default_kv_lease_ttl, 10 s by default, plus a margin)"))
+    master_metrics: str = field(default="auto", metadata=field_doc(
+        "the master's metrics endpoint (mooncake_master --metrics_port), read for the "
+        "cluster's used and capacity bytes in stats(): 'auto' = the master's host, port "
+        "9003 (mooncake_master's default); 'host:port' or an http:// URL; '' = not asked "
+        "(stats() then reports no bytes)"))
     reconnect_interval: float = field(default=2.0, metadata=field_doc(
         "seconds between health checks while the master is unreachable"))
     io_threads: int = field(default=4, metadata=field_doc(

@@ -74,6 +74,7 @@ from kvconnect.connectors.mooncake import errors as mc_errors
 from kvconnect.connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
 from kvconnect.connectors.mooncake.config import WHERE, MooncakeConfig, merged_options
 from kvconnect.connectors.retry import CoolOff
+from kvconnect.connectors.mooncake.master_metrics import MasterMetrics, metrics_url
 from kvconnect.connectors.mooncake.local_copy import PROBE_BYTES, find_own_endpoint, mapping_base, memory_replicas
 from kvconnect.connectors.shared_memory import SameHostSegments, SharedSegmentFile
 from kvconnect.connectors.transfer_engine import (RegisteredRegions, StagingMemory, apply_engine_defaults,
@@ -187,6 +188,8 @@ class MooncakeStore(PageStore):
                         "shared_copy_holder_gone": 0}
         self._shared_file: SharedSegmentFile | None = None
         self._same_host = None
+        self._master_metrics = MasterMetrics(metrics_url(config.master_metrics, config.master_server_address),
+                                             timeout=min(1.0, config.op_timeout))
         self._staging = StagingMemory(config.staging_size, register=lambda addr, n: self._check_rc(
             "register staging buffer", self._client.register_buffer(addr, n)))
         try:
@@ -532,7 +535,10 @@ class MooncakeStore(PageStore):
         return self._by_path(keys, pages, self._get_direct, self._get_staged)
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        return self._by_path(keys, pages, self._put_direct, self._put_staged)
+        try:
+            return self._by_path(keys, pages, self._put_direct, self._put_staged)
+        finally:
+            self._master_metrics.forget()  # the next stats() asks the master again
 
     def _by_path(self, keys: list[str], pages: list[Page], direct_op: Callable, staged_op: Callable) -> list[bool]:
         """One result per key: the pages ``_split`` finds registered go through ``direct_op``
@@ -685,6 +691,7 @@ class MooncakeStore(PageStore):
             if pending:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+        self._master_metrics.forget()
         return out
 
     def _clear(self) -> None:
@@ -717,7 +724,15 @@ class MooncakeStore(PageStore):
                          shared_segment=self._shared_file.path if self._shared_file else None,
                          shared_segments_mapped=self._same_host.mapped if self._same_host else 0,
                          master=self.config.master_server_address)
-        return StoreUsage(extra=extra)
+        cluster = self._master_metrics.read()
+        extra["master_metrics"] = self._master_metrics.url
+        if cluster is None:
+            extra["master_metrics_error"] = self._master_metrics.error
+            return StoreUsage(extra=extra)
+        # the cluster's figures (every client's and tenant's pages, the master's evictions
+        # included): the master's view of its mounted memory segments
+        return StoreUsage(keys=cluster.keys, bytes_used=cluster.bytes_used, capacity_bytes=cluster.capacity_bytes,
+                          extra=extra)
 
     def describe(self) -> str:
         from kvconnect.connectors.transfer_engine import rdma_devices
