@@ -157,6 +157,7 @@ class PeerNode:
             "Free": self.holder.free, "Promote": self.holder.promote,
             "Clear": lambda r: self._clear_local(r if isinstance(r, str) else "") or [],
             "Stats": lambda _r: self.metrics(),
+            "Usage": lambda _r: [self.segment.keys, self.segment.bytes_used],
         }
         port = c.control_port
         if port == -1:
@@ -286,6 +287,23 @@ class PeerNode:
         self.transport.register(address, nbytes)
 
     # ------------------------------------------------------------------ metrics
+    def pool_usage(self) -> dict[str, Any]:
+        """The whole pool's lent memory: pages and bytes in use in every live member's segment
+        (this node's own figures, the others' by one ``Usage`` call each, at ``rpc_timeout``)
+        and the sum of the segments they lend (from the view). A member that does not answer
+        counts its lent size but none of its bytes (``unanswered`` names it)."""
+        view = self.view
+        keys, used = self.segment.keys, self.segment.bytes_used
+        others = {m: [] for m, rec in view.members.items() if m != self.node_id and rec.seg_size > 0}
+        unanswered = []
+        for m, a in (self.clients.fan_out(others, "Usage", self.config.rpc_timeout) if others else {}).items():
+            if isinstance(a, (list, tuple)) and len(a) == 2:
+                keys, used = keys + int(a[0]), used + int(a[1])
+            else:
+                unanswered.append(m)
+        return {"members": len(view.members), "keys": keys, "bytes_used": used,
+                "capacity_bytes": sum(rec.seg_size for rec in view.members.values()), "unanswered": sorted(unanswered)}
+
     def metrics(self) -> dict[str, Any]:
         with self._clock:
             m: dict[str, Any] = dict(self.counters)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 from kvconnect.connectors.base import Capability, Page, PageStore, StoreUsage
 from kvconnect.connectors.context import EngineContext
@@ -11,6 +13,9 @@ from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS, MEM
 
 log = logging.getLogger(__name__)
 
+POOL_USAGE_TTL_S = 1.0
+"""How long one reading of the pool's figures (one ``Usage`` call per member) is reused by
+``stats()``; this store's own writes, deletes and clears drop it."""
 
 
 class PeerRdmaStore(PageStore):
@@ -36,6 +41,8 @@ class PeerRdmaStore(PageStore):
 
         self.config = config or PeerRdmaConfig()
         self.node = PeerNode(self.config)
+        self._pool_lock = threading.Lock()
+        self._pool_snap: tuple[float, dict] | None = None
 
     # -- primitives ------------------------------------------------------------------
     def _exists(self, keys: list[str]) -> list[bool]:
@@ -53,16 +60,24 @@ class PeerRdmaStore(PageStore):
         return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
-        return self._guard("put_from", keys, lambda: self.node.put_from(keys, pages))
+        try:
+            return self._guard("put_from", keys, lambda: self.node.put_from(keys, pages))
+        finally:
+            self._drop_pool_usage()
 
     def _delete(self, keys: list[str]) -> list[bool]:
-        return self._guard("delete", keys, lambda: self.node.delete(keys))
+        try:
+            return self._guard("delete", keys, lambda: self.node.delete(keys))
+        finally:
+            self._drop_pool_usage()
 
     def _clear(self) -> None:
         self.node.clear()
+        self._drop_pool_usage()
 
     def _clear_prefix(self, prefix: str) -> None:
         self.node.clear(prefix)
+        self._drop_pool_usage()
 
     def _register_memory(self, address: int, nbytes: int) -> None:
         self.node.register_memory(address, nbytes)
@@ -85,12 +100,31 @@ class PeerRdmaStore(PageStore):
                 f"bytes")
 
     def _usage(self) -> StoreUsage:
+        """Keys, used and capacity bytes of the whole pool (every live member's lent segment,
+        ``PeerNode.pool_usage``, asked at most once per ``POOL_USAGE_TTL_S``); this node's own
+        figures stay in ``extra`` (``pool_bytes_used``, ``pool_capacity_bytes``: its segment)."""
         m = self.node.metrics()
         extra = {k: v for k, v in m.items() if k != "latency"}
         extra["node_id"] = self.node.node_id
         extra["latency"] = m["latency"]
-        return StoreUsage(keys=m["pool_keys"], bytes_used=m["pool_bytes_used"],
-                          capacity_bytes=m["pool_capacity_bytes"], evictions=m["evictions"], extra=extra)
+        pool = self._pool_usage()
+        extra["pool_members_unanswered"] = len(pool["unanswered"])
+        return StoreUsage(keys=pool["keys"], bytes_used=pool["bytes_used"], capacity_bytes=pool["capacity_bytes"],
+                          evictions=m["evictions"], extra=extra)
+
+    def _pool_usage(self) -> dict:
+        now = time.monotonic()
+        with self._pool_lock:
+            if self._pool_snap is not None and now - self._pool_snap[0] < POOL_USAGE_TTL_S:
+                return self._pool_snap[1]
+        pool = self.node.pool_usage()
+        with self._pool_lock:
+            self._pool_snap = (time.monotonic(), pool)
+        return pool
+
+    def _drop_pool_usage(self) -> None:
+        with self._pool_lock:
+            self._pool_snap = None
 
     def _close(self) -> None:
         from kvconnect.connectors.metrics import unexport_store
