@@ -774,11 +774,13 @@ class KVConnectL2Adapter(L2AdapterInterface):
 
         Used and capacity bytes are the store's own (``stats()``: the memory store's bytes and
         ``capacity``; HF3FS's indexed pages times their page size, of the data files it has
-        open, from the metadata service; the peer pool's lent bytes), for every server over
-        the store, and after a restart the same as before for a durable store. A store that
-        reports no bytes (Mooncake) gets this adapter's own accounting (bytes this server
-        stored and did not delete), a store that reports no capacity 0 (unknown: usage
-        fraction -1). ``bytes_by_cache_salt`` is always this server's own accounting.
+        open, from the metadata service; Mooncake's allocated and total bytes of the master's
+        mounted segments, from its metrics endpoint; the peer pool's bytes in use and lent,
+        over every live member), for every server over the store, and after a restart the
+        same as before for a durable store. A store that reports no bytes (Mooncake without
+        ``master_metrics``) gets this adapter's own accounting (bytes this server stored and
+        did not delete), a store that reports no capacity 0 (unknown: usage fraction -1).
+        ``bytes_by_cache_salt`` is always this server's own accounting.
 
         LMCache's watermark eviction (``supports_global_eviction``) runs only for a private
         store of known capacity: a shared store's bytes are not this server's to evict (other

@@ -4,8 +4,8 @@ client (``lmcache bench server``'s), for tests and benchmarks.
 Also runnable inside a network namespace (Mooncake listens on every interface, so its
 servers live in a loopback-only namespace the test made, where the test process cannot
 reach them): ``python -m kvconnect.connectors.testing.lmcache share --params JSON --out FILE``
-starts two servers on one store, stores on the first, retrieves from the second and
-writes what it saw as JSON.
+starts two servers on one store, stores on the first, retrieves from the second (then,
+with ``--fill N``, both write past the store's capacity) and writes what it saw as JSON.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,14 @@ class Server:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def describe(self) -> str:
+        """What ``lmcache describe kvcache`` prints for this server (its L2's "Used X / Y (P%)")."""
+        p = subprocess.run([LMCACHE_BIN, "describe", "kvcache", "--url", self.http_url], env=child_env(),
+                           capture_output=True, text=True, timeout=60)
+        if p.returncode != 0:
+            raise AssertionError(f"lmcache describe exited {p.returncode}: {(p.stdout + p.stderr)[-3000:]}")
+        return p.stdout
 
     def interrupt(self) -> None:
         """SIGINT once (LMCache's clean shutdown); a second one would cut it short."""
@@ -160,22 +169,92 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def share(params: dict, workdir: Path, seqs: int = 2) -> dict:
+def l2_writes(server: Server) -> int:
+    """Chunks the server's L2 stored or failed to store (its store tasks that finished)."""
+    st = server.adapter_status()["store_stats"]
+    return st["put_written"] + st["put_failed"]
+
+
+def fill(a: Server, b: Server, ca: EngineClient, cb: EngineClient, seqs: int, first: int = 1000) -> dict:
+    """A and B each store ``seqs`` more sequences of their own (``first``..., alternating),
+    meant to go past the store's capacity; the store's bytes as A's adapter reports them are
+    sampled after every pair. Then the figures once every L2 write finished, both servers'
+    ``lmcache describe``, and whether B still finds A's newest and A B's newest sequence."""
+    base = {s: l2_writes(s) for s in (a, b)}
+    samples = []
+    for i in range(seqs):
+        ca.store_sequence(first + 2 * i)
+        cb.store_sequence(first + 2 * i + 1)
+        samples.append(a.adapter_status()["current_size_bytes"])
+    for s in (a, b):
+        wait_for(lambda s=s: l2_writes(s) >= base[s] + 2 * seqs, 60, "the fill's L2 writes")
+    last = first + 2 * (seqs - 1)
+    return {"samples": samples, "a_status": a.adapter_status(), "b_status": b.adapter_status(),
+            "describe": [a.describe(), b.describe()],
+            "newest_hits": [list(cb.hit_chunks(last)), list(ca.hit_chunks(last + 1))]}
+
+
+USED = re.compile(r"([\d.]+) (B|KB|MB|GB) / ([\d.]+) (B|KB|MB|GB) \(")
+UNIT = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+
+
+def described(text: str) -> tuple[float, float]:
+    """(used, capacity) bytes from ``lmcache describe kvcache``'s "Used X / Y (P%)" line."""
+    m = USED.search(text)
+    if not m:
+        raise AssertionError(f"no 'X / Y (P%)' figures in lmcache describe:\n{text}")
+    return float(m[1]) * UNIT[m[2]], float(m[3]) * UNIT[m[4]]
+
+
+def check_fill(doc: dict, capacity: int, lowest: int, seqs: int) -> None:
+    """What ``fill`` saw, against a shared store of ``capacity`` bytes that evicts by itself:
+    its bytes never above ``capacity``, once full at least ``lowest`` (capacity less one
+    eviction batch), on both servers and in both ``lmcache describe``s; no failed L2 write;
+    the newest sequences kept."""
+    samples = doc["samples"]
+    assert len(samples) == seqs and max(samples) <= capacity, (samples, capacity)
+    for st in (doc["a_status"], doc["b_status"]):
+        assert st["max_capacity_bytes"] == capacity, (st, capacity)
+        assert lowest <= st["current_size_bytes"] <= capacity, (st["current_size_bytes"], lowest, capacity)
+        assert st["usage"]["bytes_used_from"] == "store" and st["usage"]["capacity_from"] == "store", st["usage"]
+        assert st["usage"]["eviction_by"] == "store" and not st["usage"]["global_eviction"], st["usage"]
+        assert st["store_stats"]["put_failed"] == 0 and st["errors"] == {}, st
+    for text in doc["describe"]:
+        used, shown = described(text)  # two decimals of MB
+        assert abs(shown - capacity) < 0.01 * (1 << 20) and lowest - 0.01 * (1 << 20) <= used <= capacity, text
+    assert doc["newest_hits"] == [[2, 2], [2, 2]]  # the store evicted older chunks, not the newest
+
+
+def share(params: dict, workdir: Path, seqs: int = 2, fill_seqs: int = 0) -> dict:
     """Server A (``skip_l1``) stores ``seqs`` sequences; server B, another process over the
-    same store, retrieves them. Returns checksums and both adapters' status."""
+    same store, retrieves them. Returns checksums and both adapters' status (``a_empty``:
+    A's before any store, with its ``lmcache describe``). ``fill_seqs``: then ``fill``."""
     a = Server(params, workdir / "a.log", "--l2-store-policy", "skip_l1")
     b = Server(params, workdir / "b.log")
-    out: dict = {}
+    out: dict = {"seconds": {}}
     ca = cb = None
+    t0 = time.monotonic()
     try:
         a.wait_healthy()
         b.wait_healthy()
+        out["seconds"]["start"] = round(time.monotonic() - t0, 2)
+        # both see the whole store (a pool node joins the others' views within heartbeats)
+        wait_for(lambda: a.adapter_status()["max_capacity_bytes"] == b.adapter_status()["max_capacity_bytes"], 20,
+                 "the same capacity on both servers")
+        out["a_empty"], out["describe_empty"] = a.adapter_status(), a.describe()
         ca, cb = EngineClient(a), EngineClient(b)
         out["stored"] = {seq: ca.store_sequence(seq) for seq in range(seqs)}
         wait_for(lambda: a.adapter_status()["store_stats"]["put_written"] >= 2 * seqs, 30, "A's L2 stores")
         out["b_hits"] = {seq: list(cb.hit_chunks(seq)) for seq in range(seqs)}
         out["retrieved"] = {seq: cb.retrieve_sequence(seq) for seq in range(seqs)}
+        # A's writes show in B's figures within about a second (each figure is reused <= 1 s)
+        wait_for(lambda: a.adapter_status()["current_size_bytes"] == b.adapter_status()["current_size_bytes"], 5,
+                 "B's figures to show A's writes")
         out["a_status"], out["b_status"] = a.adapter_status(), b.adapter_status()
+        out["seconds"]["share"] = round(time.monotonic() - t0, 2)
+        if fill_seqs:
+            out["fill"] = fill(a, b, ca, cb, fill_seqs)
+            out["seconds"]["fill"] = round(time.monotonic() - t0, 2)
     finally:
         for c in (ca, cb):
             if c is not None:
@@ -192,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("share")
     sh.add_argument("--params", required=True, help="adapter_params JSON")
     sh.add_argument("--out", required=True)
+    sh.add_argument("--fill", type=int, default=0, help="then sequences each server stores past capacity")
     args = p.parse_args(argv)
     out_path = Path(args.out)
     try:
-        result = share(json.loads(args.params), out_path.parent)
+        result = share(json.loads(args.params), out_path.parent, fill_seqs=args.fill)
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result = {"error": f"{type(e).__name__}: {e}"}
     out_path.write_text(json.dumps(result))
