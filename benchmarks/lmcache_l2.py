@@ -10,6 +10,12 @@ adapters, through ``lmcache bench l2`` (LMCache 0.5.6), in one run.
   ``peer_rdma`` (one pool node, TCP), when available: figures only, LMCache has no
   equivalent adapter that runs here.
 
+Time to first chunk (``--ttfc``, on by default, also in ``--quick``): per system, the adapter
+LMCache's factory builds from the same JSON, one prompt's chunks stored, then LMCache's
+lookup-and-lock of the whole prompt and one load task per chunk in prompt order: the time from
+the lookup's submission to the first chunk in L1 and to the whole prompt (``figures.ttfc``,
+ratios ``<ours>_vs_<ref>.ttfc.*``, > 1: kvconnect is faster).
+
 Remote reads between two ``lmcache server`` processes (``--remote``, on by default in the full
 run): kvconnect ``peer_rdma`` (both servers in one pool, TCP) vs LMCache's ``p2p`` (a
 ``lmcache coordinator``; each server's P2P controller adds a ``p2p`` L2 adapter per peer, reading
@@ -121,6 +127,105 @@ class Systems:
         harness = self.stack.enter_context(cls(data / name))
         params = harness.sized_options(parse_size(size)) or harness.options(0)
         return {**PLUGIN, "adapter_params": params}, harness.exec_prefix()
+
+
+TTFC_REPEATS = 5  # timed lookup-and-loads per system (after one untimed)
+
+
+def ttfc_child(specs: dict[str, dict], chunks: int, chunk_kb: int) -> dict:
+    """Inside the systems' namespace, per system: the adapter from LMCache's own factory (the
+    ``--l2-adapter`` JSON, as ``lmcache server`` builds it) over an L1 stand-in; one prompt's
+    ``chunks`` chunks stored; then, timed, LMCache's lookup-and-lock of the whole prompt and,
+    once it answers, one load task per chunk in prompt order (as a layer-by-layer consumer
+    would start on the first chunk): the time to the lookup's answer, to the first chunk in
+    L1 and to the whole prompt, bytes verified, keys unlocked after each round."""
+    import torch
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    from kvconnect.connectors.testing.lmcache_adapter import L1, okeys, wait_fd, wait_result, wait_store
+
+    out: dict = {}
+    for name, adapter_json in specs.items():
+        l1 = L1(2 * chunks, chunk_kb * 1024)
+        l1.fill_random(7)
+        layout = {0: MemoryLayoutDesc(shapes=[torch.Size([chunk_kb * 1024])], dtypes=[torch.uint8])}
+        cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(adapter_json)]))
+        ad = create_l2_adapter(cfg.adapters[0], l1_memory_desc=l1.desc())
+        try:
+            keys, src, dst = okeys(chunks, base=1 << 20), l1.objs[:chunks], l1.objs[chunks:]
+            stored = wait_store(ad, ad.submit_store_task(keys, src))
+            if stored is False or int(stored) < 0:
+                raise RuntimeError(f"{name}: the prompt's store task failed: {stored}")
+            lookup_s, first_s, whole_s = [], [], []
+            for rnd in range(TTFC_REPEATS + 1):
+                for o in dst:
+                    o.tensor.zero_()
+                t0 = time.perf_counter()
+                tid = ad.submit_lookup_and_lock_task(keys, layout)
+                hits = wait_result(ad.query_lookup_and_lock_result, ad.get_lookup_and_lock_event_fd(), tid)
+                t1 = time.perf_counter()
+                if hits.get_indices_list() != list(range(chunks)):
+                    raise RuntimeError(f"{name}: lookup found {hits.get_indices_list()} of {chunks} chunks")
+                pending: dict = {}
+                first = None
+
+                def collect() -> None:  # the load results in so far (each is handed out once)
+                    nonlocal first
+                    for t in list(pending):
+                        res = ad.query_load_result(t)
+                        if res is not None:
+                            if res.get_indices_list() != [0]:
+                                raise RuntimeError(f"{name}: chunk {pending[t]} did not load")
+                            del pending[t]
+                            first = first or time.perf_counter()
+
+                for i, (k, o) in enumerate(zip(keys, dst)):  # results collected between submissions
+                    pending[ad.submit_load_task([k], [o])] = i
+                    collect()
+                deadline = time.monotonic() + 30
+                while pending and time.monotonic() < deadline:
+                    wait_fd(ad.get_load_event_fd(), time.monotonic() + 0.05)
+                    collect()
+                t2 = time.perf_counter()
+                if pending:
+                    raise RuntimeError(f"{name}: {len(pending)} load tasks unanswered in 30 s")
+                ad.submit_unlock(keys)
+                if any(l1.data(chunks + i) != l1.data(i) for i in range(chunks)):
+                    raise RuntimeError(f"{name}: loaded bytes differ from the stored ones")
+                if rnd:  # the first round warms the path (threads, file handles, connections)
+                    lookup_s.append(t1 - t0)
+                    first_s.append(first - t0)
+                    whole_s.append(t2 - t0)
+        finally:
+            ad.close()
+        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        out[name] = {"chunks": chunks, "chunk_kb": chunk_kb, "rounds": TTFC_REPEATS,
+                     "lookup_s_median": med(lookup_s), "first_chunk_s_median": med(first_s),
+                     "whole_prompt_s_median": med(whole_s), "first_chunk_s_min": min(first_s)}
+    return out
+
+
+def run_ttfc(specs: dict[str, tuple[dict, list[str]]], chunks: int, chunk_kb: int, data: Path) -> dict:
+    """``ttfc_child`` once per command prefix (each namespace's systems in one process)."""
+    groups: dict[tuple, dict] = {}
+    for name, (adapter, prefix) in specs.items():
+        groups.setdefault(tuple(prefix), {})[name] = adapter
+    out: dict = {}
+    for prefix, group in groups.items():
+        _clean(data)
+        os.sync()
+        p = subprocess.run(list(prefix) + [sys.executable, str(Path(__file__).resolve()), "--ttfc-child",
+                                           json.dumps(group), "--ttfc-shape", f"{chunks},{chunk_kb}"],
+                           env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+        line = [ln for ln in p.stdout.splitlines() if ln.startswith("TTFC ")]
+        if p.returncode != 0 or not line:
+            err = (p.stdout + p.stderr)[-1500:]
+            out.update({n: {"error": err} for n in group})
+            continue
+        out.update(json.loads(line[-1][len("TTFC "):]))
+    return out
 
 
 REMOTE_SEQS, REMOTE_TOKENS = 16, 1024  # 16 prompts x 4 chunks of 512 KiB (EngineClient's KV: 1024 tokens)
@@ -236,9 +341,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results path (default benchmarks/results/lmcache_l2.json)")
     p.add_argument("--remote", choices=("on", "off"), default=None,
                    help="peer_rdma vs LMCache p2p between two servers (default: on, --quick: off)")
+    p.add_argument("--ttfc", choices=("on", "off"), default="on",
+                   help="time to first chunk of a lookup-and-load of a whole prompt, per system (default on)")
+    p.add_argument("--ttfc-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ttfc-shape", default="16,1024", help=argparse.SUPPRESS)
     p.add_argument("--remote-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-params", default="null", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ttfc_child:
+        chunks, chunk_kb = (int(x) for x in args.ttfc_shape.split(","))
+        print("TTFC " + json.dumps(ttfc_child(json.loads(args.ttfc_child), chunks, chunk_kb)))
+        return 0
     if args.remote_child:
         print("REMOTE " + json.dumps(remote_child(args.remote_child, Path(args.dir), json.loads(args.child_params))))
         return 0
@@ -298,6 +411,13 @@ def main(argv: list[str] | None = None) -> int:
                 b = best.setdefault(name, {})
                 for k, v in figs.items():
                     b[k] = max(b.get(k, 0.0), v)
+        ttfc: dict[str, dict] = {}
+        if args.ttfc == "on" and specs:
+            ttfc = run_ttfc(specs, 8 if args.quick else 16, shape["size_kb"], work / "data")
+            for name, got in ttfc.items():
+                if "error" in got:
+                    res.notes.append(f"ttfc {name}: failed: {got['error'][-500:]}")
+                print(f"[lmcache_l2] ttfc {name}: " + json.dumps(got)[:400])
         remote: dict[str, dict] = {}
         if (args.remote or ("off" if args.quick else "on")) == "on":
             for name in ("p2p", "peer_rdma"):
@@ -310,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     if k != "b_l2_adapters"})[:600])
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
-    res.figures = {"per_system": best, "lmcache_native": native, "remote": remote,
+    res.figures = {"per_system": best, "lmcache_native": native, "ttfc": ttfc, "remote": remote,
                    "seconds": round(time.monotonic() - t0, 1)}
     ours, ref = remote.get("peer_rdma", {}), remote.get("p2p", {})
     if "remote_load_MBps" in ours and "remote_load_MBps" in ref:
@@ -326,6 +446,18 @@ def main(argv: list[str] | None = None) -> int:
             for _, metric in METRICS:
                 res.ratio(f"{ours}_vs_{ref}.{metric}", best[ours][metric], best[ref][metric],
                           f"LMCache 0.5.6 '{ref}' L2 adapter")
+        t_ours, t_ref = ttfc.get(ours, {}), ttfc.get(ref, {})
+        for metric in ("first_chunk_s_median", "whole_prompt_s_median"):
+            if metric in t_ours and metric in t_ref:
+                res.ratio(f"{ours}_vs_{ref}.ttfc.{metric}", t_ours[metric], t_ref[metric],
+                          f"LMCache 0.5.6 '{ref}' L2 adapter", higher_is_better=False)
+    if ttfc:
+        res.notes.append("ttfc: per system, one prompt's chunks (16 x size_kb; --quick 8) stored through the "
+                         "adapter LMCache's factory builds, then 5 timed rounds (after 1 untimed) of LMCache's "
+                         "lookup-and-lock of the whole prompt and, once it answers, one load task per chunk in "
+                         "prompt order: first_chunk_s = from the lookup's submission to the first chunk in L1, "
+                         "whole_prompt_s = to the last; medians; bytes verified each round; ratio > 1: kvconnect "
+                         "is faster")
     res.finish(args.out)
     missing = [s for s in ["hf3fs", "fs", "fs_native"] if s in refs + stores and s not in best]
     return 1 if missing else 0

@@ -547,7 +547,8 @@ def test_dead_metadata_service_gives_misses_not_a_hung_server(servers):
 def test_benchmark_quick_writes_ratios(tmp_path):
     """``benchmarks/lmcache_l2.py --quick``: hf3fs and LMCache's fs and fs_native adapters
     through ``lmcache bench l2`` on one directory, ratios in the results JSON; LMCache's
-    C++-backed hf3fs and mooncake_store adapters tried, each load or its error recorded."""
+    C++-backed hf3fs and mooncake_store adapters tried, each load or its error recorded; the
+    time to first chunk of a lookup-and-load of a whole prompt's chunks for each system."""
     from kvconnect.benchmarks.lmcache_l2 import main
 
     out = tmp_path / "lmcache_l2.json"
@@ -563,3 +564,11 @@ def test_benchmark_quick_writes_ratios(tmp_path):
         assert n["loads"] or (n["error"] and any(n["error"] in note for note in doc["notes"])), n
     assert all(r["ours"] > 0 and r["reference"] > 0 for r in ratios.values())
     assert "loadavg" in doc["machine"]
+    # the time to first chunk of a lookup-and-load of a whole prompt (8 chunks of 512 KiB), each system
+    ttfc = doc["figures"]["ttfc"]
+    assert set(ttfc) == {"hf3fs", "fs", "fs_native"}, ttfc
+    for t in ttfc.values():
+        assert (t["chunks"], t["chunk_kb"], t["rounds"]) == (8, 512, 5), t
+        assert 0 < t["lookup_s_median"] <= t["first_chunk_s_median"] <= t["whole_prompt_s_median"] < 5, t
+    assert {f"hf3fs_vs_{ref}.ttfc.{m}" for ref in ("fs", "fs_native")
+            for m in ("first_chunk_s_median", "whole_prompt_s_median")} <= set(ratios)
