@@ -10,26 +10,16 @@ and in ``lmcache describe kvcache``, and serves the chunks byte-exact.
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.base", reason="needs lmcache (pip install \"kvconnect[lmcache]\")")
 pytest.importorskip("grpc", reason="the HF3FS metadata service needs grpcio")
 
 from kvconnect.connectors.testing.hf3fs import MetaProcess  # noqa: E402
-from kvconnect.connectors.testing.lmcache import LMCACHE_BIN, EngineClient, Server, wait_for  # noqa: E402
-from kvconnect.connectors.testing.processes import child_env  # noqa: E402
+from kvconnect.connectors.testing.lmcache import EngineClient, Server, wait_for  # noqa: E402
 
 CHUNK = 512 * 1024  # EngineClient.SHAPE: 256 tokens of 4 layers
 FILE_SIZE = 64 << 20
-
-
-def describe(server: Server) -> str:
-    p = subprocess.run([LMCACHE_BIN, "describe", "kvcache", "--url", server.http_url], env=child_env(),
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    return p.stdout
 
 
 def usage_of(st: dict) -> tuple:
@@ -55,7 +45,7 @@ def test_usage_after_restart_matches_usage_before(tmp_path):
             "bytes_used_from": "store", "capacity_from": "store", "stale": False,
             "usage_fraction": 4 * CHUNK / FILE_SIZE, "shared": True, "global_eviction": False,
             "eviction_by": "store"})
-        assert "2.00 MB / 64.00 MB (3.1%)" in describe(a)
+        assert "2.00 MB / 64.00 MB (3.1%)" in a.describe()
         ca.close()
         ca = None
         assert a.stop() is not None  # clean SIGINT shutdown
@@ -64,7 +54,7 @@ def test_usage_after_restart_matches_usage_before(tmp_path):
         b.wait_healthy()
         after = b.adapter_status()
         assert usage_of(after) == usage_of(before)  # before any request: the store's own figures
-        assert "2.00 MB / 64.00 MB (3.1%)" in describe(b)
+        assert "2.00 MB / 64.00 MB (3.1%)" in b.describe()
         cb = EngineClient(b)
         assert cb.hit_chunks(0) == (2, 2) and cb.hit_chunks(1) == (2, 2)
         assert cb.retrieve_sequence(0) == sums[0] and cb.retrieve_sequence(1) == sums[1]
