@@ -46,6 +46,10 @@ class PeerRdmaConfig(StoreConfig):
         "file holding the password of the membership registry's Redis user (the URL may name the user)"))
     membership_pool: str = field(default="default", metadata=field_doc(
         "name of this pool in the membership registry (pools sharing one Redis differ by name)"))
+    pool_usage_interval: float = field(default=5.0, metadata=field_doc(
+        "seconds one reading of the whole pool's bytes in use (stats(): one Usage call to each "
+        "other member) is reused; this node's own writes and deletes drop it; 0 = stats() reports "
+        "this node's segment only (no calls: for pools of hundreds of nodes)"))
     heartbeat_interval: float = field(default=1.0, metadata=field_doc("seconds between heartbeats"))
     member_ttl: float = field(default=4.0, metadata=field_doc("a member silent this long is dropped (s)"))
     rpc_timeout: float = field(default=0.5, metadata=field_doc("deadline of one control-plane call (s)"))

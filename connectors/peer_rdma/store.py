@@ -13,9 +13,6 @@ from kvconnect.connectors.peer_rdma.counters import COUNTERS, DISK_COUNTERS, MEM
 
 log = logging.getLogger(__name__)
 
-POOL_USAGE_TTL_S = 1.0
-"""How long one reading of the pool's figures (one ``Usage`` call per member) is reused by
-``stats()``; this store's own writes, deletes and clears drop it."""
 
 
 class PeerRdmaStore(PageStore):
@@ -101,12 +98,16 @@ class PeerRdmaStore(PageStore):
 
     def _usage(self) -> StoreUsage:
         """Keys, used and capacity bytes of the whole pool (every live member's lent segment,
-        ``PeerNode.pool_usage``, asked at most once per ``POOL_USAGE_TTL_S``); this node's own
-        figures stay in ``extra`` (``pool_bytes_used``, ``pool_capacity_bytes``: its segment)."""
+        ``PeerNode.pool_usage``, asked at most once per ``pool_usage_interval``; 0: this node's
+        segment only); this node's own figures stay in ``extra`` (``pool_bytes_used``,
+        ``pool_capacity_bytes``: its segment)."""
         m = self.node.metrics()
         extra = {k: v for k, v in m.items() if k != "latency"}
         extra["node_id"] = self.node.node_id
         extra["latency"] = m["latency"]
+        if self.config.pool_usage_interval <= 0:
+            return StoreUsage(keys=m["pool_keys"], bytes_used=m["pool_bytes_used"],
+                              capacity_bytes=m["pool_capacity_bytes"], evictions=m["evictions"], extra=extra)
         pool = self._pool_usage()
         extra["pool_members_unanswered"] = len(pool["unanswered"])
         return StoreUsage(keys=pool["keys"], bytes_used=pool["bytes_used"], capacity_bytes=pool["capacity_bytes"],
@@ -115,7 +116,7 @@ class PeerRdmaStore(PageStore):
     def _pool_usage(self) -> dict:
         now = time.monotonic()
         with self._pool_lock:
-            if self._pool_snap is not None and now - self._pool_snap[0] < POOL_USAGE_TTL_S:
+            if self._pool_snap is not None and now - self._pool_snap[0] < self.config.pool_usage_interval:
                 return self._pool_snap[1]
         pool = self.node.pool_usage()
         with self._pool_lock:

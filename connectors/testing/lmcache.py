@@ -247,7 +247,7 @@ def share(params: dict, workdir: Path, seqs: int = 2, fill_seqs: int = 0) -> dic
         wait_for(lambda: a.adapter_status()["store_stats"]["put_written"] >= 2 * seqs, 30, "A's L2 stores")
         out["b_hits"] = {seq: list(cb.hit_chunks(seq)) for seq in range(seqs)}
         out["retrieved"] = {seq: cb.retrieve_sequence(seq) for seq in range(seqs)}
-        # A's writes show in B's figures within about a second (each figure is reused <= 1 s)
+        # A's writes show in B's figures within a second or so (each figure is reused for a while)
         wait_for(lambda: a.adapter_status()["current_size_bytes"] == b.adapter_status()["current_size_bytes"], 5,
                  "B's figures to show A's writes")
         out["a_status"], out["b_status"] = a.adapter_status(), b.adapter_status()

@@ -245,9 +245,11 @@ def cluster_for_test(log_dir: str | os.PathLike, *, holder: str | None = None,
 
 
 def store_options(cluster: MooncakeCluster, **over) -> dict:
-    """Options of a ``mooncake`` store that contributes a small segment of its own."""
+    """Options of a ``mooncake`` store that contributes a small segment of its own (its
+    ``master_metrics``: the cluster master's metrics port)."""
     opts = {
         "master_server_address": cluster.master.address,
+        "master_metrics": f"127.0.0.1:{cluster.master.metrics_port}",
         "metadata_server": "P2PHANDSHAKE",
         "local_hostname": "127.0.0.1",
         "protocol": "tcp",
@@ -260,6 +262,8 @@ def store_options(cluster: MooncakeCluster, **over) -> dict:
         "lease_ttl": LEASE_TTL_MS / 1000,
         "reconnect_interval": 0.5,
     }
+    if "master_server_address" in over:  # another master: its metrics port is not known here
+        opts["master_metrics"] = ""
     opts.update(over)
     return opts
 

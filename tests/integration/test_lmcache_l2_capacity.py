@@ -44,7 +44,8 @@ CASES = {
     "mooncake": ("16mb", 16 * MB, 12, int(16 * MB * 0.85) - CHUNK),
     "peer_rdma": ("0", 8 * MB, 6, 8 * MB - 2 * CHUNK),  # two nodes of 4 MiB, one page each
 }
-OPTIONS = {"peer_rdma": {"global_segment_size": "4mb"}}  # each server's node
+# each server's node; the pool's figures re-read every second (default 5 s)
+OPTIONS = {"peer_rdma": {"global_segment_size": "4mb", "pool_usage_interval": 1}}
 
 
 @pytest.mark.parametrize("store", sorted(CASES))
