@@ -125,6 +125,33 @@ else:
         finally:
             s.close()
 
+    def wildcard_listeners() -> int:
+        """TCP sockets listening on every interface, in this module's own namespace."""
+        n = 0
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            for line in open(table).read().splitlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and set(cols[1].rsplit(":", 1)[0]) == {"0"}:
+                    n += 1
+        return n
+
+    def test_a_closed_stores_transfer_engine_listeners_go_with_it():
+        """docs/mooncake.md: a node's Transfer Engine opens two data listeners on every interface,
+        whatever local_hostname says. They belong to the store: once a closed store is collected
+        (it sits in a reference cycle, so Python's cycle collector frees it, not close() itself)
+        they are gone, and create/close cycles do not pile them up."""
+        import gc
+
+        gc.collect()
+        base = wildcard_listeners()
+        for _ in range(3):
+            s = create_store("peer_rdma", options(free_port()))
+            assert wildcard_listeners() == base + 2
+            s.close()
+            del s
+            gc.collect()
+            assert wildcard_listeners() == base
+
     def _serve(tmp_path, name: str, args: list[str], env: dict | None = None, expect_ready: bool = True,
                nofile: int | None = None):
         from kvconnect.connectors.testing.processes import child_env, open_file_limit
