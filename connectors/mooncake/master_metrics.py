@@ -45,15 +45,18 @@ def metrics_url(setting: str, master_server_address: str) -> str:
 
 
 def parse(text: str) -> ClusterUsage | None:
-    """The three figures from Prometheus text (None unless all three are there)."""
+    """The three figures from Prometheus text, unlabelled series only (None unless all three
+    are there, or if the text does not parse)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     got: dict[str, int] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in FIGURES:
-            try:
-                got[FIGURES[name]] = int(float(value.split()[0]))
-            except (ValueError, IndexError):
-                return None
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in FIGURES and not sample.labels:
+                    got[FIGURES[sample.name]] = int(sample.value)
+    except ValueError:
+        return None
     return ClusterUsage(**got) if len(got) == len(FIGURES) else None
 
 
