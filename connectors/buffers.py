@@ -116,11 +116,16 @@ def copy_many(moves: Sequence[tuple[int, int, int]]) -> None:
             if filled >= share:
                 groups.append([])
                 filled = 0
-    groups = [g for g in groups if g]
-    futures = [_pool().submit(_run_moves, g) for g in groups[1:]]
-    _run_moves(groups[0])
-    for f in futures:
-        f.result()
+    run_shares(_pool(), _run_moves, [g for g in groups if g])
+
+
+def run_shares(pool: cf.Executor, fn: Callable[[Any], Any], shares: Sequence[Any]) -> list:
+    """``[fn(share) for share in shares]``: every share but the first on ``pool``, the first on
+    the calling thread, then each one waited for. Results in share order."""
+    futures = [pool.submit(fn, share) for share in shares[1:]]
+    out = [fn(shares[0])] if shares else []
+    out.extend(f.result() for f in futures)
+    return out
 
 
 def map_spread(fn: Callable[[Any], Any], items: Sequence[Any], total_bytes: int) -> list:
@@ -132,15 +137,7 @@ def map_spread(fn: Callable[[Any], Any], items: Sequence[Any], total_bytes: int)
         return [fn(x) for x in items]
     share = -(-len(items) // threads)
     groups = [items[i:i + share] for i in range(0, len(items), share)]
-
-    def run(group: Sequence[Any]) -> list:
-        return [fn(x) for x in group]
-
-    futures = [_pool().submit(run, g) for g in groups[1:]]
-    out = run(groups[0])
-    for f in futures:
-        out.extend(f.result())
-    return out
+    return [y for part in run_shares(_pool(), lambda g: [fn(x) for x in g], groups) for y in part]
 
 
 def scatter_many(srcs: Sequence[int], pages: Sequence[Page]) -> None:

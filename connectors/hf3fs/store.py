@@ -44,7 +44,7 @@ from typing import Any, Mapping
 from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, StoreUsage
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
 from kvconnect.connectors.hf3fs.config import HF3FSConfig, check_page_count, merged_options
-from kvconnect.connectors.buffers import page_checksum
+from kvconnect.connectors.buffers import page_checksum, run_shares
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.rate_limited_log import RateLimitedLog
 from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
@@ -162,7 +162,8 @@ class HF3FSStore(PageStore):
             return "set metadata_server_url to a 'kvconnect hf3fs-meta serve' service"
         return ""
 
-    def __init__(self, config: HF3FSConfig, context: EngineContext | None = None, *, metadata: MetadataClient | None = None):
+    def __init__(self, config: HF3FSConfig, context: EngineContext | None = None, *,
+                 metadata: MetadataClient | None = None):
         super().__init__(context)
         self.config = config
         # None: no engine, or one process looks up every rank's keys: one file and namespace for all
@@ -385,20 +386,13 @@ class HF3FSStore(PageStore):
         floor = -(-MIN_TASK_BYTES // max(1, page_bytes))
         return max(1, min(self.config.entries, max(spread, floor)))
 
-    def _fan_out(self, fn, items: list, lane: "_Lane", *args, pool: ThreadPoolExecutor | None = None) -> list:
-        """Run ``fn(chunk, lane, *args)`` over chunks of :meth:`_chunk_pages` items on ``pool``
-        (the read workers by default), the first chunk on the calling thread; results in item
-        order. Waits for every chunk: no I/O into caller memory is ever left running when a
-        call returns."""
+    def _fan_out(self, pool: ThreadPoolExecutor, fn, items: list, lane: "_Lane", *args) -> list:
+        """Run ``fn(chunk, lane, *args)`` over chunks of :meth:`_chunk_pages` items on ``pool``,
+        the first chunk on the calling thread; results in item order. Waits for every chunk: no
+        I/O into caller memory is ever left running when a call returns."""
         e = self._chunk_pages(len(items), lane.page_bytes)
-        args = (lane, *args)
         chunks = [items[i:i + e] for i in range(0, len(items), e)]
-        pool = pool or self._executor
-        futs = [pool.submit(fn, c, *args) for c in chunks[1:]]
-        out = list(fn(chunks[0], *args)) if chunks else []
-        for f in futs:
-            out.extend(f.result())
-        return out
+        return [r for part in run_shares(pool, lambda c: fn(c, lane, *args), chunks) for r in part]
 
     @staticmethod
     def _read_chunk(chunk: list, lane: _Lane, checks: bool) -> list:
@@ -503,8 +497,9 @@ class HF3FSStore(PageStore):
             return out
         ids = ([None] * len(hits) if lane.ids is None else
                page_idents([kb[j] for j in hits], [gens[j] for j in hits]))
-        ok = self._fan_out(self._read_chunk, [(slots[j], pages[j], crcs[j], ids[h]) for h, j in enumerate(hits)],
-                           lane, self.config.checksums)
+        ok = self._fan_out(self._executor, self._read_chunk,
+                           [(slots[j], pages[j], crcs[j], ids[h]) for h, j in enumerate(hits)], lane,
+                           self.config.checksums)
         stale = [h for h, o in enumerate(ok) if o is None]
         if stale:
             # The index named a slot that holds another page: a stale entry (a failover to a
@@ -575,8 +570,9 @@ class HF3FSStore(PageStore):
             new.sort(key=lambda j: slots[j] % self.stripes)  # a worker's chunk mostly in one file
         ids = ([None] * len(new) if lane.ids is None else
                page_idents([kb[j] for j in new], [gens[j] for j in new]))
-        res = self._fan_out(self._write_chunk, [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], lane,
-                            deadline, self.config.checksums, pool=self._write_executor)
+        res = self._fan_out(self._write_executor, self._write_chunk,
+                            [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], lane, deadline,
+                            self.config.checksums)
         if self.config.fsync_data and any(o for o, _ in res):
             try:
                 lane.file.sync()
