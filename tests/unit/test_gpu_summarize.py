@@ -1,7 +1,7 @@
 """``benchmarks/gpu/summarize.py``: the published ``benchmarks/results/gpu_e2e.json`` from the GPU runs' rows.
 
 Nothing is mocked: summarize.py runs as a script (as the README tells) on the committed
-``benchmarks/gpu/runs/*.jsonl`` and on small synthetic files, writing to a temporary path. Its ratios
+``benchmarks/results/runs/gpu-e2e/*.jsonl`` and on small synthetic files, writing to a temporary path. Its ratios
 are checked against values this file computes itself from the input rows (a second, independent
 reading of the rules in summarize.py's docstring), and the committed gpu_e2e.json against a fresh run.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SUMMARIZE = ROOT / "benchmarks" / "gpu" / "summarize.py"
-RUNS = sorted((ROOT / "benchmarks" / "gpu" / "runs").glob("2026-*.jsonl"))  # name order is time order
+RUNS = sorted((ROOT / "benchmarks" / "results" / "runs" / "gpu-e2e").glob("2026-*.jsonl"))  # name order is time order
 MODELS = {"qwen3": "qwen3-32b", "llama": "llama-8b"}
 
 
