@@ -6,7 +6,7 @@ dependencies only when selected (see ``kvconnect.connectors.registry``).
 
 if __name__ != "kvconnect.connectors":  # the repository root on sys.path makes the folder importable by itself
     raise ImportError(f"import kvconnect.connectors, not {__name__}: two copies of one module would not "
-                      "share classes (see kvconnect/__init__.py)")
+                      "share classes (kvconnect/connectors is a link to this folder)")
 
 
 from kvconnect.connectors.base import (  # noqa: F401

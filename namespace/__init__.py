@@ -3,7 +3,7 @@ hit policies (how many pages of a lookup are usable), shared by every integratio
 
 if __name__ != "kvconnect.namespace":  # the repository root on sys.path makes the folder importable by itself
     raise ImportError(f"import kvconnect.namespace, not {__name__}: two copies of one module would not "
-                      "share classes (see kvconnect/__init__.py)")
+                      "share classes (kvconnect/namespace is a link to this folder)")
 
 
 from kvconnect.namespace.hits import (  # noqa: F401

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import zipfile
@@ -24,12 +25,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tracked_tree(dst: Path) -> None:
-    """The working tree's tracked and untracked-but-not-ignored files, copied to ``dst``."""
+    """The working tree's tracked and untracked-but-not-ignored files, copied to ``dst`` (links
+    as links: ``kvconnect/connectors -> ../connectors`` and its siblings are the import root)."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
                            check=True).stdout.decode().split("\0")
     for f in filter(None, files):
         src = ROOT / f
-        if src.is_file():
+        if src.is_symlink():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink(os.readlink(src), dst / f)
+        elif src.is_file():
             (dst / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / f)
 
@@ -51,7 +56,9 @@ def venv(tmp_path_factory) -> Path:
     with zipfile.ZipFile(wheel) as z:
         z.extractall(site)
         names = z.namelist()
+        links = [i.filename for i in z.infolist() if stat.S_ISLNK(i.external_attr >> 16)]
     env_dir.joinpath("top_level").write_text(json.dumps(sorted({n.split("/")[0] for n in names})))
+    env_dir.joinpath("contents").write_text(json.dumps({"names": names, "links": links}))
     return env_dir
 
 
@@ -70,6 +77,18 @@ def test_the_wheel_installs_one_top_level_name(venv):
     assert r.returncode == 0, r.stderr
     where, stray = r.stdout.splitlines()
     assert where.startswith(str(venv)) and stray == "[]"
+
+
+def test_the_wheel_holds_the_files_the_import_roots_links_point_to(venv):
+    got = json.loads((venv / "contents").read_text())
+    assert got["links"] == []
+    for rel in ("kvconnect/connectors/base.py", "kvconnect/connectors/testing/conformance.py",
+                "kvconnect/namespace/keyspace.py", "kvconnect/benchmarks/harness.py",
+                "kvconnect/benchmarks/serving/data/mooncake_conversation_trace.jsonl.gz"):
+        assert rel in got["names"]
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    assert (site / "kvconnect" / "connectors" / "base.py").is_file()
+    assert not (site / "kvconnect" / "connectors").is_symlink()
 
 
 def test_stores_lists_each_store_with_its_missing_extra(venv):

@@ -10,11 +10,10 @@
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = {"connectors": "kvconnect.connectors", "namespace": "kvconnect.namespace",
-           "benchmarks": "kvconnect.benchmarks", "kvconnect": "kvconnect"}
 
 
 def _store_roots() -> dict[str, str]:
@@ -40,12 +39,15 @@ def _store_of(module: str):
 
 
 def _modules() -> dict[str, Path]:
+    """Every module by the name Python imports it by: the tree under ``kvconnect/``, read
+    through its links to the top-level folders (the one place that maps them)."""
     out = {}
-    for folder, package in FOLDERS.items():
-        for path in (ROOT / folder).rglob("*.py"):
-            rel = path.relative_to(ROOT / folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"]
-            out[".".join([package, *parts])] = path
+    for folder, _dirs, files in os.walk(ROOT / "kvconnect", followlinks=True):
+        for name in files:
+            if name.endswith(".py"):
+                path = Path(folder) / name
+                parts = [p for p in path.relative_to(ROOT).with_suffix("").parts if p != "__init__"]
+                out[".".join(parts)] = path.resolve()
     return out
 
 
