@@ -55,11 +55,11 @@ pipi() {
 }
 
 # ---------------------------------------------------------------- stamp (fast rerun)
-# The stamp names a hash of this script, setup.py and of the pyproject.toml tables that affect the
+# The stamp names a hash of this script and of the pyproject.toml tables that affect the
 # install ([build-system], [project], [tool.setuptools]); edits elsewhere (pytest config)
 # do not trigger a reinstall.
 stamp_hash() {
-    { cat "$REPO/scripts/install.sh" "$REPO/setup.py"
+    { cat "$REPO/scripts/install.sh"
       "$1" - "$REPO/pyproject.toml" <<'EOF' 2>/dev/null || cat "$REPO/pyproject.toml"
 import json, sys, tomllib
 d = tomllib.load(open(sys.argv[1], "rb"))
