@@ -18,7 +18,7 @@
 #   * lmcache 0.5.6 with --no-deps + its declared deps minus the CUDA-only ones
 #     (cupy-cuda13x, cuda-python, cufile-python, nvtx: imported lazily / optionally).
 #   * mooncake-transfer-engine-non-cuda 0.3.13.post1, peercache 0.8.4 (--no-deps),
-#     grpc/protobuf/pytest tooling, the redis client, the project's own declared deps, and the project
+#     grpc/protobuf/pytest/mypy tooling, the redis client, the project's own declared deps, and the project
 #     itself editable (--no-deps).
 set -euo pipefail
 
@@ -155,6 +155,7 @@ google-api-core==2.34.0
 protobuf==6.33.6
 numpy==2.2.6
 prometheus-client==0.24.1
+mypy==2.4.1
 EOF
 
 # find_torch_wheel: the local CPU torch wheel (KVCONNECT_TORCH_WHEEL, pip's find-links dirs,
@@ -256,7 +257,7 @@ for m in ["torchvision", "triton",
           "sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs",
           "sglang.srt.mem_cache.storage.hf3fs.mini_3fs_metadata_server",
           "lmcache", "peercache", "mooncake.engine", "mooncake.store",
-          "grpc", "grpc_tools.protoc", "google.protobuf", "prometheus_client", "pytest", "redis"]:
+          "grpc", "grpc_tools.protoc", "google.protobuf", "prometheus_client", "pytest", "redis", "mypy.api"]:
     importlib.import_module(m)
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 from sglang.srt.mem_cache.storage.hf3fs.storage_hf3fs import HiCacheHF3FS
