@@ -62,6 +62,9 @@ class PDConfig(StoreConfig):
             "bound on one transfer: decode fails a request this long after it sent its "
             "destinations, prefill fails one whose decode never sent them; None keeps SGLang's "
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT / _BOOTSTRAP_TIMEOUT"))
+    register_timeout_s: float = field(default=300.0, metadata=field_doc(
+        "prefill: how long a rank retries its registration with the bootstrap server (SGLang's "
+        "server process starts that server while the scheduler registers); then it fails at start"))
     protocol: Literal["rdma", "tcp"] = field(
         default="rdma", metadata=field_doc("direct: Transfer Engine protocol (rdma falls back to TCP without a NIC)"))
     device: str = field(default="", metadata=field_doc("direct: RDMA device(s), '' = auto"))
@@ -91,6 +94,8 @@ class PDConfig(StoreConfig):
             raise ValueError("timeout_s must be > 0")
         if self.workers < 1:
             raise ValueError("workers must be >= 1")
+        if self.register_timeout_s <= 0:
+            raise ValueError("register_timeout_s must be > 0")
         if self.key_bytes is not None and self.key_bytes <= 0:
             raise ValueError("key_bytes must be > 0")
         if self.call_bytes <= 0:

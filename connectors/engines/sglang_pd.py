@@ -180,6 +180,45 @@ class KVConnectKVManager(ManagerBase):
             self._heartbeat_shutdown.set()
         self.plane.close()
 
+    def _register_topology_row(self, url: str, payload: Dict) -> None:
+        """Prefill: register this rank with the bootstrap server (SGLang 0.5.23's hook, called by
+        ``register_to_bootstrap`` from ``__init__``), retried until accepted.
+
+        SGLang's server process starts the bootstrap server (its tokenizer manager) while the
+        scheduler process builds this manager; either may come first. SGLang tries five times
+        in about 15 s, then logs an error and goes on: a bootstrap server that came up later
+        never learns of this rank, answers decode's ``/route`` with 503 for ever, and every
+        request fails while both servers report healthy. Here a refused connection or a
+        non-200 answer is retried every 0.25-2 s for ``register_timeout_s``; then, or at once
+        on HTTP 400 (the server's verdict on an inconsistent layout), the scheduler fails at
+        start naming the URL.
+        """
+        import requests
+
+        bound = self.pd_config.register_timeout_s
+        t0, attempts, last = time.monotonic(), 0, ""
+        while True:
+            attempts += 1
+            try:
+                response = requests.put(url, json=payload, timeout=5)
+                if response.status_code == 200:
+                    self.bootstrap_registration = {"attempts": attempts, "waited_s": time.monotonic() - t0}
+                    if attempts > 1:
+                        logger.info("kvconnect PD: registered with the bootstrap server %s after %d attempts "
+                                    "in %.1f s", url, attempts, time.monotonic() - t0)
+                    return
+                last = f"HTTP {response.status_code}: {response.text.strip()[:300]}"
+                if response.status_code == 400:
+                    break
+            except requests.RequestException as e:
+                last = f"{type(e).__name__}: {e}"
+            if time.monotonic() - t0 >= bound:
+                break
+            time.sleep(min(0.25 * 2 ** min(attempts - 1, 3), 2.0))
+        raise RuntimeError(f"kvconnect PD: prefill could not register with the bootstrap server {url} "
+                           f"({attempts} attempts in {time.monotonic() - t0:.1f} s; register_timeout_s={bound:g}); "
+                           f"last answer: {last}")
+
     # =============================================================================
     # Decode side: messages to prefill
     # =============================================================================
@@ -509,7 +548,31 @@ class KVConnectKVReceiver(ReceiverBase):
 
 
 class KVConnectKVBootstrapServer(CommonKVBootstrapServer):
-    """SGLang's bootstrap server unchanged: ``/route`` stays compatible (router, Rust registry)."""
+    """SGLang's bootstrap server, its ``/route`` unchanged (router, Rust registry), listening
+    before its constructor returns.
+
+    SGLang's starts its server thread and returns at once; a port that thread cannot bind is
+    only logged there, and the prefill server then runs healthy without a bootstrap server
+    (every decode request waits on a route that never comes). Here the constructor waits until
+    the socket listens and raises, naming the address, if the thread died first.
+    """
+
+    listen_timeout_s = 60.0
+
+    def run(self) -> None:
+        super().run()
+        end = time.monotonic() + self.listen_timeout_s
+        while True:
+            runner = getattr(self, "_runner", None)
+            if runner is not None and runner.addresses:
+                return
+            if not self.thread.is_alive():
+                raise RuntimeError(f"kvconnect PD: the bootstrap server could not listen on {self.host}:{self.port} "
+                                   "(SGLang logged why above; another process may hold the port)")
+            if time.monotonic() > end:
+                raise RuntimeError(f"kvconnect PD: the bootstrap server on {self.host}:{self.port} was not "
+                                   f"listening after {self.listen_timeout_s:.0f} s")
+            time.sleep(0.01)
 
 
 def _kv_device() -> str:

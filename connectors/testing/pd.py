@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Iterator
 
@@ -45,6 +46,7 @@ def _defaults() -> dict[str, Any]:
         "aux_slots": 128, "rooms": [], "seed": 1, "result": "result.json", "deadline_s": 60.0,
         "stop_file": None, "progress_file": None, "chunk_sleep_s": 0.0, "verify": True, "state": False,
         "aux_room_override": None, "load_plugins": True, "waves": None, "alloc": "random",
+        "bootstrap_delay_s": 0.0,
     }
 
 
@@ -163,7 +165,22 @@ class Node:
 
             # SGLang's own: get_kv_class(..., BOOTSTRAP_SERVER); 0.5.17 takes the ServerArgs, 0.5.23 reads the context
             args = [self.server_args] if inspect.signature(start_disagg_service).parameters else []
-            self.bootstrap_server = start_disagg_service(*args)
+            if s["bootstrap_delay_s"]:
+                # SGLang starts the bootstrap server in its server process (the tokenizer manager) while
+                # the scheduler process builds the manager, which registers with it: the bootstrap
+                # server may come up after the manager's first attempts. Here it comes this late, from
+                # a thread, while the manager below registers.
+                server_class = get_kv_class(self.backend, KVClassType.BOOTSTRAP_SERVER)
+                self.bootstrap_server = None
+
+                def late() -> None:
+                    time.sleep(s["bootstrap_delay_s"])
+                    self.bootstrap_started_t = time.time()
+                    self.bootstrap_server = server_class(host="127.0.0.1", port=s["bootstrap_port"])
+
+                threading.Thread(target=late, daemon=True, name="late-bootstrap-server").start()
+            else:
+                self.bootstrap_server = start_disagg_service(*args)
         else:
             for ptr, n, _ in self.kv:
                 _view(ptr, n)[:] = UNTOUCHED
@@ -454,8 +471,13 @@ def main(argv: list[str]) -> int:
                         format=f"[{spec.get('role')}] %(levelname)s %(name)s: %(message)s")
     out: dict[str, Any] = {"role": spec.get("role")}
     try:
+        t_start = time.time()
         node = Node(spec)
         out["ready_t"] = time.time()
+        out["start_t"] = t_start
+        if getattr(node.mgr, "bootstrap_registration", None):  # kvconnect's prefill manager
+            out["registration"] = {**node.mgr.bootstrap_registration,
+                                   "bootstrap_started_t": getattr(node, "bootstrap_started_t", None)}
         waves = node.spec["waves"] or [node.spec["rooms"]]
         out["waves"] = []
         barrier = node.spec.get("barrier_dir")

@@ -334,3 +334,69 @@ def test_control_messages_need_the_shared_token(plugin_path):
         assert pre["rooms"][str(r["room"])]["status"] == "failed", pre["rooms"]
     assert "wrong or missing auth_token" in log
     assert dec["rooms"]["_untouched_ok"], "prefill wrote into decode memory without the token"
+
+
+# ---------------------------------------------------------------------------------
+# Bootstrap start-up race
+# ---------------------------------------------------------------------------------
+
+# SGLang's registration makes five attempts, 1 + 2 + 4 + 8 s apart with jitter (11-15 s in all),
+# then logs an error and never registers; the bootstrap server here comes up after that window.
+LATE_BOOTSTRAP_S = 17.0
+
+
+def test_prefill_registers_with_a_bootstrap_server_that_comes_up_late(plugin_path):
+    """The start-up race: SGLang's server process starts the bootstrap server while its scheduler
+    process builds the manager, which registers at once. Here the bootstrap server (SGLang's class
+    through ``get_kv_class``) starts 17 s after the manager began registering, past SGLang's own
+    retry window, after which a stock prefill stays unregistered and decode's ``/route`` answers 503
+    for ever ("bootstrap server never became ready"). kvconnect's manager keeps trying: it
+    registers once the server listens and decode gets every byte of every room."""
+    rooms = [{"room": BASE + 700 + 13 * i, "npages": 3 + 4 * i, "chunk_pages": 2} for i in range(4)]
+    common = {**GEOMETRY, "rooms": rooms, "deadline_s": 90, "bootstrap_port": 19081, "http_port": 19082}
+    cfg = {"transport": "direct", "protocol": "tcp", "timeout_s": TIMEOUT_S}
+    with pdt.pair(common, {"bootstrap_delay_s": LATE_BOOTSTRAP_S}, {}, cfg, plugin_path) as p:
+        p.start("prefill")
+        p.start("decode")
+        dec = p.wait("decode", 150)
+        p.stop()
+        pre = p.wait("prefill", 30)
+    reg = pre["registration"]
+    assert reg["attempts"] > 5 and reg["waited_s"] > 15.0, reg   # more, and longer, than SGLang's own tries
+    assert reg["bootstrap_started_t"] - pre["start_t"] >= LATE_BOOTSTRAP_S
+    for r in rooms:
+        d = dec["rooms"][str(r["room"])]
+        assert d["status"] == "success" and d["pages_ok"] and d["aux_ok"] and d["state_ok"], (r, d)
+        assert pre["rooms"][str(r["room"])]["status"] == "success", pre["rooms"]
+    assert dec["rooms"]["_untouched_ok"], "a KV slot decode did not ask for was written"
+
+
+def test_bootstrap_server_listens_before_it_returns_and_fails_on_a_held_port():
+    """SGLang's bootstrap server returns before its thread listens and only logs a port it cannot
+    bind (the prefill then runs with no bootstrap server). kvconnect's listens when its constructor
+    returns, and raises naming the address when the port is held."""
+    import socket
+    import urllib.request
+
+    from kvconnect.connectors.engines.sglang_pd import KVConnectKVBootstrapServer
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"could not listen on 127.0.0.1:{port}"):
+            KVConnectKVBootstrapServer("127.0.0.1", port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = KVConnectKVBootstrapServer("127.0.0.1", port)
+    try:   # no wait: the first request right after the constructor is answered
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert r.status == 200 and r.read() == b"OK"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+                                    "&target_tp_rank=-1&target_pp_rank=-1", timeout=5) as r:
+            raise AssertionError(f"an empty bootstrap server answered {r.status}")
+    except urllib.error.HTTPError as e:
+        assert e.code == 503 and b"not fully registered" in e.read()
+    finally:
+        server.close()
