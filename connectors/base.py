@@ -68,7 +68,8 @@ def _check_keys(keys: Sequence[str]) -> list[str]:
     except TypeError:  # a key that is not a str: the loop names it
         joined = None
     if (joined is not None and joined.isascii() and joined.count("\n") == len(keys) - 1
-            and "\x00" not in joined and min(map(len, keys)) > 0 and max(map(len, keys)) <= MAX_KEY_BYTES):
+            and "\x00" not in joined and "" not in keys
+            and (len(joined) <= MAX_KEY_BYTES or max(map(len, keys)) <= MAX_KEY_BYTES)):
         return keys
     for k in keys:
         if not isinstance(k, str):
@@ -550,7 +551,7 @@ class PageStore(ABC):
                 by[default] = by.get(default, 0) + misses
 
     def _checked(self, op: str, keys: list[str], result: Sequence[bool]) -> list[bool]:
-        result = [bool(r) for r in result]
+        result = list(map(bool, result))
         if len(result) != len(keys):
             raise RuntimeError(
                 f"{type(self).__name__}.{op} returned {len(result)} results for {len(keys)} keys"

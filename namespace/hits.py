@@ -36,6 +36,12 @@ class HitPolicy(str, Enum):
 
 
 def leading_hits(present: Sequence[bool]) -> int:
+    if type(present) is list:  # a store's answer: at C speed (SGLang asks on its lookup path)
+        n = present.count(True)
+        if n == len(present):
+            return n
+        if n + present.count(False) == len(present):  # only True / False (or 1 / 0)
+            return present.index(False)
     n = 0
     for p in present:
         if not p:

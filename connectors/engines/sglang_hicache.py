@@ -108,20 +108,15 @@ class LookupToLoad:
                              "(deleted, evicted or failed in between: SGLang recomputes them)")
         self.not_loaded = 0  # this backend's share of that counter
 
-    def looked_up(self, keys: List[str]) -> None:
+    def looked_up(self, keys: List[str], hits: int = 0, at: Optional[float] = None) -> None:
+        """A lookup of ``keys`` made at ``at`` (``perf_counter``; default now) that reported
+        ``hits`` leading pages: one locked update per lookup."""
         if keys:
             with self._lock:
-                self._at[keys[0]] = [time.perf_counter(), 0]
+                self._at[keys[0]] = [time.perf_counter() if at is None else at, hits]
                 self._at.move_to_end(keys[0])
-                while len(self._at) > self._keep:
+                if len(self._at) > self._keep:
                     self._at.popitem(last=False)
-
-    def reported(self, keys: List[str], hits: int) -> None:
-        if keys and hits:
-            with self._lock:
-                entry = self._at.get(keys[0])
-                if entry is not None:
-                    entry[1] = hits
 
     def loading(self, keys: List[str]) -> int:
         """Observe the wait; the pages the lookup of this prefix reported (0: none known)."""
@@ -537,9 +532,12 @@ class KVConnectStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Any = None) -> int:
         if not keys or self.logical_anchor:
             return 0
-        self._lookups.looked_up(keys)
-        hits = leading_hits(self._kv_io().store.exists(keys))
-        self._lookups.reported(keys, hits)
+        at = time.perf_counter()
+        view = self._kv_io().store
+        # the view's store asked for the view's keys (as exists_many does): one PageStore layer
+        # on SGLang's lookup path, not two (the inner store checks the keys it is given)
+        hits = leading_hits(view.inner.exists(view.inner_keys(keys)))
+        self._lookups.looked_up(keys, hits, at)
         return hits
 
     # -- v2 pools ---------------------------------------------------------------------
