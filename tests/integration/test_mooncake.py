@@ -654,7 +654,7 @@ def test_start_that_fails_after_setup_closes_the_client(mooncake_cluster, monkey
     """A start that fails after the client joined the cluster (here: the endpoint probe of
     local_copy raises) closes the real Mooncake client and its call threads before the error
     goes up; a store started next works."""
-    from kvconnect.connectors.mooncake.store import MooncakeStore
+    from kvconnect.connectors.mooncake.local_replicas import LocalReplicas
 
     closed = []
     real_import = __import__("kvconnect.connectors.mooncake.store", fromlist=["_import_mooncake"])._import_mooncake
@@ -669,11 +669,11 @@ def test_start_that_fails_after_setup_closes_the_client(mooncake_cluster, monkey
         return Spy, replicate
 
     def probe_fails(self, _replicate):
-        self._call("probe", lambda: None)  # the call threads are running by now
+        self.session.call("probe", lambda: None)  # the call threads are running by now
         raise RuntimeError("endpoint probe failed")
 
     monkeypatch.setattr("kvconnect.connectors.mooncake.store._import_mooncake", spying_import)
-    monkeypatch.setattr(MooncakeStore, "_find_own_endpoint", probe_fails)
+    monkeypatch.setattr(LocalReplicas, "_find_own_endpoint", probe_fails)
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(RuntimeError, match="endpoint probe"):
         create_store("mooncake", store_options(mooncake_cluster, local_copy=True))
