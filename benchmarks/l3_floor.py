@@ -97,8 +97,8 @@ def open_stores(names: list[str], directory: Path, page_bytes: int, pages: int) 
         if n.endswith("_1pool"):
             # before reads and writes had workers of their own: the writes' tasks on the read workers
             st = stores[n]
-            st._write_executor.shutdown(wait=True)
-            st._write_executor = st._executor
+            st.io.writes.shutdown(wait=True)
+            st.io.writes = st.io.reads
     return stores
 
 

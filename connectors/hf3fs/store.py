@@ -38,20 +38,18 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
 from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, StoreUsage
 from kvconnect.connectors.hf3fs.client import LocalMetadata, MetadataClient, MetadataError
-from kvconnect.connectors.hf3fs.config import HF3FSConfig, check_page_count, merged_options
-from kvconnect.connectors.buffers import page_checksum, run_shares
+from kvconnect.connectors.hf3fs.config import HF3FSConfig, merged_options
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.rate_limited_log import RateLimitedLog
-from kvconnect.connectors.hf3fs.files import (STAGE_BYTES, PosixFile, StripedFile, UsrbioFile, mount_fstype,
-                                              on_3fs_mount, on_local_fs, usable_cpus)
+from kvconnect.connectors.hf3fs.files import PosixFile, mount_fstype, on_3fs_mount
 from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
-from kvconnect.connectors.hf3fs.ownership import LOCK_SUFFIX, Locked, claim, lock_exclusive, unlock
-from kvconnect.connectors.hf3fs.pageid import PageIds
+from kvconnect.connectors.hf3fs.lanes import Lane, Lanes
+from kvconnect.connectors.hf3fs.ownership import LOCK_SUFFIX, Locked, lock_exclusive, unlock
+from kvconnect.connectors.hf3fs.page_io import PageIO
 from kvconnect.connectors.hf3fs.pageid import idents as page_idents
 
 log = logging.getLogger("kvconnect.hf3fs")
@@ -60,10 +58,6 @@ _LOOKS_3FS = re.compile(r"(^|/)(hf)?3fs(/|$)", re.IGNORECASE)  # /mnt/3fs/..., /
 
 # Fraction of a lease a client trusts: the service's clock started it a little after ours.
 LEASE_TRUST = 0.8
-
-MIN_TASK_BYTES = 1 << 20
-"""The least a worker task reads or writes (pages smaller than this are grouped)."""
-
 
 class _LocalIndexes:
     """One in-process index per data file per process, guarded by an exclusive flock
@@ -109,25 +103,16 @@ class _LocalIndexes:
 _LOCAL = _LocalIndexes()
 
 
-class _Lane:
-    """One page size: a data file, its namespace, its geometry and leases."""
-
-    __slots__ = ("page_bytes", "ns", "path", "file", "kind", "num_pages", "read_lease_s", "write_lease_s", "ids")
-
-    def __init__(self, page_bytes, ns, path, file, kind, info, ids=None):
-        self.page_bytes = page_bytes
-        self.ns = ns
-        self.path = path
-        self.file = file
-        self.kind = kind
-        self.num_pages = info.num_pages
-        self.read_lease_s = info.read_lease_s
-        self.write_lease_s = info.write_lease_s
-        self.ids = ids  # PageIds (verify_pages) or None
-
-
 class HF3FSStore(PageStore):
-    """Pages in files (3FS via usrbio, or any POSIX filesystem) plus a page index."""
+    """Pages in files (3FS via usrbio, or any POSIX filesystem) plus a page index.
+
+    The store names its files and namespace, holds its index (``meta``: a metadata
+    service's client or this process's own index) and runs the read and write protocols
+    against it; it composes the objects that do the rest, each owning its state:
+
+    * ``lanes`` (lanes.py): one data file and namespace per page size, found or laid out.
+    * ``io`` (page_io.py): the read and write workers and the batches fanned out over them.
+    """
 
     name = "hf3fs"
     config_class = HF3FSConfig
@@ -173,26 +158,18 @@ class HF3FSStore(PageStore):
         page_bytes = context.page_bytes if context is not None else None
         suffix = "" if self.pool == "kv" else f".{self.pool}"
         self.path = f"{config.file_path_prefix}.{self.file_rank}.bin{suffix}"
-        self._client_kind = self._choose_client()
+        self.client_kind = self._choose_client()
         # Striped POSIX files get names and a namespace of their own (".x{n}"): a process
         # striping differently never reads a slot number through another file layout.
-        self.stripes = config.posix_files if self._client_kind == "posix" else 1
+        self.stripes = config.posix_files if self.client_kind == "posix" else 1
         self._stripe_tag = f"x{self.stripes}" if self.stripes > 1 else ""
         if self._stripe_tag:
             suffix += "." + self._stripe_tag
             self.path += "." + self._stripe_tag
         self.ns = self._namespace(self.file_rank)
-        self._lanes: dict[int, _Lane] = {}
-        self._primary: _Lane | None = None
-        self._lane_lock = threading.Lock()
-        self._unknown_sizes: dict[int, float] = {}  # size -> when a lookup last found no lane
-        self._refused: dict[int, tuple[float, ConfigError]] = {}  # size -> when its file was refused, why
-        self._spaces_checked = 0.0
+        self.lanes = Lanes(self)
         self._local_path: str | None = None
-        # Reads and writes have workers of their own: a prefetch never queues behind the tasks of
-        # write-through puts (SGLang's backup thread writes while its prefetch thread reads).
-        self._executor: ThreadPoolExecutor | None = None
-        self._write_executor: ThreadPoolExecutor | None = None
+        self.io: PageIO | None = None
         self._owns_meta = metadata is None
         self.validations = 0
         self.rejected_reads = 0
@@ -224,12 +201,11 @@ class HF3FSStore(PageStore):
                 log.warning("kvconnect hf3fs: file_path_prefix %s looks like a 3FS mount but %s is on %r, not "
                             "3FS: pages go to that file system, not to 3FS (is the mount missing?)",
                             config.file_path_prefix, self.path, mount_fstype(self.path))
-            self._executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-read")
-            self._write_executor = ThreadPoolExecutor(max_workers=config.numjobs, thread_name_prefix="hf3fs-write")
+            self.io = PageIO(config)
             hint = config.page_bytes or page_bytes
             if hint:
-                self._lane(int(hint), create=True)
-            self._discover_lanes()
+                self.lanes.lane(int(hint), create=True)
+            self.lanes.discover()
         except BaseException:
             self._release()
             raise
@@ -263,180 +239,15 @@ class HF3FSStore(PageStore):
             client = "usrbio" if on_3fs_mount(self.path) else "posix"
         return client
 
-    def _lane_names(self, page_bytes: int, primary: bool) -> tuple[str, str]:
-        if primary:
-            return self.ns, self.path
-        return f"{self.ns}:p{page_bytes}", f"{self.path}.p{page_bytes}"
-
-    def _open_lane(self, page_bytes: int, ns: str, path: str, info) -> _Lane:
-        # One index per data file: the file must be this index's (its stamp), or no index's
-        # yet (adopted now); another index's file is refused (ConfigError), never shared.
-        claim(path, self.meta.identity(), ns, lock_path=os.path.realpath(self.path) + LOCK_SUFFIX,
-              index=self.config.metadata_server_url or "in-process index")
-        size = info.num_pages * info.page_bytes
-        if self._client_kind == "usrbio":
-            f = UsrbioFile(path, size, page_bytes, self.config.entries, self.config.numjobs,
-                           self.config.client_timeout)
-        else:
-            local = on_local_fs(path)
-            cfg = self.config
-            # auto: stage when another worker's locked copy can overlap ours (one file, two or
-            # more workers and cores); striped files already copy in parallel, and a second
-            # copy per byte then only costs memory bandwidth (measured: docs/hf3fs.md)
-            staged = cfg.posix_write == "staged" or (cfg.posix_write == "auto" and self.stripes == 1
-                                                     and cfg.numjobs >= 2 and usable_cpus() >= 2)
-            posix = {"mmap_reads": cfg.posix_read == "mmap" or (cfg.posix_read == "auto" and local),
-                     "stage_bytes": STAGE_BYTES if staged else 0}
-            if self.stripes > 1:
-                f = StripedFile(path, size, page_bytes, self.stripes, **posix)
-            else:
-                f = PosixFile(path, size, **posix)
-        ids = None
-        if self.verify:
-            try:
-                ids = PageIds(path + ".ids", info.num_pages, mapped=getattr(f, "mapped", False))
-            except BaseException:
-                f.close()
-                raise
-        lane = _Lane(page_bytes, ns, path, f, self._client_kind, info, ids)
-        log.info("hf3fs: %s (%s client) holds %d pages of %d bytes, namespace %s", path, self._client_kind,
-                 info.num_pages, page_bytes, ns)
-        return lane
-
-    def _lane(self, page_bytes: int, create: bool) -> _Lane | None:
-        """The lane of ``page_bytes``: known, registered by another process, or (``create``) new."""
-        lane = self._lanes.get(page_bytes)
-        if lane is not None:
-            return lane
-        if not create:
-            seen = self._unknown_sizes.get(page_bytes)
-            if seen is not None and time.monotonic() - seen < 2.0:
-                return None
-        refused = self._refused.get(page_bytes)
-        if refused is not None and time.monotonic() - refused[0] < 5.0:
-            raise refused[1]  # another index's file: no index calls per batch to hear it again
-        with self._lane_lock:
-            lane = self._lanes.get(page_bytes)
-            if lane is not None:
-                return lane
-            num_pages = self.config.file_size // page_bytes
-            if create and num_pages < 1:
-                raise ConfigError("file_size", f"{self.config.file_size} bytes hold no page of {page_bytes} bytes",
-                                  "a file_size of at least one page")
-            check_page_count(self.config.file_size, page_bytes)
-            # The primary namespace takes the first size registered in it, by anyone.
-            for primary in (True, False):
-                ns, path = self._lane_names(page_bytes, primary)
-                info = self.meta.initialize(ns, 0, 0)
-                if info.page_bytes == page_bytes:
-                    break
-                if info.page_bytes or not create or (primary and self._primary is not None):
-                    continue
-                try:
-                    info = self.meta.initialize(ns, num_pages, page_bytes)
-                except ConfigError:
-                    if primary:  # another process registered another size first
-                        continue
-                    raise
-                break
-            else:
-                self._unknown_sizes[page_bytes] = time.monotonic()
-                return None
-            try:
-                lane = self._open_lane(page_bytes, ns, path, info)
-            except ConfigError as e:
-                self._refused[page_bytes] = (time.monotonic(), e)
-                raise
-            self._lanes[page_bytes] = lane
-            if ns == self.ns:
-                self._primary = lane
-            self._unknown_sizes.pop(page_bytes, None)
-            return lane
-
-    def _discover_lanes(self) -> None:
-        """Adopt lanes other processes registered for this rank and pool (readers that never wrote)."""
-        self._spaces_checked = time.monotonic()
-        try:
-            spaces = self.meta.spaces(self.ns)
-        except MetadataError:
-            return
-        for name, _num, pb in spaces:
-            if (name == self.ns or name.startswith(self.ns + ":p")) and pb and pb not in self._lanes:
-                try:
-                    self._lane(int(pb), create=False)
-                except (MetadataError, ConfigError, OSError) as e:
-                    log.warning("hf3fs: cannot open lane %s: %s", name, e)
-
     @property
     def page_bytes(self) -> int:
-        return self._primary.page_bytes if self._primary else 0
+        primary = self.lanes.primary
+        return primary.page_bytes if primary else 0
 
     @property
     def num_pages(self) -> int:
-        return self._primary.num_pages if self._primary else 0
-
-    # ------------------------------------------------------------------ I/O fan-out
-    def _chunk_pages(self, n: int, page_bytes: int) -> int:
-        """Pages per worker task for a batch of ``n``: at most ``entries`` (one usrbio ring's
-        submission), and spread so a batch smaller than ``numjobs x entries`` still uses every
-        worker. A 2,048-token prefix of 32 pages of 8 MiB cut by ``entries`` 16 ran on two
-        threads (7 GB/s in a serving run) where the node's memory moves 30 GB/s on 16. No
-        task is made smaller than MIN_TASK_BYTES, below which handing it over costs more."""
-        spread = -(-n // max(1, self.config.numjobs))
-        floor = -(-MIN_TASK_BYTES // max(1, page_bytes))
-        return max(1, min(self.config.entries, max(spread, floor)))
-
-    def _fan_out(self, pool: ThreadPoolExecutor, fn, items: list, lane: "_Lane", *args) -> list:
-        """Run ``fn(chunk, lane, *args)`` over chunks of :meth:`_chunk_pages` items on ``pool``,
-        the first chunk on the calling thread; results in item order. Waits for every chunk: no
-        I/O into caller memory is ever left running when a call returns."""
-        e = self._chunk_pages(len(items), lane.page_bytes)
-        chunks = [items[i:i + e] for i in range(0, len(items), e)]
-        return [r for part in run_shares(pool, lambda c: fn(c, lane, *args), chunks) for r in part]
-
-    @staticmethod
-    def _read_chunk(chunk: list, lane: _Lane, checks: bool) -> list:
-        """Items ``(slot, page, crc, identity)``; per item True (a hit), False, or None: the
-        page's identity record did not match (a stale index entry, or a slot rewritten
-        during the read)."""
-        pb = lane.page_bytes
-        ids = lane.ids
-        items = [(it[0] * pb, it[1]) for it in chunk]
-        if ids is None:
-            ok: list = lane.file.read_batch(items)
-        else:
-            try:
-                ok = ids.checked_read([it[0] for it in chunk], [it[3] for it in chunk],
-                                      lambda: lane.file.read_batch(items))
-            except OSError as e:
-                log.error("hf3fs: reading %s failed: %s", ids.path, e)
-                return [False] * len(chunk)
-        if checks:
-            ok = [o and page_checksum(it[1]) == it[2] for o, it in zip(ok, chunk)]
-        return ok
-
-    @staticmethod
-    def _write_chunk(chunk: list, lane: _Lane, deadline: float, checks: bool) -> list:
-        """Items ``(slot, page, identity)``; per item (written, crc)."""
-        pb = lane.page_bytes
-        crcs = [page_checksum(it[1]) for it in chunk] if checks else [0] * len(chunk)
-        ids = lane.ids
-        if ids is not None:
-            slots = [it[0] for it in chunk]
-            try:
-                ids.clear(slots)
-            except OSError as e:
-                log.error("hf3fs: writing %s failed: %s", ids.path, e)
-                return [(False, c) for c in crcs]
-        ok = lane.file.write_batch([(it[0] * pb, it[1]) for it in chunk], deadline)
-        if ids is not None:
-            done = [i for i, o in enumerate(ok) if o]
-            try:
-                ids.publish([slots[i] for i in done], [chunk[i][2] for i in done])
-            except OSError as e:
-                log.error("hf3fs: writing %s failed: %s", ids.path, e)
-                ok = [False] * len(chunk)
-        return list(zip(ok, crcs))
+        primary = self.lanes.primary
+        return primary.num_pages if primary else 0
 
     # ------------------------------------------------------------------ primitives
     @staticmethod
@@ -454,10 +265,11 @@ class HF3FSStore(PageStore):
         kb = self._encode(keys)
         # Until a lane is known ask the index every time (one small call); then look for
         # lanes other processes added (side pools) every few seconds.
-        if not self._lanes or time.monotonic() - self._spaces_checked > 5.0:
-            self._discover_lanes()
+        lanes = self.lanes
+        if not lanes.by_size or time.monotonic() - lanes.discovered_at > 5.0:
+            lanes.discover()
         out = [False] * len(keys)
-        for lane in list(self._lanes.values()):
+        for lane in self.lanes.all():
             try:
                 present = self.meta.exists(lane.ns, kb)
             except MetadataError as e:
@@ -470,7 +282,7 @@ class HF3FSStore(PageStore):
         out = [False] * len(keys)
         for size, idx in self._by_size(pages).items():
             try:
-                lane = self._lane(size, create=False)
+                lane = self.lanes.lane(size, create=False)
             except (MetadataError, ConfigError, OSError) as e:
                 self._note_error("layout", e)
                 self._miss("unavailable" if isinstance(e, MetadataError) else "mismatch", len(idx))
@@ -482,7 +294,7 @@ class HF3FSStore(PageStore):
                 out[i] = o
         return out
 
-    def _get_lane(self, lane: _Lane, keys: list[str], pages: list[Page]) -> list[bool]:
+    def _get_lane(self, lane: Lane, keys: list[str], pages: list[Page]) -> list[bool]:
         out = [False] * len(keys)
         kb = self._encode(keys)
         t0 = time.monotonic()
@@ -497,9 +309,8 @@ class HF3FSStore(PageStore):
             return out
         ids = ([None] * len(hits) if lane.ids is None else
                page_idents([kb[j] for j in hits], [gens[j] for j in hits]))
-        ok = self._fan_out(self._executor, self._read_chunk,
-                           [(slots[j], pages[j], crcs[j], ids[h]) for h, j in enumerate(hits)], lane,
-                           self.config.checksums)
+        ok = self.io.read(lane, [(slots[j], pages[j], crcs[j], ids[h]) for h, j in enumerate(hits)],
+                          self.config.checksums)
         stale = [h for h, o in enumerate(ok) if o is None]
         if stale:
             # The index named a slot that holds another page: a stale entry (a failover to a
@@ -537,7 +348,7 @@ class HF3FSStore(PageStore):
         out = [False] * len(keys)
         for size, idx in self._by_size(pages).items():
             try:
-                lane = self._lane(size, create=True)
+                lane = self.lanes.lane(size, create=True)
             except Exception as e:  # noqa: BLE001 - a page size that cannot be laid out fails its writes
                 self._note_error("layout", e)
                 continue
@@ -548,7 +359,7 @@ class HF3FSStore(PageStore):
                 out[i] = o
         return out
 
-    def _put_lane(self, lane: _Lane, keys: list[str], pages: list[Page]) -> list[bool]:
+    def _put_lane(self, lane: Lane, keys: list[str], pages: list[Page]) -> list[bool]:
         out = [False] * len(keys)
         kb = self._encode(keys)
         t0 = time.monotonic()
@@ -570,8 +381,7 @@ class HF3FSStore(PageStore):
             new.sort(key=lambda j: slots[j] % self.stripes)  # a worker's chunk mostly in one file
         ids = ([None] * len(new) if lane.ids is None else
                page_idents([kb[j] for j in new], [gens[j] for j in new]))
-        res = self._fan_out(self._write_executor, self._write_chunk,
-                            [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], lane, deadline,
+        res = self.io.write(lane, [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], deadline,
                             self.config.checksums)
         if self.config.fsync_data and any(o for o, _ in res):
             try:
@@ -594,7 +404,7 @@ class HF3FSStore(PageStore):
     def _delete(self, keys: list[str]) -> list[bool]:
         kb = self._encode(keys)
         out = [False] * len(keys)
-        for lane in list(self._lanes.values()):
+        for lane in self.lanes.all():
             try:
                 gone = self.meta.delete(lane.ns, kb)
             except MetadataError as e:
@@ -604,15 +414,15 @@ class HF3FSStore(PageStore):
         return out
 
     def _clear(self) -> None:
-        for lane in list(self._lanes.values()):
+        for lane in self.lanes.all():
             try:
                 self.meta.clear(lane.ns)
             except MetadataError as e:
                 self._note_error("clear", e)
 
     def _clear_prefix(self, prefix: str) -> None:
-        self._discover_lanes()  # lanes other processes opened hold keys of the prefix too
-        for lane in list(self._lanes.values()):
+        self.lanes.discover()  # lanes other processes opened hold keys of the prefix too
+        for lane in self.lanes.all():
             try:
                 self.meta.clear(lane.ns, prefix.encode())
             except MetadataError as e:
@@ -621,7 +431,7 @@ class HF3FSStore(PageStore):
     def _usage(self) -> StoreUsage:
         keys = bytes_used = capacity = evictions = 0
         reserved = 0
-        for lane in list(self._lanes.values()):
+        for lane in self.lanes.all():
             try:
                 u = self.meta.usage(lane.ns)
             except MetadataError:
@@ -631,11 +441,11 @@ class HF3FSStore(PageStore):
             capacity += lane.num_pages * lane.page_bytes
             evictions += u.get("evictions", 0)
             reserved += u.get("reserved", 0)
-        if not self._lanes:
+        if not self.lanes.by_size:
             # no data file open yet: the first one opens with the first page, file_size bytes
             capacity = int(self.config.file_size or 0)
         return StoreUsage(keys=keys, bytes_used=bytes_used, capacity_bytes=capacity, evictions=evictions,
-                          extra={"files": [lane.path for lane in self._lanes.values()], "client": self._client_kind,
+                          extra={"files": [lane.path for lane in self.lanes.all()], "client": self.client_kind,
                                  "namespace": self.ns, "validations": self.validations,
                                  "rejected_reads": self.rejected_reads, "reserved": reserved,
                                  "verify_pages": self.verify, "stale_reads": self.stale_reads,
@@ -652,7 +462,7 @@ class HF3FSStore(PageStore):
             port = getattr(self.meta, "_tcp_port", None)  # RemoteMetadata: framed TCP port, once asked
             via = "redis" if url.startswith(("redis", "rediss")) else "framed tcp" if port else "grpc"
             index = f"index {url} (auth {auth}, {via})"
-        return f"files {self.path} ({self._client_kind}, {mount}), {index}, key space {self.ns}"
+        return f"files {self.path} ({self.client_kind}, {mount}), {index}, key space {self.ns}"
 
     def _note_error(self, op: str, e: Exception) -> None:
         self.record_error()
@@ -664,7 +474,7 @@ class HF3FSStore(PageStore):
     # ------------------------------------------------------------------ lifecycle
     def _index_evicted(self, ns: str, keys: list) -> None:
         """The in-process index evicted ``keys`` of ``ns`` (under its lock: only report)."""
-        if any(lane.ns == ns for lane in list(self._lanes.values())):
+        if any(lane.ns == ns for lane in self.lanes.all()):
             self._report_evicted([k.decode() for k in keys])
 
     def _release(self) -> None:
@@ -672,17 +482,10 @@ class HF3FSStore(PageStore):
         if index is not None:
             index.evict_listeners = tuple(x for x in index.evict_listeners if x != self._index_evicted)
             self._evict_index = None
-        for attr in ("_executor", "_write_executor"):
-            pool = getattr(self, attr, None)
-            if pool is not None:
-                pool.shutdown(wait=True)
-                setattr(self, attr, None)
-        for lane in self._lanes.values():
-            lane.file.close()
-            if lane.ids is not None:
-                lane.ids.close()
-        self._lanes.clear()
-        self._primary = None
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+        self.lanes.close()
         if self._local_path is not None:
             _LOCAL.release(self._local_path)
             self._local_path = None

@@ -297,7 +297,7 @@ def test_reused_slot_under_a_reader_is_a_miss(tmp_path):
             return out
 
         meta.get = get_then_overwrite
-        for lane in s._lanes.values():
+        for lane in s.lanes.all():
             lane.read_lease_s = 0.0  # the store re-validates any read that outlived its lease
         ok, data = read_pages(s, [a])
         assert ok == [False]
@@ -365,7 +365,7 @@ def test_checksums_catch_bytes_changed_behind_the_index(tmp_path):
     try:
         k = keyset(1)
         write_pages(s, k)
-        lane = s._primary
+        lane = s.lanes.primary
         fd = os.open(lane.path, os.O_RDWR)
         os.pwrite(fd, b"\xff" * 16, 100)  # e.g. a stale cache or a zombie writer
         os.close(fd)
@@ -671,10 +671,10 @@ def test_posix_file_failures_are_false_not_exceptions(tmp_path):
 def test_store_write_paths_round_trip(tmp_path, posix_write):
     s = create_store("hf3fs", store_opts(tmp_path, posix_write=posix_write, numjobs=3, entries=5))
     try:
-        assert s._primary is None or (s._primary.file.stage_bytes > 0) == (posix_write == "staged")
+        assert s.lanes.primary is None or (s.lanes.primary.file.stage_bytes > 0) == (posix_write == "staged")
         keys = keyset(17)
         assert write_pages(s, keys) == [True] * 17
-        assert (s._primary.file.stage_bytes > 0) == (posix_write == "staged")
+        assert (s.lanes.primary.file.stage_bytes > 0) == (posix_write == "staged")
         ok, data = read_pages(s, keys)
         assert ok == [True] * 17 and [check_page(k, d) for k, d in zip(keys, data)] == [0] * 17
     finally:
@@ -753,7 +753,7 @@ def test_auto_write_mode(tmp_path):
                                         ({"numjobs": 3, "posix_files": 2}, False)]):
         s = create_store("hf3fs", store_opts(tmp_path / str(i), **opts), context=EngineContext(page_bytes=PAGE))
         try:
-            f = s._primary.file
+            f = s.lanes.primary.file
             assert all((p.stage_bytes > 0) == staged for p in getattr(f, "files", [f]))
         finally:
             s.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
-from kvconnect.connectors.hf3fs import store as hf3fs_store
+from kvconnect.connectors.hf3fs.page_io import PageIO
 from kvconnect.connectors.registry import create_store
 
 MiB = 1 << 20
@@ -22,16 +22,16 @@ def test_a_prefix_is_spread_over_every_worker(tmp_path):
     s = _store(tmp_path, numjobs=16, entries=16)
     try:
         # a 2,048-token Llama-3-8B prefix: 32 pages of 8 MiB; entries 16 alone made two tasks
-        assert s._chunk_pages(32, 8 * MiB) == 2
-        assert s._chunk_pages(1024, 8 * MiB) == 16      # never more than one submission
-        assert s._chunk_pages(32, 64 << 10) == 16       # small pages grouped up to 1 MiB a task
-        assert s._chunk_pages(3, 64 << 10) == 16
-        assert s._chunk_pages(1, 8 * MiB) == 1
+        assert s.io.chunk_pages(32, 8 * MiB) == 2
+        assert s.io.chunk_pages(1024, 8 * MiB) == 16      # never more than one submission
+        assert s.io.chunk_pages(32, 64 << 10) == 16       # small pages grouped up to 1 MiB a task
+        assert s.io.chunk_pages(3, 64 << 10) == 16
+        assert s.io.chunk_pages(1, 8 * MiB) == 1
     finally:
         s.close()
     s = _store(tmp_path / "b", numjobs=2, entries=16)
     try:
-        assert s._chunk_pages(32, 8 * MiB) == 16
+        assert s.io.chunk_pages(32, 8 * MiB) == 16
     finally:
         s.close()
 
@@ -39,13 +39,13 @@ def test_a_prefix_is_spread_over_every_worker(tmp_path):
 def test_spread_reads_and_writes_keep_every_pages_bytes(tmp_path, monkeypatch):
     s = _store(tmp_path, numjobs=8, entries=16)
     threads: set = set()
-    read_chunk = hf3fs_store.HF3FSStore._read_chunk
+    read_chunk = PageIO.read_chunk
 
     def spy(chunk, lane, checks):
         threads.add(threading.get_ident())
         return read_chunk(chunk, lane, checks)
 
-    monkeypatch.setattr(hf3fs_store.HF3FSStore, "_read_chunk", staticmethod(spy))
+    monkeypatch.setattr(PageIO, "read_chunk", staticmethod(spy))
     n = 32
     src = (ctypes.c_char * (n * MiB))()
     dst = (ctypes.c_char * (n * MiB))()
@@ -65,8 +65,7 @@ def test_reads_and_writes_run_on_workers_of_their_own(tmp_path, monkeypatch):
     """A prefetch never waits behind write-through puts' tasks: each side has its own workers."""
     s = _store(tmp_path, numjobs=4, entries=16)
     names: dict = {"read": set(), "write": set()}
-    cls = hf3fs_store.HF3FSStore
-    read_chunk, write_chunk = cls._read_chunk, cls._write_chunk
+    read_chunk, write_chunk = PageIO.read_chunk, PageIO.write_chunk
 
     def reads(chunk, lane, checks):
         names["read"].add(threading.current_thread().name.rsplit("_", 1)[0])
@@ -76,8 +75,8 @@ def test_reads_and_writes_run_on_workers_of_their_own(tmp_path, monkeypatch):
         names["write"].add(threading.current_thread().name.rsplit("_", 1)[0])
         return write_chunk(chunk, lane, *rest)
 
-    monkeypatch.setattr(cls, "_read_chunk", staticmethod(reads))
-    monkeypatch.setattr(cls, "_write_chunk", staticmethod(writes))
+    monkeypatch.setattr(PageIO, "read_chunk", staticmethod(reads))
+    monkeypatch.setattr(PageIO, "write_chunk", staticmethod(writes))
     n = 16
     buf = (ctypes.c_char * (n * MiB))()
     pages = [[(ctypes.addressof(buf) + i * MiB, MiB)] for i in range(n)]
