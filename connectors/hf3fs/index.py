@@ -28,8 +28,9 @@ Why it is safe where SGLang's ``mini_3fs_metadata_server`` is not:
   expires after ``write_lease_s`` (a dead writer).
 
 Every state change is described to an optional journal (``kvconnect.connectors.hf3fs.wal``) while the
-lock is held, so the journal order is the state order; ``replay_*`` methods rebuild state
-from it. Keys are ``bytes`` without ``b"\\n"`` (the wire format joins keys with newlines).
+lock is held, so the journal order is the state order; ``replay`` and ``finish_recovery``
+(``index_recovery.py``) rebuild state from it. Keys are ``bytes`` without ``b"\\n"`` (the wire
+format joins keys with newlines).
 """
 
 from __future__ import annotations
@@ -37,24 +38,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from array import array
-from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import repeat
 from typing import Callable, Iterable, Sequence
+
+from kvconnect.connectors.hf3fs import index_recovery
+from kvconnect.connectors.hf3fs.slots import CONFIRMED, FREE, RESERVED, Namespace, each
+# put() statuses, named here for the index's callers
+from kvconnect.connectors.hf3fs.write_leases import PUT_DUP, PUT_LOST, PUT_OK, WriteLeases  # noqa: F401
 
 # reserve() statuses
 NEW = 0  # reserved for the caller: write the page, then confirm or release it
 EXISTS = 1  # already stored (confirmed): nothing to write
 INFLIGHT = 2  # another writer holds a live reservation for this key
 NOSPACE = 3  # no page can be freed now (all reserved or leased to readers)
-
-# put() statuses
-PUT_LOST = 0  # the slot is not (any more) this writer's lease: the key is not stored
-PUT_OK = 1  # stored (or already stored by this very put: a retried call)
-PUT_DUP = 2  # the key is stored or in flight elsewhere; the slot stays leased to the writer
-
-FREE, RESERVED, CONFIRMED = 0, 1, 2
 
 log = logging.getLogger("kvconnect.hf3fs.index")
 
@@ -67,11 +64,6 @@ write lease 8 (the key map grows with the pages stored)."""
 
 DEFAULT_READ_LEASE_S = 2.0
 DEFAULT_WRITE_LEASE_S = 30.0
-
-
-def _each(fn, *iterables) -> None:
-    """``fn`` over the items, in a C loop (no per-item bytecode): the hot paths' setters."""
-    deque(map(fn, *iterables), maxlen=0)
 
 
 class IndexError_(ValueError):
@@ -87,43 +79,16 @@ class NamespaceInfo:
     write_lease_s: float
 
 
-class Namespace:
-    """State of one data file. Guarded by the owning ``PageIndex``'s lock."""
-
-    __slots__ = ("name", "num_pages", "page_bytes", "index", "state", "gen", "crc",
-                 "read_until", "lease_end", "free", "fresh_next", "pending", "evictions", "expired", "next_sweep",
-                 "evicted", "leased", "gen_top")
-
-    def __init__(self, name: str, num_pages: int, page_bytes: int):
-        self.name = name
-        self.num_pages = num_pages
-        self.page_bytes = page_bytes
-        self.index: OrderedDict[bytes, int] = OrderedDict()  # confirmed key -> slot, LRU first
-        self.state = bytearray(num_pages)
-        self.gen = array("q", bytes(8 * num_pages))
-        self.crc = array("I", bytes(4 * num_pages))
-        self.read_until = array("d", bytes(8 * num_pages))
-        self.free: deque[int] = deque()  # slots freed since start (FREE, maybe still leased)
-        self.fresh_next = 0  # slots >= fresh_next were never handed out
-        self.pending: dict[bytes, tuple[int, int]] = {}  # key -> (slot, gen) of a live reservation
-        self.lease_end = array("d", bytes(8 * num_pages))  # a reserved slot's write deadline
-        self.evictions = 0
-        self.expired = 0
-        self.next_sweep = 0.0  # when to look for expired reservations next
-        self.evicted: list[bytes] = []  # keys evicted by the reserve call in progress (journal)
-        self.leased: dict[int, int] = {}  # slot -> generation, leased to a writer without a key yet
-        self.gen_top = 0  # the highest generation handed out: a lease's slots all get the next one
-
-    def rebuild_free(self) -> None:
-        st = self.state
-        self.free = deque(i for i in range(self.fresh_next) if st[i] == FREE)
-
-
 Journal = Callable[..., None]
 
 
 class PageIndex:
     """Thread-safe, batched page index over many namespaces.
+
+    The index holds the namespaces, their reservations, readers and removals; the parts,
+    all under its one lock: each ``Namespace`` (slots.py) its slots' state and which slot a
+    writer gets next (LRU eviction), ``leases`` (write_leases.py) the one-call write path,
+    ``index_recovery`` the journal's replay.
 
     Args:
         read_lease_s: how long a slot returned by ``get`` is kept from reuse.
@@ -145,6 +110,7 @@ class PageIndex:
         # evict_listeners(ns, keys): told under the lock of every LRU eviction (the in-process
         # index's store reports them; they only queue, never call the index)
         self.evict_listeners: tuple = ()
+        self.leases = WriteLeases(self)
 
     # ------------------------------------------------------------------ namespaces
     def initialize(self, ns: str, num_pages: int, page_bytes: int) -> NamespaceInfo:
@@ -183,44 +149,12 @@ class PageIndex:
             raise IndexError_(f"namespace {ns!r} is not initialized")
         return sp
 
-    # ------------------------------------------------------------------ allocation
-    def _alloc(self, sp: Namespace, now: float, evict: bool = True) -> int:
-        """A free slot not under a read lease, evicting the LRU key if needed (and allowed); -1 if none."""
-        if sp.fresh_next < sp.num_pages:
-            s = sp.fresh_next
-            sp.fresh_next += 1
-            return s
-        ru = sp.read_until
-        free = sp.free
-        for _ in range(min(len(free), 8)):
-            s = free.popleft()
-            if ru[s] <= now:
-                return s
-            free.append(s)
-        if not evict:
-            return -1
-        # Evict the least recently used confirmed key whose page no reader holds.
-        index = sp.index
-        victim = None
-        for scanned, (k, s) in enumerate(index.items()):
-            if ru[s] <= now:
-                victim = k
-                break
-            if scanned >= 64:
-                break
-        if victim is None:
-            return -1
-        s = index.pop(victim)
-        sp.state[s] = FREE
-        sp.evictions += 1
-        sp.evicted.append(victim)
-        return s
-
+    # ------------------------------------------------------------------ expiry
     def _expire(self, sp: Namespace, now: float) -> None:
         le = sp.lease_end
         gone = [(s, g) for s, g in sp.leased.items() if le[s] <= now]
         if gone:
-            self._unlease(sp, [s for s, _ in gone], [g for _, g in gone])
+            self.leases.release(sp, [s for s, _ in gone], [g for _, g in gone])
             sp.expired += len(gone)
         dead = [(k, v) for k, v in sp.pending.items() if le[v[0]] <= now]
         if not dead:
@@ -233,21 +167,6 @@ class PageIndex:
         if self.journal is not None:
             self.journal.record("release", sp.name, keys=[k for k, _ in dead],
                                 slots=[v[0] for _, v in dead], gens=[v[1] for _, v in dead])
-
-    # ------------------------------------------------------------------ writers
-    def _alloc_many(self, sp: Namespace, m: int, now: float, evict: bool = True) -> list[int]:
-        """Up to ``m`` slots: never-used ones first, then freed ones, then LRU evictions."""
-        out: list[int] = []
-        take = min(m, sp.num_pages - sp.fresh_next)
-        if take > 0:
-            out.extend(range(sp.fresh_next, sp.fresh_next + take))
-            sp.fresh_next += take
-        while len(out) < m:
-            s = self._alloc(sp, now, evict)
-            if s < 0:
-                break
-            out.append(s)
-        return out
 
     def _sweep(self, sp: Namespace, now: float) -> None:
         if (sp.pending or sp.leased) and now >= sp.next_sweep:
@@ -262,122 +181,22 @@ class PageIndex:
                 listener(sp.name, sp.evicted)
             sp.evicted = []
 
-    # ------------------------------------------------------------------ write leases
+    # ------------------------------------------------------------------ write leases (write_leases.py)
     def lease(self, ns: str, need: int, extra: int = 0,
               give_back: tuple[Sequence[int], Sequence[int]] = ((), ())) -> tuple[list[int], list[int]]:
-        """Lease up to ``need + extra`` free slots for writes to come (``extra`` at most
-        ``num_pages // 16``: no writer hoards a small file). Never evicts: a writer whose
-        lease comes back short of ``need`` reserves instead, which evicts only for keys
-        that are not stored yet. ``give_back`` (slots, gens) returns slots of the
-        caller's earlier leases first. Returns (slots, generations); each slot is the
-        caller's for ``write_lease_s``."""
-        with self.lock:
-            sp = self._space(ns)
-            if give_back[0]:
-                self._unlease_owned(sp, give_back[0], give_back[1])
-            now = self.clock()
-            self._sweep(sp, now)
-            got = self._alloc_many(sp, need + min(extra, sp.num_pages // 16), now, evict=False)
-            # one generation for the whole grant, above every one handed out before: still a
-            # new generation for each slot, and uniform values store as slices when the
-            # slots are a run (a file filling up)
-            g = sp.gen_top = sp.gen_top + 1
-            k = len(got)
-            deadline = now + self.write_lease_s
-            lo = min(got) if got else 0
-            if got and max(got) - lo + 1 == k:
-                sp.gen[lo:lo + k] = array("q", (g,)) * k
-                sp.state[lo:lo + k] = bytes((RESERVED,)) * k
-                sp.lease_end[lo:lo + k] = array("d", (deadline,)) * k
-                sp.crc[lo:lo + k] = array("I", bytes(4 * k))
-            else:
-                _each(sp.crc.__setitem__, got, repeat(0))  # a put without checksums skips them
-                _each(sp.gen.__setitem__, got, repeat(g))
-                _each(sp.state.__setitem__, got, repeat(RESERVED))
-                _each(sp.lease_end.__setitem__, got, repeat(deadline))
-            sp.leased.update(dict.fromkeys(got, g))
-            gens = [g] * k
-            if got and self.journal is not None:
-                self.journal.record("lease", ns, slots=got, gens=gens)
-        return got, gens
-
-    def _unlease(self, sp: Namespace, slots: list[int], gens: list[int]) -> None:
-        """Free leased slots (known to be leased with these generations). Lock held."""
-        leased, state, free = sp.leased, sp.state, sp.free
-        for s in slots:
-            del leased[s]
-            state[s] = FREE
-        free.extend(slots)
-        if self.journal is not None:
-            self.journal.record("unlease", sp.name, slots=slots, gens=gens)
-
-    def _unlease_owned(self, sp: Namespace, slots: Sequence[int], gens: Sequence[int]) -> bytes:
-        """Free those of (slots, gens) that are leased as named; one ok byte per item."""
-        leased = sp.leased
-        ok = bytearray(len(slots))
-        mine: dict[int, int] = {}
-        for i, (s, g) in enumerate(zip(slots, gens)):
-            if leased.get(s) == g and s not in mine:
-                mine[s] = g
-                ok[i] = 1
-        if mine:
-            self._unlease(sp, list(mine), list(mine.values()))
-        return bytes(ok)
+        """Free slots leased for writes to come: ``WriteLeases.lease``."""
+        return self.leases.lease(ns, need, extra, give_back)
 
     def unlease(self, ns: str, slots: Sequence[int], gens: Sequence[int]) -> bytes:
-        """Return leased slots unused (a writer closing). One ok byte per slot."""
-        with self.lock:
-            sp = self.spaces.get(ns)
-            if sp is None:
-                return bytes(len(slots))
-            return self._unlease_owned(sp, slots, gens)
+        """Leased slots returned unused: ``WriteLeases.unlease``."""
+        return self.leases.unlease(ns, slots, gens)
 
     def put(self, ns: str, keys: Sequence[bytes], slots: Sequence[int], gens: Sequence[int],
             crcs: Sequence[int], wire: bytes | None = None) -> bytes:
-        """Store each key at a slot of the caller's lease (its page already written there).
-        Returns a ``PUT_*`` status per item (see the module docstring). ``wire``: the items
-        as the journal lays them out (i64 slots, i64 gens, u32 crcs, keys joined), if the
-        caller has them so."""
-        n = len(keys)
-        with self.lock:
-            sp = self._space(ns)
-            index, pending, leased, state, crc = sp.index, sp.pending, sp.leased, sp.state, sp.crc
-            gens = list(gens)
-            if list(map(leased.get, slots)) == gens and index.keys().isdisjoint(keys) \
-                    and (not pending or pending.keys().isdisjoint(keys)) \
-                    and len(set(keys)) == n and len(set(slots)) == n:
-                # the common case, at C speed: new keys, each on a slot of the caller's lease
-                _each(leased.__delitem__, slots)
-                _each(state.__setitem__, slots, repeat(CONFIRMED))
-                if any(crcs):  # leased slots hold crc 0 already
-                    _each(crc.__setitem__, slots, crcs)
-                index.update(zip(keys, slots))
-                if self.journal is not None:
-                    self.journal.record("put", ns, keys=keys, slots=slots, gens=gens, crcs=crcs, wire=wire)
-                return bytes((PUT_OK,)) * n
-            out = bytearray(n)
-            gen = sp.gen
-            done = []
-            for i in range(n):
-                k, s, g = keys[i], slots[i], gens[i]
-                if leased.get(s) != g:
-                    if index.get(k) == s and gen[s] == g:
-                        out[i] = PUT_OK  # stored by an earlier attempt of this call
-                    continue
-                if k in index or k in pending:
-                    out[i] = PUT_DUP
-                    continue
-                del leased[s]
-                state[s] = CONFIRMED
-                crc[s] = crcs[i]
-                index[k] = s
-                out[i] = PUT_OK
-                done.append(i)
-            if done and self.journal is not None:
-                self.journal.record("put", ns, keys=[keys[i] for i in done], slots=[slots[i] for i in done],
-                                    gens=[gens[i] for i in done], crcs=[crcs[i] for i in done])
-        return bytes(out)
+        """Keys stored at slots of the caller's lease: ``WriteLeases.put``."""
+        return self.leases.put(ns, keys, slots, gens, crcs, wire)
 
+    # ------------------------------------------------------------------ reservations
     def reserve(self, ns: str, keys: Sequence[bytes]) -> tuple[bytes, list[int], list[int]]:
         """Reserve a page per key. Returns (statuses, slots, generations), one per key."""
         n = len(keys)
@@ -427,7 +246,7 @@ class PageIndex:
                     want.append(i)
             if not want:
                 return bytes(status), slots, gens
-            got = self._alloc_many(sp, len(want), now)
+            got = sp.alloc_many(len(want), now)
             m = len(got)
             deadline = now + self.write_lease_s
             state, le = sp.state, sp.lease_end
@@ -523,8 +342,8 @@ class PageIndex:
             index, gen, crc, ru = sp.index, sp.gen, sp.crc, sp.read_until
             found = list(map(index.get, keys))
             if None not in found:  # all hits (a reader after exists): C loops only
-                _each(index.move_to_end, keys)
-                _each(ru.__setitem__, found, repeat(until))
+                each(index.move_to_end, keys)
+                each(ru.__setitem__, found, repeat(until))
                 return found, list(map(gen.__getitem__, found)), list(map(crc.__getitem__, found))
             touch = index.move_to_end
             for i, s in enumerate(found):
@@ -609,109 +428,14 @@ class PageIndex:
         with self.lock:
             return [[n, sp.num_pages, sp.page_bytes] for n, sp in self.spaces.items() if n.startswith(prefix)]
 
-    # ------------------------------------------------------------------ recovery
+    # ------------------------------------------------------------------ recovery (index_recovery.py)
     def replay(self, kind: str, ns: str, fields: dict, now: float) -> None:
         """Apply one journal record (no journaling; called before serving)."""
-        if kind == "init":
-            if ns not in self.spaces:
-                self.spaces[ns] = Namespace(ns, fields["num_pages"], fields["page_bytes"])
-            return
-        sp = self.spaces.get(ns)
-        if sp is None:
-            return
-        if kind == "reserve":
-            deadline = now + self.write_lease_s
-            st, gen, pending = sp.state, sp.gen, sp.pending
-            # Evictions and expiries before this record were journaled (delete / release);
-            # a pending entry left on a slot reused here is dropped in finish_recovery.
-            le = sp.lease_end
-            for k, s, g in zip(fields["keys"], fields["slots"], fields["gens"]):
-                gen[s] = g
-                st[s] = RESERVED
-                le[s] = deadline
-                pending[k] = (s, g)
-            if fields["slots"]:
-                top = max(fields["slots"]) + 1
-                if top > sp.fresh_next:
-                    sp.fresh_next = top
-        elif kind == "confirm":
-            st, crc, index, pending = sp.state, sp.crc, sp.index, sp.pending
-            pop = pending.pop
-            for k, s, g, c in zip(fields["keys"], fields["slots"], fields["gens"], fields["crcs"]):
-                p = pop(k, None)
-                if p != (s, g):
-                    if p is not None:
-                        pending[k] = p
-                    continue
-                st[s] = CONFIRMED
-                crc[s] = c
-                index[k] = s
-        elif kind == "release":
-            for k, s, g in zip(fields["keys"], fields["slots"], fields["gens"]):
-                p = sp.pending.get(k)
-                if p is not None and p[0] == s and p[1] == g:
-                    del sp.pending[k]
-                    sp.state[s] = FREE
-        elif kind == "lease":
-            st, gen, leased, crc = sp.state, sp.gen, sp.leased, sp.crc
-            for s, g in zip(fields["slots"], fields["gens"]):
-                crc[s] = 0
-                gen[s] = g
-                st[s] = RESERVED
-                leased[s] = g
-            if fields["slots"]:
-                sp.fresh_next = max(sp.fresh_next, max(fields["slots"]) + 1)
-        elif kind == "unlease":
-            for s, g in zip(fields["slots"], fields["gens"]):
-                if sp.leased.get(s) == g:
-                    del sp.leased[s]
-                    sp.state[s] = FREE
-        elif kind == "put":
-            st, crc, index, leased = sp.state, sp.crc, sp.index, sp.leased
-            for k, s, g, c in zip(fields["keys"], fields["slots"], fields["gens"], fields["crcs"]):
-                if leased.get(s) == g:
-                    del leased[s]
-                    st[s] = CONFIRMED
-                    crc[s] = c
-                    index[k] = s
-        elif kind == "delete":
-            for k in fields["keys"]:
-                s = sp.index.pop(k, None)
-                if s is not None:
-                    sp.state[s] = FREE
-        elif kind == "clear":
-            for s in sp.index.values():
-                sp.state[s] = FREE
-            sp.index.clear()
-        else:
-            raise ValueError(f"unknown journal record {kind!r}")
+        index_recovery.replay(self, kind, ns, fields, now)
 
     def finish_recovery(self, now: float) -> None:
-        """After loading: rebuild free lists and lease every used slot for one read lease.
-
-        Readers that got a slot from the previous incarnation may still be reading it; no
-        slot that ever held data is reused before their lease would have run out.
-        """
-        until = now + self.read_lease_s
-        for sp in self.spaces.values():
-            st, gen = sp.state, sp.gen
-            sp.gen_top = max(sp.gen_top, max(gen, default=0))
-            sp.pending = {k: v for k, v in sp.pending.items() if st[v[0]] == RESERVED and gen[v[0]] == v[1]}
-            sp.leased = {s: g for s, g in sp.leased.items() if st[s] == RESERVED and gen[s] == g}
-            owned = {v[0] for v in sp.pending.values()}.union(sp.leased)
-            s = st.find(RESERVED)
-            while 0 <= s:  # a reserved slot nobody owns any more is free
-                if s not in owned:
-                    st[s] = FREE
-                s = st.find(RESERVED, s + 1)
-            sp.rebuild_free()
-            used = sp.fresh_next
-            sp.read_until = array("d", [until]) * used + array("d", bytes(8 * (sp.num_pages - used)))
-            # a writer alive across the restart may still be writing its reserved or leased slots
-            for s, _ in sp.pending.values():
-                sp.lease_end[s] = now + self.write_lease_s
-            for s in sp.leased:
-                sp.lease_end[s] = now + self.write_lease_s
+        """After loading: rebuild free lists and lease every used slot for one read lease."""
+        index_recovery.finish(self, now)
 
     def iter_spaces(self) -> Iterable[Namespace]:
         return list(self.spaces.values())
