@@ -6,9 +6,16 @@ adapters, through ``lmcache bench l2`` (LMCache 0.5.6), in one run.
   ``lmcache.lmcache_fs``), all writing under the same directory (the target: hf3fs >= 1.0x);
 * ``memory`` (kvconnect in-process store) vs LMCache's ``mock`` adapter (an in-memory dict
   of cloned tensors, bandwidth limit set far above memcpy);
-* ``mooncake`` (a real ``mooncake_master`` in a loopback-only network namespace, TCP) and
-  ``peer_rdma`` (one pool node, TCP), when available: figures only, LMCache has no
-  equivalent adapter that runs here.
+* ``mooncake`` (a real ``mooncake_master`` in a loopback-only network namespace, TCP) vs
+  LMCache's ``mooncake_store`` on the same master, lending the same segment: LMCache's own
+  ``NativeConnectorL2Adapter`` (what its ``mooncake_store`` factory returns) over a Python
+  rendering of its C++ connector, the same per-key ``RealClient`` calls on 4 workers
+  (``kvconnect.connectors.testing.lmcache_mooncake_store``; the C++ connector is not in the
+  wheel, see below), and the Mooncake client by itself on that master (``figures.mooncake_client``:
+  per key on 4 threads, what the C++ connector does, and batch calls): the bound on
+  ``mooncake_store``;
+* ``peer_rdma`` (one pool node, TCP): figures only here; its counterpart ``p2p`` needs two
+  servers (``--remote``).
 
 Time to first chunk (``--ttfc``, on by default, also in ``--quick``): per system, the adapter
 LMCache's factory builds from the same JSON, one prompt's chunks stored, then LMCache's
@@ -23,13 +30,20 @@ the peer's L1 over the ``mooncake_te`` transfer channel, TCP), in one loopback-o
 namespace per system. Server A stores S prompts through LMCache's engine client; server B, whose
 L1 has none of them, looks each one up (LMCache's lookup prefetches the hits from L2 into L1:
 the time until a whole prompt's chunks are ready to load) and retrieves it, checksums compared
-with A's.
+with A's. The engine client's prefetch-status polls run every 1 ms (as shipped it sleeps 50 ms
+between them, which is where a ~55 ms lookup comes from, for any L2: measured too, as
+``stock_client_l1_lookup_s``); the same lookup once B's L1 holds the prompt is the floor of
+LMCache's server path, and ``l2_part_s`` (lookup minus floor) the L2 adapter's share;
+``remote.bound``: the most any L2 adapter could gain over ``p2p`` on that path.
 
 LMCache's ``mooncake_store`` and ``hf3fs`` adapters need C++ extensions
 (``lmcache.lmcache_mooncake``, ``lmcache.lmcache_hf3fs``) that LMCache's PyPI wheel does not
-ship: each run tries to create both through LMCache's own adapter factory (``mooncake_store``
-on the run's ``mooncake_master`` when ``mooncake`` runs) and records the error it gets in the
-JSON (``figures.lmcache_native``, and the notes) instead of a comparison.
+ship (its sdist builds them only against Mooncake's ``mooncake-store`` headers and
+``libmooncake_store``, and 3FS's ``libhf3fs_api_shared``, none of which any wheel ships): each
+run tries to create both through LMCache's own adapter factory (``mooncake_store`` on the run's
+``mooncake_master`` when ``mooncake`` runs) and records the error it gets in the JSON
+(``figures.lmcache_native``, and the notes); ``hf3fs`` is compared with ``fs_native`` and ``fs``
+instead, ``mooncake_store`` as above.
 
 Each system runs the same ``lmcache bench l2`` invocation (store -> lookup -> load of the
 same keys, round trip verified) in its own process; systems alternate and repeat, the best
@@ -63,7 +77,15 @@ PLUGIN = {"type": "plugin", "module_path": "kvconnect.connectors.engines.lmcache
 # Best round of a run (LMCache reports per-round min/max): on a shared box the round
 # averages mostly measure the neighbours.
 METRICS = [("Store", "store_MBps"), ("Load", "load_MBps"), ("Lookup", "lookup_keys_per_s")]
-PAIRS = [("hf3fs", "fs"), ("hf3fs", "fs_native"), ("memory", "mock")]
+PAIRS = [("hf3fs", "fs"), ("hf3fs", "fs_native"), ("memory", "mock"), ("mooncake", "mooncake_store")]
+# LMCache's mooncake_store: its NativeConnectorL2Adapter over a Python rendering of its C++
+# connector (kvconnect.connectors.testing.lmcache_mooncake_store), on the mooncake run's master
+MOONCAKE_STORE = {"type": "plugin", "module_path": "kvconnect.connectors.testing.lmcache_mooncake_store",
+                  "class_name": "LMCacheMooncakeStoreL2Adapter"}
+MOONCAKE_KEYS = ("master_server_address", "metadata_server", "local_hostname", "protocol", "global_segment_size",
+                 "local_buffer_size")
+REFERENCE = {"mooncake_store": "LMCache 0.5.6 'mooncake_store' (its NativeConnectorL2Adapter; connector in Python, "
+                               "the C++ one is not in the wheel)"}
 REPEATED = {x for pair in PAIRS for x in pair}  # compared pairs repeat; figures-only systems run once
 
 
@@ -104,6 +126,7 @@ class Systems:
 
     def __init__(self, work: Path, shape: dict, stack: ExitStack, notes: list[str]):
         self.work, self.shape, self.stack, self.notes = work, shape, stack, notes
+        self.harnesses: dict = {}
         self.total_bytes = (shape["rounds"] + 1) * shape["keys"] * shape["in_flight"] * shape["size_kb"] * 1024
 
     def spec(self, name: str) -> tuple[dict, list[str]]:
@@ -118,15 +141,27 @@ class Systems:
             return {"type": "mock", "max_size_gb": 2 * self.total_bytes / (1 << 30) + 0.1,
                     "mock_bandwidth_gb": 10000}, []
         from kvconnect.connectors.config import parse_size
-        from kvconnect.connectors.testing.harness import harness_class
 
-        cls = harness_class(name)  # a kvconnect store, as its test harness runs it
-        why = cls.skip_reason()
-        if why:
-            raise RuntimeError(f"{name}: {why}")
-        harness = self.stack.enter_context(cls(data / name))
+        if name == "mooncake_store":  # on the same master, lending the same segment as kvconnect's
+            params, prefix = self.spec("mooncake")
+            mc = {k: params["adapter_params"][k] for k in MOONCAKE_KEYS}
+            return {**MOONCAKE_STORE, "adapter_params": {k: str(parse_size(v)) if k.endswith("_size") else str(v)
+                                                         for k, v in mc.items()}}, prefix
+        harness = self.harness(name)
         params = harness.sized_options(parse_size(size)) or harness.options(0)
         return {**PLUGIN, "adapter_params": params}, harness.exec_prefix()
+
+    def harness(self, name: str):
+        """A kvconnect store, as its test harness runs it (one per run)."""
+        from kvconnect.connectors.testing.harness import harness_class
+
+        if name not in self.harnesses:
+            cls = harness_class(name)
+            why = cls.skip_reason()
+            if why:
+                raise RuntimeError(f"{name}: {why}")
+            self.harnesses[name] = self.stack.enter_context(cls(self.work / "data" / name))
+        return self.harnesses[name]
 
 
 TTFC_REPEATS = 5  # timed lookup-and-loads per system (after one untimed)
@@ -229,6 +264,7 @@ def run_ttfc(specs: dict[str, tuple[dict, list[str]]], chunks: int, chunk_kb: in
 
 
 REMOTE_SEQS, REMOTE_TOKENS = 16, 1024  # 16 prompts x 4 chunks of 512 KiB (EngineClient's KV: 1024 tokens)
+POLL_S = 0.001  # prefetch-status polls of the remote driver (LMCache's bench client: 0.05 s)
 
 
 def remote_child(system: str, work: Path, params: dict | None) -> dict:
@@ -264,26 +300,33 @@ def remote_child(system: str, work: Path, params: dict | None) -> dict:
         chunks = sum(len(v) for v in stored.values())
         if system != "p2p":
             wait_for(lambda: a.adapter_status()["store_stats"]["put_written"] >= chunks, 60, "A's L2 stores")
-        first, load, floor, bad = [], [], [], 0
+        first, load, floor, stock, bad = [], [], [], [], 0
         for seq in range(REMOTE_SEQS):
-            t0 = time.perf_counter()
-            hit, total = cb.hit_chunks(seq)  # B's first lookup: L2 lookup + prefetch into B's L1
+            # B's first lookup: L2 lookup + prefetch into B's L1, polled every 1 ms
+            hit, total, t_first = cb.hit_chunks_timed(seq, POLL_S)
             t1 = time.perf_counter()
-            got = cb.retrieve_sequence(seq)
-            t2 = time.perf_counter()
-            again = cb.hit_chunks(seq)  # the same lookup once B's L1 holds the prompt: the path's floor
-            floor.append(time.perf_counter() - t2)
-            first.append(t1 - t0)
-            load.append(t2 - t1)
-            bad += again != (hit, total)
+            got = cb.retrieve_sequence(seq, POLL_S)  # its own lookup (an L1 hit now) + RETRIEVE
+            load.append(time.perf_counter() - t1)
+            first.append(t_first)
+            again = cb.hit_chunks_timed(seq, POLL_S)  # the same lookup once B's L1 holds the prompt
+            floor.append(again[2])
+            t3 = time.perf_counter()
+            stock_hit = cb.hit_chunks(seq)  # LMCache's bench client as it is: 50 ms between status polls
+            stock.append(time.perf_counter() - t3)
+            bad += again[:2] != (hit, total) or stock_hit != (hit, total)
             bad += (hit, total) != (len(stored[seq]), len(stored[seq])) or got != stored[seq]
         nbytes = chunks * 512 * 1024
+        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
         out.update({"prompts": REMOTE_SEQS, "chunks": chunks, "bytes": nbytes, "mismatched_prompts": bad,
-                    "lookup_prefetch_s_median": sorted(first)[len(first) // 2],
-                    "retrieve_s_median": sorted(load)[len(load) // 2],
-                    "l1_lookup_s_median": sorted(floor)[len(floor) // 2],
+                    "poll_s": POLL_S,
+                    "lookup_prefetch_s_median": med(first),
+                    "retrieve_s_median": med(load),
+                    "l1_lookup_s_median": med(floor),
+                    "stock_client_l1_lookup_s_median": med(stock),
                     "remote_load_MBps": nbytes / (1 << 20) / (sum(first) + sum(load)),
-                    "lookup_prefetch_MBps": nbytes / (1 << 20) / sum(first)})
+                    "lookup_prefetch_MBps": nbytes / (1 << 20) / sum(first),
+                    "lookup_prefetch_prompts_per_s": len(first) / sum(first),
+                    "l2_part_s_median": med([f - fl for f, fl in zip(first, floor)])})
         st = b.status()
         out["b_l2_adapters"] = [{k: v for k, v in ad.items() if k in ("type", "store", "store_stats", "errors",
                                                                        "peer_mq_server_url")}
@@ -337,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="kvconnect stores to run (default: memory,hf3fs,mooncake,peer_rdma; --quick: hf3fs)")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs of each compared system, alternating (default 2, --quick 1); "
-                        "mooncake and peer_rdma run once")
+                        "peer_rdma (figures only) runs once")
     p.add_argument("--out", default=None, help="results path (default benchmarks/results/lmcache_l2.json)")
     p.add_argument("--remote", choices=("on", "off"), default=None,
                    help="peer_rdma vs LMCache p2p between two servers (default: on, --quick: off)")
@@ -362,7 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     refs = [ref for ours, ref in PAIRS if ours in stores]
     repeats = args.repeats or (1 if args.quick else 2)
     res = BenchResult("lmcache_l2", params={**shape, "stores": stores, "references": refs, "repeats": repeats,
-                                             "quick": args.quick, "lmcache": _lmcache_version()})
+                                             "quick": args.quick, "lmcache": _lmcache_version(),
+                                             "command": " ".join(["kvconnect", "bench", "lmcache_l2"] + list(
+                                                 sys.argv[1:] if argv is None else argv))})
     res.notes += [
         "each system: one `lmcache bench l2` process (store, lookup, load of the same keys; round trip "
         "verified); systems alternate; compared pairs repeat; per metric the best round over all runs "
@@ -411,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
                 b = best.setdefault(name, {})
                 for k, v in figs.items():
                     b[k] = max(b.get(k, 0.0), v)
+        client: dict = {}
+        if "mooncake_store" in specs:  # the Mooncake client itself, same master, same segment
+            client = run_client(specs["mooncake_store"], shape)
+            print(f"[lmcache_l2] mooncake client: {json.dumps(client)[:600]}")
         ttfc: dict[str, dict] = {}
         if args.ttfc == "on" and specs:
             ttfc = run_ttfc(specs, 8 if args.quick else 16, shape["size_kb"], work / "data")
@@ -420,17 +469,25 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[lmcache_l2] ttfc {name}: " + json.dumps(got)[:400])
         remote: dict[str, dict] = {}
         if (args.remote or ("off" if args.quick else "on")) == "on":
-            for name in ("p2p", "peer_rdma"):
-                try:
-                    remote[name] = run_remote(name, work / "remote", stack)
-                except Exception as e:  # noqa: BLE001 - a remote system that cannot run is a finding
-                    remote[name] = {"error": str(e)[-1500:]}
-                    res.notes.append(f"remote {name}: not run: {str(e)[-600:]}")
-                print(f"[lmcache_l2] remote {name}: " + json.dumps({k: v for k, v in remote[name].items()
-                                                                    if k != "b_l2_adapters"})[:600])
+            for rep in range(repeats):  # alternating; per system the run with the higher remote_load_MBps
+                for name in ("p2p", "peer_rdma"):
+                    try:
+                        with ExitStack() as one:  # this run's namespace / pool go when it ends
+                            got = run_remote(name, work / "remote" / str(rep), one)
+                    except Exception as e:  # noqa: BLE001 - a remote system that cannot run is a finding
+                        res.notes.append(f"remote {name} repeat {rep}: not run: {str(e)[-600:]}")
+                        remote.setdefault(name, {"error": str(e)[-1500:]})
+                        continue
+                    print(f"[lmcache_l2] remote {name}: " + json.dumps({k: v for k, v in got.items()
+                                                                        if k != "b_l2_adapters"})[:700])
+                    runs = remote.get(name, {}).get("runs", []) + [got["remote_load_MBps"]]
+                    if got["remote_load_MBps"] >= remote.get(name, {}).get("remote_load_MBps", 0.0):
+                        remote[name] = got
+                    remote[name]["runs"] = runs
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
-    res.figures = {"per_system": best, "lmcache_native": native, "ttfc": ttfc, "remote": remote,
+    res.figures = {"per_system": best, "lmcache_native": native, "mooncake_client": client, "ttfc": ttfc,
+                   "remote": remote,
                    "seconds": round(time.monotonic() - t0, 1)}
     ours, ref = remote.get("peer_rdma", {}), remote.get("p2p", {})
     if "remote_load_MBps" in ours and "remote_load_MBps" in ref:
@@ -441,16 +498,48 @@ def main(argv: list[str] | None = None) -> int:
                          "of LMCache's lookup path and its engine client, which bounds both systems")
         for metric in ("remote_load_MBps", "lookup_prefetch_MBps"):
             res.ratio(f"peer_rdma_vs_p2p.{metric}", ours[metric], ref[metric], "LMCache 0.5.6 'p2p' (mooncake_te, TCP)")
+        # Amdahl: p2p's prompt time with its L2 part taken away, the most any L2 adapter could gain
+        total = ref["lookup_prefetch_s_median"] + ref["retrieve_s_median"]
+        res.figures["remote"]["bound"] = {
+            "p2p_prompt_s_median": total, "p2p_l2_part_s_median": ref["l2_part_s_median"],
+            "max_remote_load_ratio_any_l2": round(total / max(total - ref["l2_part_s_median"], 1e-9), 3)}
+        for metric in ("lookup_prefetch_s_median", "l2_part_s_median"):
+            res.ratio(f"peer_rdma_vs_p2p.{metric}", ours[metric], ref[metric], "LMCache 0.5.6 'p2p' (mooncake_te, TCP)",
+                      higher_is_better=False)
+        res.notes.append("remote: the driver is LMCache's own engine client (lmcache bench server's) with its "
+                         "QUERY_PREFETCH_STATUS polled every 1 ms; as shipped it sleeps 50 ms between polls, "
+                         "so every lookup it times reads ~55 ms whatever the L2 "
+                         "(stock_client_l1_lookup_s: the stock client on a prompt already in L1); "
+                         "l2_part_s = lookup_prefetch_s - l1_lookup_s per prompt (median): the share of the "
+                         "lookup that the L2 adapter's lookup and load take; the rest is LMCache's server path; "
+                         "per system the better of the alternating runs (runs: each one's remote_load_MBps)")
     for ours, ref in PAIRS:
+        label = REFERENCE.get(ref, f"LMCache 0.5.6 '{ref}' L2 adapter")
         if ours in best and ref in best:
             for _, metric in METRICS:
-                res.ratio(f"{ours}_vs_{ref}.{metric}", best[ours][metric], best[ref][metric],
-                          f"LMCache 0.5.6 '{ref}' L2 adapter")
+                res.ratio(f"{ours}_vs_{ref}.{metric}", best[ours][metric], best[ref][metric], label)
         t_ours, t_ref = ttfc.get(ours, {}), ttfc.get(ref, {})
         for metric in ("first_chunk_s_median", "whole_prompt_s_median"):
             if metric in t_ours and metric in t_ref:
-                res.ratio(f"{ours}_vs_{ref}.ttfc.{metric}", t_ours[metric], t_ref[metric],
-                          f"LMCache 0.5.6 '{ref}' L2 adapter", higher_is_better=False)
+                res.ratio(f"{ours}_vs_{ref}.ttfc.{metric}", t_ours[metric], t_ref[metric], label,
+                          higher_is_better=False)
+    per_key = {"store_MBps": "per_key_store_MBps", "load_MBps": "per_key_load_MBps",
+               "lookup_keys_per_s": "per_key_lookup_keys_per_s"}
+    if "mooncake" in best and "per_key_store_MBps" in client:
+        for metric, theirs in per_key.items():
+            res.ratio(f"mooncake_vs_mooncake_client.{metric}", best["mooncake"][metric], client[theirs],
+                      "the Mooncake client itself on the same master, one call per key on 4 threads (what "
+                      "mooncake_store's C++ connector does): the bound on mooncake_store")
+    if "mooncake_store" in specs:
+        res.notes.append(
+            "mooncake_store: LMCache's adapter needs lmcache.lmcache_mooncake (C++, built against Mooncake's "
+            "mooncake-store headers and libmooncake_store, neither in the PyPI wheels; see lmcache_native): "
+            "measured instead as LMCache's own NativeConnectorL2Adapter (what its factory returns) over a "
+            "Python rendering of the connector (kvconnect.connectors.testing.lmcache_mooncake_store): the same "
+            "per-key RealClient calls (put_from / get_into / isExist on 4 worker threads) through the Mooncake "
+            "wheel's client, set up from the same JSON on the same master, lending the same segment size as "
+            "kvconnect's; figures.mooncake_client: that client by itself on that master (per key on 4 threads, "
+            "and batch calls), the bound on any adapter made of those calls")
     if ttfc:
         res.notes.append("ttfc: per system, one prompt's chunks (16 x size_kb; --quick 8) stored through the "
                          "adapter LMCache's factory builds, then 5 timed rounds (after 1 untimed) of LMCache's "
@@ -508,6 +597,30 @@ def probe_native(work: Path, specs: dict, wanted: bool) -> dict:
     except Exception as e:  # noqa: BLE001 - the probe itself failing is a finding too
         return {n: {"adapter": s["type"], "config": s, "loads": False, "error": f"probe failed: {e}",
                     "cause": None} for n, s in probes.items()}
+
+
+_CLIENT = r"""
+import json, sys
+from kvconnect.connectors.testing.lmcache_mooncake_store import client_throughput
+shape = json.loads(sys.argv[2])
+print("CLIENT " + json.dumps(client_throughput(json.loads(sys.argv[1]), shape["keys"] * shape["in_flight"],
+                                               shape["size_kb"] * 1024)))
+"""
+
+
+def run_client(spec: tuple[dict, list[str]], shape: dict) -> dict:
+    """``client_throughput`` with mooncake_store's setup, inside the run's Mooncake namespace."""
+    adapter, prefix = spec
+    try:
+        p = subprocess.run(prefix + [sys.executable, "-c", _CLIENT, json.dumps(adapter["adapter_params"]),
+                                     json.dumps(shape)], env=_env(), capture_output=True, text=True, timeout=300,
+                           cwd=ROOT)
+        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("CLIENT ")), None)
+        if line is None:
+            return {"error": f"rc {p.returncode}: {(p.stdout + p.stderr)[-1500:]}"}
+        return json.loads(line[len("CLIENT "):])
+    except Exception as e:  # noqa: BLE001 - a failed measurement is a finding
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _clean(data: Path) -> None:

@@ -143,11 +143,38 @@ class EngineClient:
         assert res.succeeded, res
         return res.hit_chunks, res.total_chunks
 
-    def retrieve_sequence(self, seq: int) -> list[str]:
-        """Warm path: lookup (must fully hit), zero the KV, RETRIEVE, checksum what arrived."""
+    def lookup_timed(self, req, poll_s: float = 0.001) -> tuple[int, float]:
+        """The LOOKUP RPC and QUERY_PREFETCH_STATUS polls of LMCache's bench client, polled
+        every ``poll_s`` (that client sleeps 50 ms between polls, so its lookups read in steps
+        of ~50 ms): hit chunks, and seconds from the LOOKUP to the answer that the prompt's
+        hits are in L1."""
+        from lmcache.cli.commands.bench.server_bench.helpers import _make_key, _poll_prefetch_status, _send_lookup
+
+        rc = self.client._require_started()
+        key = _make_key(req.token_ids, req.request_id, start=0, end=req.num_full_tokens,
+                        world_size=self.client._kv_world_size)
+        t0 = time.perf_counter()
+        assert _send_lookup(rc, key, tp_size=len(self.client._workers)), "LOOKUP timed out"
+        hit = _poll_prefetch_status(rc, key.request_id, max_polls=int(5 / poll_s), poll_interval=poll_s)
+        return hit or 0, time.perf_counter() - t0
+
+    def hit_chunks_timed(self, seq: int, poll_s: float = 0.001) -> tuple[int, int, float]:
+        """``hit_chunks`` through ``lookup_timed``: hit chunks, total chunks, seconds."""
+        req = self.request(seq, "probe")
+        hit, elapsed = self.lookup_timed(req, poll_s)
+        self.client.end_session(req)
+        return hit, req.total_chunks, elapsed
+
+    def retrieve_sequence(self, seq: int, poll_s: float | None = None) -> list[str]:
+        """Warm path: lookup (must fully hit; ``poll_s``: through ``lookup_timed``), zero the
+        KV, RETRIEVE, checksum what arrived."""
         req = self.request(seq, "warm")
-        res = self.client.lookup(req)
-        assert res.is_full_hit, res
+        if poll_s is None:
+            res = self.client.lookup(req)
+            assert res.is_full_hit, res
+        else:
+            hit, _ = self.lookup_timed(req, poll_s)
+            assert hit == req.total_chunks, (hit, req.total_chunks)
         self.client.zero_destination(req, 0, req.num_full_tokens)
         got = self.client.retrieve(req, 0, req.num_full_tokens)
         assert got is not None and got.succeeded, got
