@@ -23,7 +23,9 @@ transfer is one buffer segment, and kvconnect hands Mooncake whole batches: 64 p
 the batch fails; with 65535 every segment lands byte-exact.
 
 Store timeouts (``apply_inline_timeouts``, for a Mooncake store with ``call_mode="inline"``):
-derived from its ``op_timeout``; a later inline store's values replace an earlier one's.
+derived from its ``op_timeout``; a later inline store's values replace an earlier one's. A
+store with ``call_mode="worker"`` sets only the master-RPC ones (``apply_rpc_timeouts``):
+they bound its lookups, which run on the caller's thread.
 """
 
 from __future__ import annotations
@@ -106,6 +108,34 @@ def apply_inline_timeouts(op_timeout: float) -> None:
     for name, value in mooncake_timeouts(op_timeout).items():
         if name not in _USER_TIMEOUTS:
             os.environ[name] = value
+
+
+RPC_TIMEOUTS = ("MC_RPC_TIMEOUT_MS", "MC_RPC_CONNECT_TIMEOUT_MS")
+"""The variables of ``mooncake_timeouts`` that bound a call to the master (no transfer)."""
+
+MOONCAKE_RPC_DEFAULT_S = 30.0
+"""Mooncake's own value of each of ``RPC_TIMEOUTS``."""
+
+
+def apply_rpc_timeouts(op_timeout: float) -> None:
+    """Set the master-RPC variables of ``mooncake_timeouts(op_timeout)`` only (a store with
+    ``call_mode="worker"``, whose lookups run on the caller's thread), except those the
+    user set."""
+    values = mooncake_timeouts(op_timeout)
+    for name in RPC_TIMEOUTS:
+        if name not in _USER_TIMEOUTS:
+            os.environ[name] = values[name]
+
+
+def rpc_timeout_s() -> float:
+    """The longest master-RPC timeout in effect, in seconds (Mooncake's default where unset)."""
+    out = 0.0
+    for name in RPC_TIMEOUTS:
+        try:
+            out = max(out, float(os.environ[name]) / 1000)
+        except (KeyError, ValueError):
+            out = max(out, MOONCAKE_RPC_DEFAULT_S)
+    return out
 
 
 # ---------------------------------------------------------------------------------

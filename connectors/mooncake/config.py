@@ -109,7 +109,10 @@ class MooncakeConfig(StoreConfig):
     call_mode: Literal["worker", "inline"] = field(default="worker", metadata=field_doc(
         "'worker': Mooncake calls run on io_threads worker threads, so the caller gets its "
         "answer at op_timeout at the latest (a call past it is abandoned and may finish "
-        "later); 'inline': on the caller's thread (no thread hand-off, no abandoned calls), "
+        "later); lookups (exists: one master RPC) run on the caller's thread where op_timeout "
+        ">= 5 s, bounded by Mooncake's RPC timeouts (op_timeout / 2, set unless the user did) "
+        "and its ~4.5 s give-up on a dead master; 'inline': every call on the caller's thread "
+        "(no thread hand-off, no abandoned calls), "
         "bounded by Mooncake's own timeouts, which kvconnect derives from op_timeout unless "
         "set (MC_TCP_PROGRESS_TIMEOUT_SEC, MC_RPC_TIMEOUT_MS, ...; env MOONCAKE_CALL_MODE)"))
     lease_wait: float = field(default=12.0, metadata=field_doc(

@@ -21,7 +21,12 @@ from kvconnect.connectors.base import BackendUnavailable
 from kvconnect.connectors.mooncake import errors as mc_errors
 from kvconnect.connectors.mooncake.calls import ABANDONED, DONE, RAISED, DeadlineRunner, run_inline
 from kvconnect.connectors.retry import CoolOff
-from kvconnect.connectors.transfer_engine import apply_engine_defaults, apply_inline_timeouts
+from kvconnect.connectors.transfer_engine import (
+    apply_engine_defaults,
+    apply_inline_timeouts,
+    apply_rpc_timeouts,
+    rpc_timeout_s,
+)
 
 log = logging.getLogger("kvconnect.mooncake")
 
@@ -29,6 +34,12 @@ log = logging.getLogger("kvconnect.mooncake")
 _SETUP_ATTEMPT_S = 4.5
 _RETRIES_ENV = "MC_STORE_CLIENT_SETUP_RETRIES"
 _USER_RETRIES = _RETRIES_ENV in os.environ  # a user's own choice is never overridden
+
+LOOKUP_ON_CALLER_MIN_S = 5.0
+"""The least ``op_timeout`` at which a ``worker``-mode store makes its lookups on the caller's
+thread: Mooncake's client gives up on a killed (refusing) master only after ~4.5 s whatever
+its RPC timeouts (measured 4.27-4.44 s a lookup), and a stalled master fails the RPC at
+``MC_RPC_TIMEOUT_MS`` (``op_timeout`` / 2: 2.5 s measured at 5 s)."""
 
 _MISS_CAUSE = {mc_errors.Outcome.BAD_REQUEST: "mismatch", mc_errors.Outcome.LEASED: "deadline"}
 """Why a Mooncake error code missed (``PageStore._miss``); anything else: the cluster failed us."""
@@ -59,6 +70,9 @@ class Session:
         self._client_class = client_class
         self.client: Any = None  # set by connect()
         self.inline = self.config.call_mode == "inline"
+        # lookups (batch_is_exist: one master RPC, no transfer) on the caller's thread; worker
+        # mode decides in connect(), once Mooncake's RPC timeouts are set
+        self.lookups_on_caller = self.inline
         self.runner = DeadlineRunner(self.config.io_threads, "kvc-mooncake")  # threads start on first use
         # unhealthy (open) from a timeout or an unreachable master until a health probe passes;
         # one probe per reconnect_interval
@@ -77,6 +91,12 @@ class Session:
             # nothing but Mooncake's own timeouts bounds an inline call: derive them from
             # op_timeout (process-wide; read by setup and by each transfer)
             apply_inline_timeouts(c.op_timeout)
+        else:
+            # a lookup is a master RPC: on the caller's thread (no hand-off to a worker, the
+            # largest part of its cost) where the RPC timeouts and a dead master's give-up
+            # bound it within op_timeout; everything else on a worker under op_timeout
+            apply_rpc_timeouts(c.op_timeout)
+            self.lookups_on_caller = c.op_timeout >= LOOKUP_ON_CALLER_MIN_S and rpc_timeout_s() <= c.op_timeout
         # Mooncake's setup holds the GIL while it retries, so a thread cannot bound it:
         # first wait (bounded) until the master accepts TCP connections at all.
         t0 = time.monotonic()
@@ -147,13 +167,14 @@ class Session:
 
     # -- calls under a deadline ---------------------------------------------------------
     def call(self, op: str, fn: Callable[..., Any], *args: Any,
-             on_abandoned_done: Callable[[Any], None] | None = None) -> Any:
+             on_abandoned_done: Callable[[Any], None] | None = None, lookup: bool = False) -> Any:
         """``fn(*args)`` within ``op_timeout``; None if it failed or timed out.
 
         ``call_mode="worker"``: on a worker, abandoned at ``op_timeout``; ``"inline"``: on
         this thread, bounded by Mooncake's timeouts (``transfer_engine.mooncake_timeouts``); a call that
         still took longer than ``op_timeout`` keeps its answer but turns the store unhealthy,
-        so the next calls short-circuit instead of waiting as long.
+        so the next calls short-circuit instead of waiting as long. A ``lookup`` (a master
+        RPC, no transfer) runs on this thread in worker mode too where ``lookups_on_caller``.
 
         ``on_abandoned_done(result)`` runs when the caller gets None and nothing of the
         call can happen any more: at once if it failed or never ran (result None), else
@@ -166,10 +187,12 @@ class Session:
             if on_abandoned_done is not None:
                 on_abandoned_done(None)
             return None
+        inline = self.lookups_on_caller if lookup else self.inline
         t0 = time.monotonic()
-        status, value = self.invoke(fn, args, on_abandoned_done)
+        status, value = run_inline(fn, args) if inline else self.runner.run(fn, args, self.config.op_timeout,
+                                                                             on_abandoned_done)
         took = time.monotonic() - t0
-        if self.inline and took > self.config.op_timeout:
+        if inline and took > self.config.op_timeout:
             store.figures.add(timeouts=1)
             self.mark_unhealthy(f"{op}: answered after {took:.1f}s > op_timeout={self.config.op_timeout:g}s")
         if status == DONE:

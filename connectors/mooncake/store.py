@@ -196,11 +196,13 @@ class MooncakeStore(PageStore):
         self.transfers.register(address, nbytes)
 
     def _exists(self, keys: list[str]) -> list[bool]:
-        codes = self.session.call("batch_is_exist", self.session.client.batch_is_exist, keys)
+        codes = self.session.call("batch_is_exist", self.session.client.batch_is_exist, keys, lookup=True)
         if codes is None or len(codes) != len(keys):
             return [False] * len(keys)
-        if codes and min(codes) < 0:
-            self.record_error(sum(1 for c in codes if c < 0))
+        if codes.count(1) == len(codes):  # every key stored: no per-key work
+            return [True] * len(codes)
+        if min(codes) < 0:  # counted; an unreachable master turns the store unhealthy
+            self.session.note_codes(codes)
         return [c == 1 for c in codes]
 
     def _get_into(self, keys: list[str], pages: list[Page]) -> list[bool]:
@@ -276,7 +278,8 @@ class MooncakeStore(PageStore):
         session, transfers, c = self.session, self.transfers, self.config
         extra = dict(self.figures.counts(), healthy=session.healthy(), abandoned_running=session.runner.abandoned,
                      registered_bytes=transfers.regions.nbytes, staging_in_use=transfers.staging.in_use,
-                     io_mode=c.io_mode, call_mode=c.call_mode, **self.local.usage(),
+                     io_mode=c.io_mode, call_mode=c.call_mode, lookups_on_caller=session.lookups_on_caller,
+                     **self.local.usage(),
                      master=c.master_server_address)
         master = self.figures.master
         cluster = master.read()
