@@ -84,6 +84,7 @@ def test_worker_mode_lookups_run_on_the_caller_where_mooncake_bounds_them(moonca
         s.close()
 
 
+@pytest.mark.failure_injection
 def test_worker_mode_lookup_on_the_caller_with_a_stalled_master_misses_at_the_rpc_timeout(
         mooncake_cluster, tmp_path):  # noqa: F811
     """op_timeout 5, SIGSTOP the master: a lookup on the caller's thread answers misses (no
@@ -121,6 +122,7 @@ def test_worker_mode_lookup_on_the_caller_with_a_stalled_master_misses_at_the_rp
         master.kill()
 
 
+@pytest.mark.failure_injection
 def test_worker_mode_lookups_on_the_caller_with_a_killed_master_miss_in_time(mooncake_cluster,  # noqa: F811
                                                                              tmp_path):
     """op_timeout 5, kill -9 the master while 3 threads look up: every lookup returns misses
@@ -179,4 +181,4 @@ def test_worker_mode_lookups_on_the_caller_with_a_killed_master_miss_in_time(moo
 if not INNER:
     for _name in [n for n in globals() if n.startswith("test_")]:
         del globals()[_name]
-    test_in_loopback_namespace = outer_test(__file__)
+    test_in_loopback_namespace = pytest.mark.failure_injection(outer_test(__file__))  # runs the marked ones with -m
