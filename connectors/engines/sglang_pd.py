@@ -122,7 +122,11 @@ class KVConnectKVManager(ManagerBase):
 
     The protocol layer, the same for every transport: where the transports differ it calls
     the ``DataPlane`` (``pd_planes``) and never asks which one it has. It is the planes'
-    ``PlaneHost``.
+    ``PlaneHost`` and SGLang's manager (its hooks and request state); the jobs of one side
+    are objects of their own: on prefill ``prefill_rooms`` (``PrefillRooms``: decode's control
+    messages and the rooms they open or orphan) and ``transfers`` (``TransferWorkers``: each
+    room's chunks, in order, to the plane); the bootstrap registration is
+    ``register_with_bootstrap``.
     """
 
     kv_status_msg_tag = STATUS_TAG
@@ -149,75 +153,43 @@ class KVConnectKVManager(ManagerBase):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             if cfg.timeout_s is not None:
                 self.bootstrap_timeout = cfg.timeout_s
-            self._live_senders: set = set()
-            self._meta_seen: Dict[int, float] = {}
-            self.transfer_queues = [FastQueue() for _ in range(cfg.workers)]
+            self.prefill_rooms = PrefillRooms(self)
+            self.transfers = TransferWorkers(self, cfg.workers)
+            self.transfer_queues = self.transfers.queues  # SGLang's Common* size buffers by it
             for q in self.transfer_queues:
-                self._spawn(self._transfer_worker, q)
-            self._spawn(self._prefill_control_loop)
-            self._spawn(self._prefill_janitor)
+                self._spawn("_transfer_worker", self.transfers.run, q)
+            self._spawn("_prefill_control_loop", self.prefill_rooms.control_loop)
+            self._spawn("_prefill_janitor", self.prefill_rooms.janitor)
             self.plane.start_prefill()
         elif disaggregation_mode == DisaggregationMode.DECODE:
             if cfg.timeout_s is not None:
                 self.waiting_timeout = cfg.timeout_s
-            self._spawn(self._decode_control_loop)
+            self._spawn("_decode_control_loop", self._decode_control_loop)
             heartbeat = self._start_heartbeat_checker_thread()  # 0.5.17 returns None (its thread never stops)
             if heartbeat is not None:
                 self._threads.append(heartbeat)
             self.plane.start_decode()
 
-    def _spawn(self, fn: Any, *args: Any) -> None:
-        t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvconnect-pd-{fn.__name__}")
+    def _spawn(self, name: str, fn: Any, *args: Any) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True, name=f"kvconnect-pd-{name}")
         t.start()
         self._threads.append(t)
 
     def close(self) -> None:
         """Stop worker threads and release the data plane (tests)."""
         self._stopped = True
-        for q in getattr(self, "transfer_queues", []):
-            q.put(None)
+        transfers = getattr(self, "transfers", None)
+        if transfers is not None:
+            transfers.stop()
         if getattr(self, "_heartbeat_shutdown", None) is not None:
             self._heartbeat_shutdown.set()
         self.plane.close()
 
     def _register_topology_row(self, url: str, payload: Dict) -> None:
         """Prefill: register this rank with the bootstrap server (SGLang 0.5.23's hook, called by
-        ``register_to_bootstrap`` from ``__init__``), retried until accepted.
-
-        SGLang's server process starts the bootstrap server (its tokenizer manager) while the
-        scheduler process builds this manager; either may come first. SGLang tries five times
-        in about 15 s, then logs an error and goes on: a bootstrap server that came up later
-        never learns of this rank, answers decode's ``/route`` with 503 for ever, and every
-        request fails while both servers report healthy. Here a refused connection or a
-        non-200 answer is retried every 0.25-2 s for ``register_timeout_s``; then, or at once
-        on HTTP 400 (the server's verdict on an inconsistent layout), the scheduler fails at
-        start naming the URL.
-        """
-        import requests
-
-        bound = self.pd_config.register_timeout_s
-        t0, attempts, last = time.monotonic(), 0, ""
-        while True:
-            attempts += 1
-            try:
-                response = requests.put(url, json=payload, timeout=5)
-                if response.status_code == 200:
-                    self.bootstrap_registration = {"attempts": attempts, "waited_s": time.monotonic() - t0}
-                    if attempts > 1:
-                        logger.info("kvconnect PD: registered with the bootstrap server %s after %d attempts "
-                                    "in %.1f s", url, attempts, time.monotonic() - t0)
-                    return
-                last = f"HTTP {response.status_code}: {response.text.strip()[:300]}"
-                if response.status_code == 400:
-                    break
-            except requests.RequestException as e:
-                last = f"{type(e).__name__}: {e}"
-            if time.monotonic() - t0 >= bound:
-                break
-            time.sleep(min(0.25 * 2 ** min(attempts - 1, 3), 2.0))
-        raise RuntimeError(f"kvconnect PD: prefill could not register with the bootstrap server {url} "
-                           f"({attempts} attempts in {time.monotonic() - t0:.1f} s; register_timeout_s={bound:g}); "
-                           f"last answer: {last}")
+        ``register_to_bootstrap`` from ``__init__``), retried until accepted
+        (``register_with_bootstrap``, within ``register_timeout_s``)."""
+        self.bootstrap_registration = register_with_bootstrap(url, payload, self.pd_config.register_timeout_s)
 
     # =============================================================================
     # Decode side: messages to prefill
@@ -249,128 +221,19 @@ class KVConnectKVManager(ManagerBase):
         })]
 
     # =============================================================================
-    # Prefill side: control messages from decode
-    # =============================================================================
-    def _prefill_control_loop(self) -> None:
-        recv = self._make_worker_recv(self.server_socket)
-        while not self._stopped:
-            msg = recv()
-            if not msg:
-                continue
-            try:
-                if msg[0] == ABORT_TAG:
-                    self._on_abort(msg)
-                elif msg[0] in (REG_TAG, META_TAG):
-                    d = _decode(msg[1])
-                    if not token_matches(self.pd_config.auth_token, d.get("token")):
-                        _rate_limited.warning("auth", "kvconnect PD: rejected a %s message from %s:%s: wrong or "
-                                              "missing auth_token", msg[0].decode(), d.get("endpoint"), d.get("port"))
-                        continue
-                    (self._on_registration if msg[0] == REG_TAG else self._on_metadata)(d)
-                elif msg[0] == TAKEN_TAG:
-                    self.plane.prefill_taken(int(msg[1]))
-                else:
-                    logger.warning("kvconnect PD: dropping unknown control message %r", msg[0][:16])
-            except Exception:  # noqa: BLE001 - one bad message must not stop the control thread
-                logger.exception("kvconnect PD: failed to handle a control message")
-
-    def _on_registration(self, d: dict) -> None:
-        reg = DecodeRegistration(
-            session=d["session"], endpoint=d["endpoint"], port=int(d["port"]), kv_ptrs=d["kv_ptrs"],
-            kv_item_lens=d["kv_item_lens"], aux_ptrs=d["aux_ptrs"], aux_item_lens=d["aux_item_lens"],
-            state_ptrs=d["state_ptrs"], state_item_lens=d["state_item_lens"], tp_rank=d["tp_rank"],
-            attn_tp_size=d["attn_tp_size"])
-        mine = self.layout
-        if tuple(reg.kv_item_lens) != mine.kv_item_lens:
-            reg.rejection = (f"KV layout mismatch with decode {reg.session}: prefill has {len(mine.kv_item_lens)} "
-                             f"buffers of page sizes {sorted(set(mine.kv_item_lens))}, decode "
-                             f"{len(reg.kv_item_lens)} of {sorted(set(reg.kv_item_lens))}")
-        elif tuple(reg.aux_item_lens) != mine.aux_item_lens:
-            reg.rejection = (f"aux (metadata) buffer mismatch with decode {reg.session}: prefill rows "
-                             f"{list(mine.aux_item_lens)}, decode rows {reg.aux_item_lens}")
-        elif reg.attn_tp_size != self.attn_tp_size:
-            reg.rejection = (f"kvconnect PD needs equal attention TP on prefill ({self.attn_tp_size}) and "
-                             f"decode ({reg.attn_tp_size})")
-        if reg.rejection:
-            logger.error("kvconnect PD: %s", reg.rejection)
-        self.decode_kv_args_table[reg.session] = reg
-
-    def _on_metadata(self, d: dict) -> None:
-        room = int(d["room"])
-        info = TransferInfo(
-            room=room, endpoint=d["endpoint"], dst_port=int(d["port"]), session=d["session"],
-            dst_kv_indices=np.frombuffer(d["kv"], dtype=np.int32), dst_aux_index=d["aux"],
-            dst_state_indices=d["state"], required_dst_info_num=int(d["required"]), is_dummy=bool(d["dummy"]),
-            decode_prefix_len=int(d["prefix"]))
-        if self.plane.prefill_published(room):
-            return  # already on decode's side without destinations (relay: decode reads the store)
-        status = self.request_status.get(room)
-        if status in (KVPoll.Failed, KVPoll.Success) and room in self._live_senders:
-            if status == KVPoll.Failed:  # decode asked after we gave up: tell it now, not at its timeout
-                with self.failure_lock:
-                    reason = self.failure_records.get(room, "prefill failed this request")
-                self.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=room,
-                                            status=KVPoll.Failed, failure_reason=reason)
-            return
-        self._meta_seen.setdefault(room, time.monotonic())
-        infos = self.transfer_infos.setdefault(room, {})
-        infos[info.session] = info
-        if len(infos) == info.required_dst_info_num:
-            self.resolve_kv_replica_factor(infos)
-            self.req_to_decode_prefix_len[room] = next(
-                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
-            self.update_status(room, KVPoll.WaitingForInput)
-
-    def _on_abort(self, msg: List[bytes]) -> None:
-        room = abort_room(msg)
-        if room is None:
-            return
-        status = self.request_status.get(room)
-        if status is not None and status != KVPoll.Success:
-            self.record_failure(room, "decode aborted the request")
-            self.update_status(room, KVPoll.Failed)
-        self.plane.prefill_discard(room)
-
-    # =============================================================================
-    # Prefill side: data plane
+    # Prefill side: SGLang's calls, to the objects that do the work
     # =============================================================================
     def add_transfer_request(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
                              aux_index: Optional[int] = None, state_indices: Optional[List] = None,
                              num_kv_tokens: Optional[int] = None, **kwargs: Any) -> None:
-        if bootstrap_room not in self.request_status or self.check_status(bootstrap_room) == KVPoll.Failed:
-            return
-        queue = self.transfer_queues[bootstrap_room % len(self.transfer_queues)]  # one room, one queue: in order
-        queue.put(TransferChunk(
-            room=bootstrap_room, prefill_kv_indices=kv_indices, index_slice=index_slice,
-            is_last_chunk=is_last_chunk, prefill_aux_index=aux_index, state_indices=state_indices,
-            num_kv_tokens=num_kv_tokens, wait_event=kwargs.get("wait_event"),
-            indices_event=kwargs.get("indices_event")))
+        self.transfers.add(bootstrap_room, kv_indices, index_slice, is_last_chunk, aux_index, state_indices,
+                           num_kv_tokens, **kwargs)
 
-    def _transfer_worker(self, queue: FastQueue) -> None:
-        while not self._stopped:
-            chunk = queue.get()
-            if chunk is None:
-                return
-            room = chunk.room
-            try:
-                if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
-                    self.plane.prefill_discard(room)
-                    continue
-                for event in (chunk.wait_event, chunk.indices_event):
-                    if event is not None:  # GPU: the forward pass / index copy must finish first
-                        event.synchronize()
-                pages = chunk.prefill_kv_indices
-                if hasattr(pages, "cpu"):
-                    pages = pages.cpu().numpy()
-                pages = np.asarray(pages, dtype=np.int64)
-                self.plane.prefill_send(chunk, pages)
-            except TransferFailed as e:
-                self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect {self.pd_config.transport}: {e}")
-                self.plane.prefill_discard(room)
-            except Exception as e:  # noqa: BLE001 - fail the request, keep the worker alive
-                logger.exception("kvconnect PD: transfer of room %s crashed", room)
-                self.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect transfer error: {e!r}")
-                self.plane.prefill_discard(room)
+    def sender_opened(self, room: int) -> None:
+        self.prefill_rooms.sender_opened(room)
+
+    def sender_closed(self, room: int, succeeded: bool) -> None:
+        self.prefill_rooms.sender_closed(room, succeeded)
 
     # =============================================================================
     # PlaneHost: what the data plane may ask of the protocol layer
@@ -403,46 +266,6 @@ class KVConnectKVManager(ManagerBase):
                                     [TAKEN_TAG, str(room).encode("ascii")])
 
     # =============================================================================
-    # Prefill side: request lifetime
-    # =============================================================================
-
-    def sender_opened(self, room: int) -> None:
-        self._live_senders.add(room)
-
-    def sender_closed(self, room: int, succeeded: bool) -> None:
-        self._live_senders.discard(room)
-        self._meta_seen.pop(room, None)
-        self.plane.prefill_closed(room, succeeded)
-
-    def _prefill_janitor(self) -> None:
-        """Bounded cleanup: the plane's (relay: unread keys), and decode destinations for rooms prefill never saw."""
-        while not self._stopped:
-            time.sleep(0.2)
-            try:
-                self.plane.prefill_tick()
-                now = time.monotonic()
-                # Decode's destinations for a room this prefill never got: normally the gap is
-                # milliseconds (the router posts to both at once). Answer well inside decode's
-                # own timeout so it fails with the real reason, not a bare timeout.
-                orphan_after = self.bootstrap_timeout / 2
-                for room, seen in list(self._meta_seen.items()):
-                    if room in self._live_senders or now - seen < orphan_after:
-                        continue
-                    self._meta_seen.pop(room, None)
-                    targets = self._room_notify_targets(room)
-                    self.transfer_infos.pop(room, None)
-                    self.req_to_decode_prefix_len.pop(room, None)
-                    self.request_status.pop(room, None)
-                    with self.failure_lock:
-                        self.failure_records.pop(room, None)
-                    self.send_kv_status_message(
-                        targets=targets, bootstrap_room=room, status=KVPoll.Failed,
-                        failure_reason=(f"room mismatch: prefill {self.local_ip}:{self.rank_port} has no request "
-                                        f"with bootstrap_room {room} (waited {orphan_after:.1f}s)"))
-            except Exception:  # noqa: BLE001
-                logger.exception("kvconnect PD: janitor pass failed")
-
-    # =============================================================================
     # Decode side: status from prefill
     # =============================================================================
     def _decode_control_loop(self) -> None:
@@ -464,6 +287,235 @@ class KVConnectKVManager(ManagerBase):
                                           failure_reason=reason)
             except Exception:  # noqa: BLE001
                 logger.exception("kvconnect PD: failed to handle a status message")
+
+
+class PrefillRooms:
+    """Prefill side: decode's control messages (registrations, room destinations, aborts,
+    taken notices), the rooms with a live sender, and the janitor that fails the rooms decode
+    named but this prefill never got."""
+
+    def __init__(self, mgr: "KVConnectKVManager"):
+        self.mgr = mgr
+        self.live_senders: set = set()
+        self.meta_seen: Dict[int, float] = {}  # room -> when decode's destinations first came
+
+    def leftovers(self) -> Dict[str, int]:
+        return {"_meta_seen": len(self.meta_seen), "_live_senders": len(self.live_senders)}
+
+    def control_loop(self) -> None:
+        """Decode's registrations, room destinations, aborts and taken notices, as they come."""
+        m = self.mgr
+        recv = m._make_worker_recv(m.server_socket)
+        while not m._stopped:
+            msg = recv()
+            if not msg:
+                continue
+            try:
+                if msg[0] == ABORT_TAG:
+                    self._on_abort(msg)
+                elif msg[0] in (REG_TAG, META_TAG):
+                    d = _decode(msg[1])
+                    if not token_matches(m.pd_config.auth_token, d.get("token")):
+                        _rate_limited.warning("auth", "kvconnect PD: rejected a %s message from %s:%s: wrong or "
+                                              "missing auth_token", msg[0].decode(), d.get("endpoint"), d.get("port"))
+                        continue
+                    (self._on_registration if msg[0] == REG_TAG else self._on_metadata)(d)
+                elif msg[0] == TAKEN_TAG:
+                    m.plane.prefill_taken(int(msg[1]))
+                else:
+                    logger.warning("kvconnect PD: dropping unknown control message %r", msg[0][:16])
+            except Exception:  # noqa: BLE001 - one bad message must not stop the control thread
+                logger.exception("kvconnect PD: failed to handle a control message")
+
+    def _on_registration(self, d: dict) -> None:
+        m = self.mgr
+        reg = DecodeRegistration(
+            session=d["session"], endpoint=d["endpoint"], port=int(d["port"]), kv_ptrs=d["kv_ptrs"],
+            kv_item_lens=d["kv_item_lens"], aux_ptrs=d["aux_ptrs"], aux_item_lens=d["aux_item_lens"],
+            state_ptrs=d["state_ptrs"], state_item_lens=d["state_item_lens"], tp_rank=d["tp_rank"],
+            attn_tp_size=d["attn_tp_size"])
+        mine = m.layout
+        if tuple(reg.kv_item_lens) != mine.kv_item_lens:
+            reg.rejection = (f"KV layout mismatch with decode {reg.session}: prefill has {len(mine.kv_item_lens)} "
+                             f"buffers of page sizes {sorted(set(mine.kv_item_lens))}, decode "
+                             f"{len(reg.kv_item_lens)} of {sorted(set(reg.kv_item_lens))}")
+        elif tuple(reg.aux_item_lens) != mine.aux_item_lens:
+            reg.rejection = (f"aux (metadata) buffer mismatch with decode {reg.session}: prefill rows "
+                             f"{list(mine.aux_item_lens)}, decode rows {reg.aux_item_lens}")
+        elif reg.attn_tp_size != m.attn_tp_size:
+            reg.rejection = (f"kvconnect PD needs equal attention TP on prefill ({m.attn_tp_size}) and "
+                             f"decode ({reg.attn_tp_size})")
+        if reg.rejection:
+            logger.error("kvconnect PD: %s", reg.rejection)
+        m.decode_kv_args_table[reg.session] = reg
+
+    def _on_metadata(self, d: dict) -> None:
+        m = self.mgr
+        room = int(d["room"])
+        info = TransferInfo(
+            room=room, endpoint=d["endpoint"], dst_port=int(d["port"]), session=d["session"],
+            dst_kv_indices=np.frombuffer(d["kv"], dtype=np.int32), dst_aux_index=d["aux"],
+            dst_state_indices=d["state"], required_dst_info_num=int(d["required"]), is_dummy=bool(d["dummy"]),
+            decode_prefix_len=int(d["prefix"]))
+        if m.plane.prefill_published(room):
+            return  # already on decode's side without destinations (relay: decode reads the store)
+        status = m.request_status.get(room)
+        if status in (KVPoll.Failed, KVPoll.Success) and room in self.live_senders:
+            if status == KVPoll.Failed:  # decode asked after we gave up: tell it now, not at its timeout
+                with m.failure_lock:
+                    reason = m.failure_records.get(room, "prefill failed this request")
+                m.send_kv_status_message(targets=[(info.endpoint, info.dst_port)], bootstrap_room=room,
+                                         status=KVPoll.Failed, failure_reason=reason)
+            return
+        self.meta_seen.setdefault(room, time.monotonic())
+        infos = m.transfer_infos.setdefault(room, {})
+        infos[info.session] = info
+        if len(infos) == info.required_dst_info_num:
+            m.resolve_kv_replica_factor(infos)
+            m.req_to_decode_prefix_len[room] = next(
+                (i.decode_prefix_len for i in infos.values() if i.decode_prefix_len is not None), 0)
+            m.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_abort(self, msg: List[bytes]) -> None:
+        m = self.mgr
+        room = abort_room(msg)
+        if room is None:
+            return
+        status = m.request_status.get(room)
+        if status is not None and status != KVPoll.Success:
+            m.record_failure(room, "decode aborted the request")
+            m.update_status(room, KVPoll.Failed)
+        m.plane.prefill_discard(room)
+
+    def sender_opened(self, room: int) -> None:
+        self.live_senders.add(room)
+
+    def sender_closed(self, room: int, succeeded: bool) -> None:
+        m = self.mgr
+        self.live_senders.discard(room)
+        self.meta_seen.pop(room, None)
+        m.plane.prefill_closed(room, succeeded)
+
+    def janitor(self) -> None:
+        """Bounded cleanup: the plane's (relay: unread keys), and decode destinations for rooms prefill never saw."""
+        m = self.mgr
+        while not m._stopped:
+            time.sleep(0.2)
+            try:
+                m.plane.prefill_tick()
+                now = time.monotonic()
+                # Decode's destinations for a room this prefill never got: normally the gap is
+                # milliseconds (the router posts to both at once). Answer well inside decode's
+                # own timeout so it fails with the real reason, not a bare timeout.
+                orphan_after = m.bootstrap_timeout / 2
+                for room, seen in list(self.meta_seen.items()):
+                    if room in self.live_senders or now - seen < orphan_after:
+                        continue
+                    self.meta_seen.pop(room, None)
+                    targets = m._room_notify_targets(room)
+                    m.transfer_infos.pop(room, None)
+                    m.req_to_decode_prefix_len.pop(room, None)
+                    m.request_status.pop(room, None)
+                    with m.failure_lock:
+                        m.failure_records.pop(room, None)
+                    m.send_kv_status_message(
+                        targets=targets, bootstrap_room=room, status=KVPoll.Failed,
+                        failure_reason=(f"room mismatch: prefill {m.local_ip}:{m.rank_port} has no request "
+                                        f"with bootstrap_room {room} (waited {orphan_after:.1f}s)"))
+            except Exception:  # noqa: BLE001
+                logger.exception("kvconnect PD: janitor pass failed")
+
+
+class TransferWorkers:
+    """Prefill side: the chunks SGLang hands over, in order per room (one room, one queue), to
+    the data plane on ``workers`` threads; a failed chunk fails its request."""
+
+    def __init__(self, mgr: "KVConnectKVManager", workers: int):
+        self.mgr = mgr
+        self.queues = [FastQueue() for _ in range(workers)]
+
+    def stop(self) -> None:
+        for q in self.queues:
+            q.put(None)
+
+    def add(self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool,
+            aux_index: Optional[int] = None, state_indices: Optional[List] = None,
+            num_kv_tokens: Optional[int] = None, **kwargs: Any) -> None:
+        m = self.mgr
+        if bootstrap_room not in m.request_status or m.check_status(bootstrap_room) == KVPoll.Failed:
+            return
+        queue = self.queues[bootstrap_room % len(self.queues)]  # one room, one queue: in order
+        queue.put(TransferChunk(
+            room=bootstrap_room, prefill_kv_indices=kv_indices, index_slice=index_slice,
+            is_last_chunk=is_last_chunk, prefill_aux_index=aux_index, state_indices=state_indices,
+            num_kv_tokens=num_kv_tokens, wait_event=kwargs.get("wait_event"),
+            indices_event=kwargs.get("indices_event")))
+
+    def run(self, queue: FastQueue) -> None:
+        """One worker: the chunks of its queue until ``stop``."""
+        m = self.mgr
+        while not m._stopped:
+            chunk = queue.get()
+            if chunk is None:
+                return
+            room = chunk.room
+            try:
+                if room not in m.request_status or m.check_status(room) == KVPoll.Failed:
+                    m.plane.prefill_discard(room)
+                    continue
+                for event in (chunk.wait_event, chunk.indices_event):
+                    if event is not None:  # GPU: the forward pass / index copy must finish first
+                        event.synchronize()
+                pages = chunk.prefill_kv_indices
+                if hasattr(pages, "cpu"):
+                    pages = pages.cpu().numpy()
+                pages = np.asarray(pages, dtype=np.int64)
+                m.plane.prefill_send(chunk, pages)
+            except TransferFailed as e:
+                m.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect {m.pd_config.transport}: {e}")
+                m.plane.prefill_discard(room)
+            except Exception as e:  # noqa: BLE001 - fail the request, keep the worker alive
+                logger.exception("kvconnect PD: transfer of room %s crashed", room)
+                m.conclude_failure(bootstrap_room=room, failure_reason=f"kvconnect transfer error: {e!r}")
+                m.plane.prefill_discard(room)
+
+
+def register_with_bootstrap(url: str, payload: Dict, bound: float) -> Dict[str, float]:
+    """Prefill: put this rank's ``payload`` to the bootstrap server at ``url``, retried until
+    accepted for ``bound`` seconds; how many attempts and how long it took.
+
+    SGLang's server process starts the bootstrap server (its tokenizer manager) while the
+    scheduler process builds this manager; either may come first. SGLang tries five times
+    in about 15 s, then logs an error and goes on: a bootstrap server that came up later
+    never learns of this rank, answers decode's ``/route`` with 503 for ever, and every
+    request fails while both servers report healthy. Here a refused connection or a
+    non-200 answer is retried every 0.25-2 s for ``register_timeout_s``; then, or at once
+    on HTTP 400 (the server's verdict on an inconsistent layout), the scheduler fails at
+    start naming the URL.
+    """
+    import requests
+
+    t0, attempts, last = time.monotonic(), 0, ""
+    while True:
+        attempts += 1
+        try:
+            response = requests.put(url, json=payload, timeout=5)
+            if response.status_code == 200:
+                if attempts > 1:
+                    logger.info("kvconnect PD: registered with the bootstrap server %s after %d attempts "
+                                "in %.1f s", url, attempts, time.monotonic() - t0)
+                return {"attempts": attempts, "waited_s": time.monotonic() - t0}
+            last = f"HTTP {response.status_code}: {response.text.strip()[:300]}"
+            if response.status_code == 400:
+                break
+        except requests.RequestException as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() - t0 >= bound:
+            break
+        time.sleep(min(0.25 * 2 ** min(attempts - 1, 3), 2.0))
+    raise RuntimeError(f"kvconnect PD: prefill could not register with the bootstrap server {url} "
+                       f"({attempts} attempts in {time.monotonic() - t0:.1f} s; register_timeout_s={bound:g}); "
+                       f"last answer: {last}")
 
 
 class KVConnectKVSender(SenderBase):

@@ -418,9 +418,9 @@ class Node:
         out = {"request_status": len(m.request_status), "failure_records": len(m.failure_records)}
         if hasattr(m, "transfer_infos"):
             out["transfer_infos"] = len(m.transfer_infos)
-        for name in ("_meta_seen", "_live_senders"):
-            if hasattr(m, name):
-                out[name] = len(getattr(m, name))
+        rooms = getattr(m, "prefill_rooms", None)  # kvconnect's prefill manager: its rooms' tables
+        if rooms is not None:
+            out.update(rooms.leftovers())
         plane = getattr(m, "plane", None)  # kvconnect's manager (SGLang's own backends have none)
         if plane is not None:
             out.update(plane.leftovers())  # the plane's per-room tables (relay: and its store's stats)
