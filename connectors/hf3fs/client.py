@@ -350,7 +350,7 @@ class LeasedWrites(MetadataClient):
         """``m`` leased slots (fewer if the file has no room), leasing more when needed.
 
         A slot is handed out only within the first ``LEASE_USE`` of its lease: the writer's
-        deadline (``store.LEASE_TRUST`` of the lease, counted from now) then still ends
+        deadline (``lanes.LEASE_TRUST`` of the lease, counted from now) then still ends
         before the service could take the slot back. Older slots go back with the next Lease."""
         slots: list[int] = []
         gens: list[int] = []

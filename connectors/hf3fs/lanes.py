@@ -23,6 +23,9 @@ from kvconnect.connectors.hf3fs.pageid import PageIds
 
 log = logging.getLogger("kvconnect.hf3fs")
 
+# Fraction of a lease a client trusts: the service's clock started it a little after ours.
+LEASE_TRUST = 0.8
+
 
 class Lane:
     """One page size: a data file, its namespace, its geometry and leases."""

@@ -45,7 +45,7 @@ nothing where the run carries this tick already (hot keys: a lookup, no write, n
 replicated). A slot is under a read lease while ``now - stamp <= ceil(rl / tk)`` ticks: from
 the read for at least ``rl`` (and at most ``rl + 2 tk``); no eviction, delete or clear
 hands it to another key before that. The store trusts 0.8 of ``rl`` from its call
-(``store.LEASE_TRUST``).
+(``lanes.LEASE_TRUST``).
 
 **LRU by a queue of batches with a second chance.** A confirm appends one element (the
 batch as the writer sent it) instead of a sorted-set entry per key. Eviction pops elements

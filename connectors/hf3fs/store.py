@@ -46,18 +46,15 @@ from kvconnect.connectors.hf3fs.config import HF3FSConfig, merged_options
 from kvconnect.connectors.context import EngineContext
 from kvconnect.connectors.rate_limited_log import RateLimitedLog
 from kvconnect.connectors.hf3fs.files import PosixFile, mount_fstype, on_3fs_mount
-from kvconnect.connectors.hf3fs.index import EXISTS, INFLIGHT, NEW
-from kvconnect.connectors.hf3fs.lanes import Lane, Lanes
+from kvconnect.connectors.hf3fs.lanes import Lanes
 from kvconnect.connectors.hf3fs.ownership import LOCK_SUFFIX, Locked, lock_exclusive, unlock
 from kvconnect.connectors.hf3fs.page_io import PageIO
-from kvconnect.connectors.hf3fs.pageid import idents as page_idents
+from kvconnect.connectors.hf3fs.reads import Reader
+from kvconnect.connectors.hf3fs.writes import Writer
 
 log = logging.getLogger("kvconnect.hf3fs")
 _rate_limited = RateLimitedLog(log, interval_s=10.0)
 _LOOKS_3FS = re.compile(r"(^|/)(hf)?3fs(/|$)", re.IGNORECASE)  # /mnt/3fs/..., /3fs/...: where 3FS is mounted
-
-# Fraction of a lease a client trusts: the service's clock started it a little after ours.
-LEASE_TRUST = 0.8
 
 class _LocalIndexes:
     """One in-process index per data file per process, guarded by an exclusive flock
@@ -112,6 +109,8 @@ class HF3FSStore(PageStore):
 
     * ``lanes`` (lanes.py): one data file and namespace per page size, found or laid out.
     * ``io`` (page_io.py): the read and write workers and the batches fanned out over them.
+    * ``reader`` (reads.py) / ``writer`` (writes.py): one lane's reads and writes against the
+      index (leases, validation, identities; reservations and commits).
     """
 
     name = "hf3fs"
@@ -171,9 +170,8 @@ class HF3FSStore(PageStore):
         self._local_path: str | None = None
         self.io: PageIO | None = None
         self._owns_meta = metadata is None
-        self.validations = 0
-        self.rejected_reads = 0
-        self.stale_reads = 0  # pages whose identity record did not match the index (verify_pages)
+        self.reader = Reader(self)
+        self.writer = Writer(self)
 
         # Metadata first: a wrong token or a dead service fails the start, before any file.
         if metadata is not None:
@@ -249,6 +247,18 @@ class HF3FSStore(PageStore):
         primary = self.lanes.primary
         return primary.num_pages if primary else 0
 
+    @property
+    def validations(self) -> int:
+        return self.reader.validations
+
+    @property
+    def rejected_reads(self) -> int:
+        return self.reader.rejected_reads
+
+    @property
+    def stale_reads(self) -> int:
+        return self.reader.stale_reads
+
     # ------------------------------------------------------------------ primitives
     @staticmethod
     def _encode(keys: list[str]) -> list[bytes]:
@@ -289,59 +299,9 @@ class HF3FSStore(PageStore):
                 continue
             if lane is None:
                 continue
-            ok = self._get_lane(lane, [keys[i] for i in idx], [pages[i] for i in idx])
+            ok = self.reader.read(lane, [keys[i] for i in idx], [pages[i] for i in idx])
             for i, o in zip(idx, ok):
                 out[i] = o
-        return out
-
-    def _get_lane(self, lane: Lane, keys: list[str], pages: list[Page]) -> list[bool]:
-        out = [False] * len(keys)
-        kb = self._encode(keys)
-        t0 = time.monotonic()
-        try:
-            slots, gens, crcs = self.meta.get(lane.ns, kb)
-        except MetadataError as e:
-            self._note_error("get", e)
-            self._miss("unavailable", len(keys))
-            return out
-        hits = [j for j, s in enumerate(slots) if s >= 0]
-        if not hits:
-            return out
-        ids = ([None] * len(hits) if lane.ids is None else
-               page_idents([kb[j] for j in hits], [gens[j] for j in hits]))
-        ok = self.io.read(lane, [(slots[j], pages[j], crcs[j], ids[h]) for h, j in enumerate(hits)],
-                          self.config.checksums)
-        stale = [h for h, o in enumerate(ok) if o is None]
-        if stale:
-            # The index named a slot that holds another page: a stale entry (a failover to a
-            # replica that was behind). Drop it, so the key can be written again.
-            self.stale_reads += len(stale)
-            log.warning("hf3fs: %d page(s) of %s failed their identity check: stale index entries, dropped",
-                        len(stale), lane.ns)
-            try:
-                self.meta.forget(lane.ns, [kb[hits[h]] for h in stale], [slots[hits[h]] for h in stale],
-                                 [gens[hits[h]] for h in stale])
-            except MetadataError as e:
-                self._note_error("forget", e)
-        if time.monotonic() - t0 > lane.read_lease_s * LEASE_TRUST:
-            # The read outlived its lease: the slot may have been reused meanwhile. Ask.
-            idx = [h for h, o in enumerate(ok) if o]
-            if idx:
-                self.validations += 1
-                try:
-                    still = self.meta.validate_keys(lane.ns, [kb[hits[h]] for h in idx], [slots[hits[h]] for h in idx],
-                                                    [gens[hits[h]] for h in idx])
-                except MetadataError as e:
-                    self._note_error("validate", e)
-                    still = bytes(len(idx))
-                for h, v in zip(idx, still):
-                    if not v:
-                        ok[h] = False
-                        self.rejected_reads += 1
-        for h, j in enumerate(hits):
-            out[j] = bool(ok[h])
-        # the index named these pages but their bytes failed the checksum, identity or lease check
-        self._miss("corrupt", sum(1 for o in ok if not o))
         return out
 
     def _put_from(self, keys: list[str], pages: list[Page]) -> list[bool]:
@@ -354,51 +314,9 @@ class HF3FSStore(PageStore):
                 continue
             if lane is None:
                 continue
-            ok = self._put_lane(lane, [keys[i] for i in idx], [pages[i] for i in idx])
+            ok = self.writer.write(lane, [keys[i] for i in idx], [pages[i] for i in idx])
             for i, o in zip(idx, ok):
                 out[i] = o
-        return out
-
-    def _put_lane(self, lane: Lane, keys: list[str], pages: list[Page]) -> list[bool]:
-        out = [False] * len(keys)
-        kb = self._encode(keys)
-        t0 = time.monotonic()
-        try:
-            status, slots, gens = self.meta.reserve(lane.ns, kb)
-        except MetadataError as e:
-            self._note_error("reserve", e)
-            return out
-        new = []
-        for j, st in enumerate(status):
-            if st == NEW:
-                new.append(j)
-            elif st == EXISTS or st == INFLIGHT:
-                out[j] = True  # stored, or being stored right now by another writer of these bytes
-        if not new:
-            return out
-        deadline = t0 + lane.write_lease_s * LEASE_TRUST
-        if self.stripes > 1:
-            new.sort(key=lambda j: slots[j] % self.stripes)  # a worker's chunk mostly in one file
-        ids = ([None] * len(new) if lane.ids is None else
-               page_idents([kb[j] for j in new], [gens[j] for j in new]))
-        res = self.io.write(lane, [(slots[j], pages[j], ids[h]) for h, j in enumerate(new)], deadline,
-                            self.config.checksums)
-        if self.config.fsync_data and any(o for o, _ in res):
-            try:
-                lane.file.sync()
-                if lane.ids is not None:
-                    lane.ids.sync()
-            except OSError as e:
-                self._note_error("fsync", e)
-                res = [(False, c) for _, c in res]
-        try:
-            done = self.meta.commit(lane.ns, [kb[j] for j in new], [slots[j] for j in new], [gens[j] for j in new],
-                                    [c for _, c in res], bytes(1 if o else 0 for o, _ in res))
-        except MetadataError as e:
-            self._note_error("confirm", e)  # the reservations expire; the pages stay invisible
-            return out
-        for h, j in enumerate(new):
-            out[j] = bool(res[h][0] and done[h])
         return out
 
     def _delete(self, keys: list[str]) -> list[bool]:
