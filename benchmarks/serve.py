@@ -6,11 +6,20 @@ Runs on a GPU node with SGLang, sglang-router and the stores installed (see docs
     kvconnect bench serve --workloads w1 --configs l2_only,sglang_hf3fs,kvc_hf3fs
     kvconnect bench serve --pairs w1:l2_only,w1:kvc_hf3fs,w3:l2_only,w3:kvc_hf3fs --deadline-s 1200
     kvconnect bench serve --report RUN_DIR [RUN_DIR...]       # rebuild serving.json + serving.png from raw runs
+    kvconnect bench serve --pd --workloads w1,w2              # 1P1D on GPUs 0 and 1, every PD transfer backend
 
 Each (workload, configuration) pair is measured on the same servers: L3 backends are switched at run
 time through SGLang's admin API. Writes ``<out>/runs.jsonl`` and ``<out>/requests.jsonl.gz`` while it
 runs, then ``benchmarks/results/serving.json`` (figures, ``ratios``, targets) and ``serving.png`` (TTFT
 CDF, throughput).
+
+``--pd``: the SGLang PD guide's 1P1D instead of HiCache servers: a prefill server on the first GPU,
+a decode server on the second, ``sglang_router --pd-disaggregation`` in front, the transfer backend
+as the configuration (``pd_mooncake``, SGLang's own, is the baseline; ``pd_kvc_direct``, the
+kvconnect relays over Mooncake and hf3fs where their store can serve the KV's device, and
+``*_late`` variants where decode's request arrives ``--pd-decode-delay-s`` after prefill's); one
+non-disaggregated server (``no_pd``) gives the outputs every PD pair must equal. The same loads,
+capacity probe (on ``pd_mooncake``), budget and resume; ``benchmarks/results/pd_serving.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +30,8 @@ import time
 from pathlib import Path
 
 from .serving import report, workloads
-from .serving.configs import BASELINE, CONFIGS, by_information, default_ports, parse_names
+from .serving.configs import (BASELINE, CONFIGS, HICACHE_NAMES, PD_BASELINE, PD_CONFIGS, PD_REFERENCE,
+                              by_information, default_ports, parse_names)
 from .serving.run import Plan, ServerSpec, execute
 
 from kvconnect.connectors.config import parse_size
@@ -66,12 +76,23 @@ def plan_pairs(a: argparse.Namespace, loads: dict) -> list:
                                  f"configs {', '.join(CONFIGS)})")
             pairs.append((loads[w], c))
         return pairs
-    names = parse_names(a.configs) if a.configs else list(CONFIGS)
-    names = [BASELINE] + [n for n in names if n != BASELINE]   # the baseline first: the output reference
     chosen = [w.strip() for w in a.workloads.split(",") if w.strip()]
     bad = [w for w in chosen if w not in loads]
     if bad:
         raise SystemExit(f"--workloads: unknown {', '.join(bad)}; accepted values: {', '.join(loads)}")
+    if a.pd:
+        names = parse_names(a.configs) if a.configs else list(PD_CONFIGS)
+        other = [n for n in names if n not in PD_CONFIGS]
+        if other:
+            raise SystemExit(f"--pd: {', '.join(other)} are not PD configurations ({', '.join(PD_CONFIGS)})")
+        # the baseline first (its servers take the capacity probes), the non-disaggregated reference
+        # last; configuration by configuration, so each deployment is launched once for every workload
+        first = [a.pd_baseline] if a.pd_baseline in names else []
+        names = first + [n for n in names if n not in (a.pd_baseline, PD_REFERENCE)] + \
+            ([PD_REFERENCE] if PD_REFERENCE in names else [])
+        return [(loads[w], c) for c in names for w in chosen]
+    names = parse_names(a.configs) if a.configs else list(HICACHE_NAMES)
+    names = [BASELINE] + [n for n in names if n != BASELINE]   # the baseline first: the output reference
     return [(loads[w], c) for w in chosen for c in names]
 
 
@@ -85,6 +106,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--pairs", default="", help="explicit WORKLOAD:CONFIG list in run order (overrides the two above)")
     g.add_argument("--list-configs", action="store_true", help="describe the configurations and exit")
     g.add_argument("--quick", action="store_true", help="tiny workloads (a smoke run)")
+    g.add_argument("--pd", action="store_true", help="1P1D PD disaggregation behind sglang_router "
+                   "--pd-disaggregation (prefill on the first of --gpus, decode on the second; default 0,1), "
+                   "the PD configurations; results to pd_serving.json")
+    g.add_argument("--pd-baseline", default=PD_BASELINE, help=f"--pd: the configuration the capacity probe runs "
+                   f"on and the others are compared with (default {PD_BASELINE})")
+    g.add_argument("--pd-decode-delay-s", type=float, default=2.0,
+                   help="--pd, the *_late configurations: decode's request reaches it this long after prefill's")
     g.add_argument("--deadline-s", type=float, default=0, help="start no pair after this many seconds (0: none)")
     g.add_argument("--budget-s", type=float, default=0,
                    help="like --deadline-s, and the pairs reordered so the most informative finish first: each "
@@ -108,6 +136,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--hicache-ratio", type=float, default=1.2, help="host pool / GPU pool (the guides: 1.2)")
     s.add_argument("--router-policy", default="round_robin", help="sglang_router policy (round_robin, cache_aware)")
     s.add_argument("--server-module", default="sglang.launch_server", help=argparse.SUPPRESS)
+    s.add_argument("--kv-device", default="cuda", help=argparse.SUPPRESS)   # cpu: the CPU stand-in servers
     s.add_argument("--server-arg", action="append", default=[], help="extra sglang.launch_server argument (repeat)")
     s.add_argument("--l3-per-server", default="16gb", help="memory each server lends (peer pools, memory store)")
     s.add_argument("--l3-file-size", default="32gb", help="size of the hf3fs files (kvconnect's and SGLang's)")
@@ -127,8 +156,12 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def render(run_dirs: list, out: Path, command: str) -> dict:
+def render(run_dirs: list, out: Path, command: str, pd: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    if pd:
+        from .serving import pd_report
+
+        return pd_report.render([Path(d) for d in run_dirs], out / "pd_serving.json", command)
     doc = report.build([Path(d) for d in run_dirs], out / "serving.json", command)
     png = report.plot([Path(d) for d in run_dirs], doc, out / "serving.png")
     print(f"results written to {out / 'serving.json'}" + (f" and {png}" if png else ""))
@@ -162,29 +195,37 @@ def main(argv=None) -> int:
             print(f"{name:<18} {c.kind:<9} {c.description}")
         return 0
     if a.report:
-        render(a.report, Path(a.results_dir), "kvconnect bench serve --report " + " ".join(a.report))
+        render(a.report, Path(a.results_dir), "kvconnect bench serve --report " + " ".join(a.report), a.pd)
         return 0
     loads = build_workloads(a)
     pairs = plan_pairs(a, loads)
     if a.budget_s:
         pairs = by_information(pairs)
-    spec = ServerSpec(servers=a.servers, gpus=tuple(x for x in a.gpus.split(",") if x), shape=a.shape,
+    gpus = tuple(x for x in a.gpus.split(",") if x)
+    if a.pd and len(gpus) < 2:
+        gpus = ("0", "1") if gpus == ("0",) else gpus + gpus   # prefill on the first, decode on the second
+    # --pd: the non-disaggregated reference is one server, on the prefill's GPU
+    spec = ServerSpec(servers=1 if a.pd else a.servers, gpus=gpus, shape=a.shape,
                       model_path=a.model_path, mem_fraction=a.mem_fraction, max_total_tokens=a.max_total_tokens,
                       hicache_ratio=a.hicache_ratio, router_policy=a.router_policy,
-                      extra_args=tuple(a.server_arg), server_module=a.server_module)
+                      extra_args=tuple(a.server_arg), server_module=a.server_module, kv_device=a.kv_device)
     out = Path(a.out or Path(a.workdir) / "out")
     l3_per_server, l3_file = ("256mb", "1gb") if a.quick else (a.l3_per_server, a.l3_file_size)
     limit_s = min(x for x in (a.deadline_s, a.budget_s, float("inf")) if x)
     plan = Plan(pairs, spec, Path(a.workdir), out, default_ports(a.port_base), a.probe,
                 deadline=time.time() + limit_s if limit_s != float("inf") else 0.0, l3_bytes_per_server=l3_per_server,
                 l3_file_bytes=parse_size(l3_file), write_behind="64mb" if a.quick else a.write_behind,
-                load_fraction=a.load_fraction, capacity_requests=a.capacity_requests, resume=a.resume)
-    print(f"[serve] {len(pairs)} pairs on {a.servers} servers: " + ", ".join(f"{w.name}:{c}" for w, c in pairs),
-          flush=True)
+                load_fraction=a.load_fraction, capacity_requests=a.capacity_requests, resume=a.resume,
+                pd_decode_delay_s=a.pd_decode_delay_s,
+                **({"baseline": a.pd_baseline, "reference": PD_REFERENCE} if a.pd else {}))
+    where = f"PD 1P1D on GPUs {gpus[0]} (prefill) and {gpus[1]} (decode)" if a.pd else f"{a.servers} servers"
+    print(f"[serve] {len(pairs)} pairs on {where}: " + ", ".join(f"{w.name}:{c}" for w, c in pairs), flush=True)
     _stop_on_sigterm()
     records = execute(plan)
-    render([out], Path(a.results_dir), "kvconnect bench serve " + " ".join(sys.argv[1:] if argv is None else argv))
-    return 0 if records and all("summary" in r for r in records) else 1
+    render([out], Path(a.results_dir), "kvconnect bench serve " + " ".join(sys.argv[1:] if argv is None else argv),
+           a.pd)
+    # a configuration its store cannot serve here (the relay's capability check) is a finding, not a failure
+    return 0 if records and all("summary" in r or r.get("refused") for r in records) else 1
 
 
 if __name__ == "__main__":

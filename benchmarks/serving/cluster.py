@@ -191,13 +191,17 @@ class SGLangServer:
 
 
 class Router:
-    """``python -m sglang_router.launch_router`` in front of the servers."""
+    """``python -m sglang_router.launch_router`` in front of the servers; with ``pd`` = (prefill URL,
+    its bootstrap port, decode URL), ``--pd-disaggregation --prefill URL PORT --decode URL``."""
 
-    def __init__(self, port: int, worker_urls: Sequence[str], policy: str, log_dir: Path):
+    def __init__(self, port: int, worker_urls: Sequence[str], policy: str, log_dir: Path,
+                 pd: Optional[tuple] = None):
         self.port, self.url = port, f"http://127.0.0.1:{port}"
+        workers = ["--pd-disaggregation", "--prefill", pd[0], str(pd[1]), "--decode", pd[2]] if pd else \
+            ["--worker-urls", *worker_urls]
         self.proc = Process("router", [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                       "--port", str(port), "--policy", policy, "--log-level", "warn",
-                                       "--worker-urls", *worker_urls], log_dir)
+                                       "--port", str(port), "--policy", policy, "--log-level", "warn", *workers],
+                            log_dir)
 
     def start(self, timeout_s: float = 120.0) -> "Router":
         self.proc.start()
@@ -206,6 +210,33 @@ class Router:
 
     def stop(self) -> None:
         self.proc.stop()
+
+
+def bootstrap_ready(port: int) -> bool:
+    """A prefill server's bootstrap server knows every rank (what decode asks before its first
+    request: ``/route`` with all ranks -1 answers 200, not 503)."""
+    return http("GET", f"http://127.0.0.1:{port}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1"
+                       "&target_pp_rank=-1", timeout=5)[0] == 200
+
+
+class DelayProxy:
+    """``benchmarks.serving.delay_proxy`` between the router and a decode server: every ``/generate``
+    reaches decode ``delay_s`` late (the decode-arrives-late case), the rest passes through."""
+
+    def __init__(self, port: int, target: str, delay_s: float, log_dir: Path):
+        self.url = f"http://127.0.0.1:{port}"
+        self.port = port
+        self.proc = Process("decode_proxy", [sys.executable, "-m", "kvconnect.benchmarks.serving.delay_proxy",
+                                             "--port", str(port), "--target", target, "--delay-s", str(delay_s)],
+                            log_dir)
+
+    def start(self, timeout_s: float = 60.0) -> "DelayProxy":
+        self.proc.start()
+        wait_until(lambda: port_open(self.port), timeout_s, "decode proxy", self.proc, every_s=0.2)
+        return self
+
+    def stop(self) -> None:
+        self.proc.stop(grace_s=5)
 
 
 def mooncake_master_binary() -> str:

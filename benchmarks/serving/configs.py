@@ -11,7 +11,7 @@ every kvconnect store through ``--hicache-storage-backend dynamic``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -54,6 +54,22 @@ class Setup:
 
 
 @dataclass
+class PD:
+    """A 1P1D deployment (SGLang's PD guide): a prefill server on the first GPU, a decode server on
+    the second, ``sglang_router --pd-disaggregation`` in front; the transfer backend is the configuration."""
+    backend: str                                           # --disaggregation-transfer-backend
+    pd_config: Callable[[Setup], Optional[dict]] = lambda s: None   # KVCONNECT_PD_CONFIG (kvconnect only)
+    env: dict = field(default_factory=dict)                # both servers' extra environment
+    late: bool = False                                     # decode's /generate arrives Plan.pd_decode_delay_s late
+
+    def key(self, setup: Setup) -> tuple:
+        """What the servers are launched with (a change relaunches them; ``late`` only the router)."""
+        import json
+
+        return self.backend, json.dumps(self.pd_config(setup), sort_keys=True), tuple(sorted(self.env.items()))
+
+
+@dataclass
 class Config:
     name: str
     kind: str                                  # baseline | kvconnect | anchor
@@ -65,6 +81,7 @@ class Config:
     metrics_url: Callable[[Setup, int], Optional[str]] = lambda s, i: None
     prepare: Callable[[Setup], None] = lambda s: None
     counterpart: Optional[str] = None          # kvconnect: the alternative it replaces (run next to it)
+    pd: Optional[PD] = None                    # a PD deployment instead of HiCache servers
 
 
 def _kvc(store: str, **options) -> Callable[[Setup, int], dict]:
@@ -143,6 +160,86 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
            extra=_kvc("memory", capacity=lambda s, i: s.l3_bytes_per_server), counterpart="sglang_file"),
 ]}
 
+
+
+# -- PD disaggregation (``kvconnect bench serve --pd``) -------------------------------------------
+# Both Transfer Engine data planes over TCP (no RDMA NIC is assumed), SGLang's as kvconnect's.
+PD_TIMEOUT = {"timeout_s": 120, "workers": 4}
+
+
+def _relay(store: Callable[[Setup], dict]) -> Callable[[Setup], dict]:
+    return lambda s: {"transport": "relay", **PD_TIMEOUT, "store": store(s)}
+
+
+def _relay_mooncake(s: Setup) -> dict:
+    return {"store": "mooncake", "master_server_address": f"127.0.0.1:{s.ports['mooncake_master']}",
+            "metadata_server": "P2PHANDSHAKE", "local_hostname": "127.0.0.1", "protocol": "tcp",
+            "global_segment_size": 0, "local_buffer_size": 0}
+
+
+def _relay_hf3fs(s: Setup) -> dict:
+    return {"store": "hf3fs", "file_path_prefix": str(s.data("pd_hf3fs") / "relay"), "file_size": s.l3_file_bytes,
+            "metadata_server_url": f"http://127.0.0.1:{s.ports['kvc_meta']}", "numjobs": 16, "entries": 16}
+
+
+PD_MOONCAKE = PD("mooncake", env={"MC_FORCE_TCP": "1"})
+PD_DIRECT = PD("kvconnect", lambda s: {"transport": "direct", "protocol": "tcp", **PD_TIMEOUT})
+PD_RELAY_MOONCAKE = PD("kvconnect", _relay(_relay_mooncake))
+PD_RELAY_HF3FS = PD("kvconnect", _relay(_relay_hf3fs))
+
+
+def _late(pd: PD) -> PD:
+    return PD(pd.backend, pd.pd_config, pd.env, late=True)
+
+
+PD_BASELINE = "pd_mooncake"     # the capacity probe runs on it; kvconnect's planes are compared with it
+PD_REFERENCE = "no_pd"          # outputs of every PD pair are compared with this one's
+_LATE = "decode's request reaches it --pd-decode-delay-s after prefill's (a delaying proxy before decode)"
+PD_CONFIGS: dict[str, Config] = {c.name: c for c in [
+    Config(PD_REFERENCE, "reference", "one non-disaggregated server on the first GPU, no HiCache (the output "
+           "reference of the PD pairs)", profile="plain"),
+    Config(PD_BASELINE, "pd_anchor", "1P1D, SGLang's own mooncake transfer backend (Transfer Engine over TCP)",
+           profile="pd", pd=PD_MOONCAKE),
+    Config("pd_kvc_direct", "pd_kvconnect", "1P1D, kvconnect direct plane (one-sided Transfer Engine writes, TCP)",
+           profile="pd", pd=PD_DIRECT, counterpart=PD_BASELINE),
+    Config("pd_kvc_relay_mooncake", "pd_kvconnect", "1P1D, kvconnect relay through a Mooncake store "
+           "(mooncake_master + a standalone segment holder)", profile="pd", pd=PD_RELAY_MOONCAKE,
+           services=("mooncake_store",), counterpart=PD_BASELINE),
+    Config("pd_kvc_relay_hf3fs", "pd_kvconnect", "1P1D, kvconnect relay through the hf3fs store (shared files + "
+           "kvconnect metadata service; needs KV in host memory)", profile="pd", pd=PD_RELAY_HF3FS,
+           services=("kvc_meta",), counterpart=PD_BASELINE),
+    Config("pd_kvc_direct_late", "pd_late", f"pd_kvc_direct, {_LATE}", profile="pd", pd=_late(PD_DIRECT)),
+    Config("pd_kvc_relay_mooncake_late", "pd_late", f"pd_kvc_relay_mooncake, {_LATE}", profile="pd",
+           pd=_late(PD_RELAY_MOONCAKE), services=("mooncake_store",), counterpart="pd_kvc_direct_late"),
+    Config("pd_kvc_relay_hf3fs_late", "pd_late", f"pd_kvc_relay_hf3fs, {_LATE}", profile="pd",
+           pd=_late(PD_RELAY_HF3FS), services=("kvc_meta",), counterpart="pd_kvc_direct_late"),
+]}
+CONFIGS.update(PD_CONFIGS)   # one table for run.py; the default (non-PD) run leaves these out
+HICACHE_NAMES = [n for n in CONFIGS if n not in PD_CONFIGS]
+
+
+def pd_refusal(cfg: Config, setup: Setup, kv_device: str) -> Optional[str]:
+    """Why ``cfg``'s relay store cannot serve KV on ``kv_device`` (the manager's own capability check,
+    made before any server is launched), or None."""
+    conf = cfg.pd.pd_config(setup) if cfg.pd else None
+    if not conf or conf.get("transport") != "relay":
+        return None
+    from kvconnect.connectors.context import EngineContext
+    from kvconnect.connectors.engines.pd_transport import ENV_CONFIG, relay_requirements
+    from kvconnect.connectors.errors import MissingCapability, MissingDependency
+    from kvconnect.connectors.registry import check_capabilities, store_class
+
+    opts = dict(conf["store"])
+    name = opts.pop("store")
+    need = relay_requirements(EngineContext(engine="sglang-pd", device=kv_device))
+    try:
+        cls = store_class(name)
+        check_capabilities(cls, cls.config_from_options(opts), name, tuple(need), need, ENV_CONFIG)
+    except (MissingCapability, MissingDependency) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 ANCHORS = [n for n, c in CONFIGS.items() if c.kind == "anchor"]
 BASELINE = "l2_only"
 
@@ -180,6 +277,6 @@ def default_ports(base: int = 0) -> dict:
     """Fixed loopback ports (offset by ``base`` to run two benchmarks on one host)."""
     p = {"server": 30000, "router": 31000, "kvc_meta": 18000, "mini_3fs_meta": 18010, "mooncake_master": 50051,
          "mooncake_metrics": 9003, "mooncake_store_metrics": 9310, "peer_seed": 31998, "kvc_metrics": 9400,
-         "peercache_discovery": 32998, "peercache_metrics": 31900}
+         "peercache_discovery": 32998, "peercache_metrics": 31900, "pd_bootstrap": 8998, "pd_proxy": 31100}
     return {k: v + base for k, v in p.items()}
 

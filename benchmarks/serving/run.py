@@ -25,8 +25,8 @@ from typing import Optional
 from kvconnect.connectors.config import parse_size
 
 from . import client, workloads
-from .cluster import Router, SGLangServer, Services, http
-from .configs import BASELINE, CONFIGS, Config, Setup
+from .cluster import DelayProxy, Router, SGLangServer, Services, bootstrap_ready, http, wait_until
+from .configs import BASELINE, CONFIGS, PD, Config, Setup, pd_refusal
 from .model import PROMPT_VOCAB, write_model_dir
 from .workloads import Workload
 
@@ -51,6 +51,7 @@ class ServerSpec:
     extra_args: tuple = ()
     launch_timeout_s: float = 600.0
     server_module: str = "sglang.launch_server"
+    kv_device: str = "cuda"                    # where the servers' KV lives (the PD relay's capability check)
 
     def args(self, profile: str) -> list[str]:
         a = ["--page-size", str(self.page_size), "--mem-fraction-static", str(self.mem_fraction),
@@ -62,8 +63,8 @@ class ServerSpec:
         if profile == "hicache":
             a += ["--enable-hierarchical-cache", "--hicache-ratio", str(self.hicache_ratio),
                   "--hicache-write-policy", "write_through"]
-        elif profile != "plain":
-            raise ValueError(f"server profile {profile!r}: accepted values are hicache, plain")
+        elif profile not in ("plain", "pd"):   # pd: Cluster adds each role's --disaggregation-* arguments
+            raise ValueError(f"server profile {profile!r}: accepted values are hicache, plain, pd")
         return a + list(self.extra_args)
 
 
@@ -84,6 +85,9 @@ class Plan:
     load_fraction: float = 0.7                 # W1/W2 offered at this share of the measured capacity (0: as given)
     capacity_requests: int = 128               # requests (or chat turns) in the capacity probe
     resume: bool = False                       # skip pairs already measured in out/runs.jsonl
+    baseline: str = BASELINE                   # the capacity probe runs on its servers
+    reference: str = BASELINE                  # the pair whose probe outputs the others must equal
+    pd_decode_delay_s: float = 2.0             # PD configurations with late=True: decode's request this late
 
 
 class Cluster:
@@ -95,6 +99,9 @@ class Cluster:
         self.servers: list[SGLangServer] = []
         self.router: Optional[Router] = None
         self.launched_once = False
+        self.pd: Optional[PD] = None
+        self.proxy: Optional[DelayProxy] = None
+        self.services: Optional[Services] = None   # PD: the relay store's services live as long as the servers
 
     def env(self, i: int) -> dict:
         spec = self.plan.spec
@@ -103,10 +110,30 @@ class Cluster:
                 "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": str(Path(self.setup.workdir) / "data" / "sglang_file"),
                 "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
 
-    def ensure(self, profile: str) -> None:
-        if self.profile == profile and all(s.proc.alive() for s in self.servers):
+    @property
+    def url(self) -> str:
+        return self.router.url
+
+    def probe_urls(self) -> list[str]:
+        """Where the output check sends its prompts: each server, or the router for PD (a PD server
+        answers only a request the router paired with the other half)."""
+        return [self.router.url] if self.pd else [s.url for s in self.servers]
+
+    def ensure(self, profile: str, pd: Optional[PD] = None, services: tuple = ()) -> None:
+        key = (profile, pd.key(self.setup) if pd else None)
+        if (self.profile, self.pd.key(self.setup) if self.pd else None) == key and \
+                all(s.proc.alive() for s in self.servers):
+            if pd and pd.late != self.pd.late:   # same servers; only the router (and proxy) change
+                self._stop_router()
+                self.pd = pd
+                self._start_pd_router()
             return
         self.stop()
+        if pd is not None:
+            for name in services:   # the relay opens its store when the servers start
+                self.services.start(name)
+            self._launch_pd(profile, pd)
+            return
         spec, log_dir = self.plan.spec, Path(self.setup.workdir) / "logs"
         self.servers = [SGLangServer(i, self.plan.ports["server"] + i, self.model_dir, spec.args(profile), log_dir,
                                      self.env(i), module=spec.server_module) for i in range(spec.servers)]
@@ -129,13 +156,65 @@ class Cluster:
         self.profile = profile
         self.warm_up()
 
+    def _launch_pd(self, profile: str, pd: PD) -> None:
+        """1P1D: prefill (server 0) on the first GPU, decode (server 1) on the second, both with the
+        configuration's transfer backend; the router once prefill's bootstrap server knows its rank."""
+        import json
+
+        spec, log_dir, ports = self.plan.spec, Path(self.setup.workdir) / "logs", self.plan.ports
+        env = {"SGLANG_HOST_IP": "127.0.0.1", **pd.env}
+        conf = pd.pd_config(self.setup)
+        if conf is not None:
+            env["KVCONNECT_PD_CONFIG"] = json.dumps(conf)
+        self.servers = []
+        for i, role in enumerate(("prefill", "decode")):
+            args = spec.args(profile) + ["--disaggregation-mode", role, "--disaggregation-transfer-backend",
+                                         pd.backend, "--disaggregation-bootstrap-port", str(ports["pd_bootstrap"])]
+            self.servers.append(SGLangServer(i, ports["server"] + i, self.model_dir, args, log_dir,
+                                             {**self.env(i), **env}, module=spec.server_module))
+        t0 = time.time()
+        print(f"[serve] launching PD prefill + decode ({pd.backend}, {(conf or {}).get('transport', '-')}) ...",
+              flush=True)
+        for s in self.servers:
+            s.start()
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda s: s.wait_ready(spec.launch_timeout_s), self.servers))
+        # /health says the HTTP server is up; decode's first request needs the bootstrap server to know
+        # prefill's rank (a rank registered late answers 503 until then)
+        wait_until(lambda: bootstrap_ready(ports["pd_bootstrap"]), spec.launch_timeout_s,
+                   "prefill bootstrap server", self.servers[0].proc)
+        print(f"[serve] PD servers ready after {time.time() - t0:.0f} s", flush=True)
+        self.profile, self.pd = profile, pd
+        self._start_pd_router()
+        self.warm_up()
+
+    def _start_pd_router(self) -> None:
+        ports, log_dir = self.plan.ports, Path(self.setup.workdir) / "logs"
+        prefill, decode = self.servers
+        decode_url = decode.url
+        if self.pd.late:
+            self.proxy = DelayProxy(ports["pd_proxy"], decode.url, self.plan.pd_decode_delay_s, log_dir).start()
+            decode_url = self.proxy.url
+        self.router = Router(ports["router"], [], self.plan.spec.router_policy, log_dir,
+                             pd=(prefill.url, ports["pd_bootstrap"], decode_url)).start()
+
+    def _stop_router(self) -> None:
+        if self.router:
+            self.router.stop()
+            self.router = None
+        if self.proxy:
+            self.proxy.stop()
+            self.proxy = None
+
     def warm_up(self) -> None:
         """One long prompt per server first: the first prefill of a fresh process is far slower."""
         import random
 
         rng = random.Random(7)
         prompts = [[rng.randrange(1, PROMPT_VOCAB) for _ in range(4096)] for _ in self.servers]
-        for s, p in zip(self.servers, prompts):
+        if self.pd:   # through the router: both halves of one request
+            client.probe([self.router.url], prompts[:1], max_new_tokens=8)
+        for s, p in zip([] if self.pd else self.servers, prompts):
             client.probe([s.url], [p], max_new_tokens=8)
         for s in self.servers:
             s.flush()
@@ -170,12 +249,12 @@ class Cluster:
         print(f"[serve] L3 path warmed up in {time.time() - t0:.0f} s", flush=True)
 
     def stop(self) -> None:
-        if self.router:
-            self.router.stop()
-            self.router = None
+        self._stop_router()
         for s in self.servers:
             s.stop()
-        self.servers, self.profile = [], None
+        if self.pd is not None and self.services is not None:
+            self.services.stop_all()
+        self.servers, self.profile, self.pd = [], None, None
 
 
 def scrape(url: Optional[str]) -> dict:
@@ -202,7 +281,7 @@ def scrape(url: Optional[str]) -> dict:
 def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Config, plan: Plan,
              reference: dict, capacity: float = 0.0) -> tuple[dict, list]:
     setup = cluster.setup
-    cluster.ensure(cfg.profile)
+    cluster.ensure(cfg.profile, cfg.pd, cfg.services)
     record = {"workload": workload.name, "config": cfg.name, "kind": cfg.kind, "description": cfg.description,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     attached = []
@@ -231,11 +310,11 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
                               "overloaded": offered / capacity > OVERLOAD_FRACTION}
         record["store_metrics"] = {s.index: scrape(cfg.metrics_url(setup, s.index)) for s in cluster.servers}
         # the output check: idle servers, empty GPU and host caches, a sample of the prompts
-        time.sleep(2.0)   # let write-through reach L3
+        if cfg.backend:
+            time.sleep(2.0)   # let write-through reach L3
         for s in cluster.servers:
             refusals += s.flush()
-        probes = client.probe([s.url for s in cluster.servers], workload.sample(plan.probe_prompts),
-                              plan.probe_tokens)
+        probes = client.probe(cluster.probe_urls(), workload.sample(plan.probe_prompts), plan.probe_tokens)
         # the probe's pages all come from L3: the counters after it say which server read whose pages
         record["store_metrics_after_probe"] = {s.index: scrape(cfg.metrics_url(setup, s.index))
                                                for s in cluster.servers}
@@ -265,7 +344,8 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
             except Exception as e:  # noqa: BLE001
                 record.setdefault("cleanup_errors", []).append(str(e)[:300])
         record["admin_refusals"] = refusals
-        services.stop_all()
+        if cfg.pd is None:   # a PD deployment's services stop with its servers (Cluster.stop)
+            services.stop_all()
         record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
@@ -288,7 +368,8 @@ def measure_capacity(cluster: Cluster, workload: Workload, plan: Plan) -> dict:
     (``workloads.capacity_sample``) through the router, caches emptied before and after. A burst
     recomputes a little more than steady state would, so this errs low: the pairs then run further
     below capacity, never above it."""
-    cluster.ensure(CONFIGS[BASELINE].profile)
+    base = CONFIGS[plan.baseline]
+    cluster.ensure(base.profile, base.pd, base.services)
     for s in cluster.servers:
         s.flush()
     sample = workloads.capacity_sample(workload, plan.capacity_requests)
@@ -305,7 +386,7 @@ def measure_capacity(cluster: Cluster, workload: Workload, plan: Plan) -> dict:
     return row
 
 
-def previous_runs(path: Path) -> tuple[dict, dict, list]:
+def previous_runs(path: Path, reference_config: str = BASELINE) -> tuple[dict, dict, list]:
     """What a resumed run keeps from ``path`` (a runs.jsonl): the capacity events by workload, the
     baseline's probe outputs by workload, and the measured pair records (all since the last start)."""
     if not path.exists():
@@ -319,7 +400,7 @@ def previous_runs(path: Path) -> tuple[dict, dict, list]:
             capacity[row["workload"]] = row
         elif "summary" in row:
             records.append(row)
-            if row["config"] == BASELINE and "probe" in row:
+            if row["config"] == reference_config and "probe" in row:
                 reference[row["workload"]] = row["probe"]["outputs"]
     return capacity, reference, records
 
@@ -343,8 +424,9 @@ def execute(plan: Plan) -> list[dict]:
     services = Services(plan.workdir, plan.ports,
                         mooncake_segment=plan.spec.servers * parse_size(plan.l3_bytes_per_server))
     cluster = Cluster(plan, setup, model_dir)
+    cluster.services = services
     runs_path, reqs_path = plan.out / "runs.jsonl", plan.out / "requests.jsonl.gz"
-    capacity, reference, done = previous_runs(runs_path) if plan.resume else ({}, {}, [])
+    capacity, reference, done = previous_runs(runs_path, plan.reference) if plan.resume else ({}, {}, [])
     measured = {(r["workload"], r["config"]) for r in done}
 
     def append(row: dict) -> None:
@@ -384,12 +466,16 @@ def execute(plan: Plan) -> list[dict]:
             cfg = CONFIGS[name]
             cap_tps = (capacity.get(workload.name) or {}).get("served_input_tps", 0.0)
             need = (load.requests[-1].at if load.requests else 60.0) + 45.0
+            refusal = pd_refusal(cfg, setup, plan.spec.kv_device) if cfg.pd else None
             if plan.deadline and time.time() + need > plan.deadline:
                 rec = {"workload": workload.name, "config": name, "skipped": f"deadline ({need:.0f} s needed)"}
                 print(f"[serve] skip {workload.name}/{name}: deadline", flush=True)
+            elif refusal:   # the relay's store cannot serve KV where it lives: what the manager would refuse
+                rec = {"workload": workload.name, "config": name, "skipped": refusal, "refused": True}
+                print(f"[serve] skip {workload.name}/{name}: {refusal}", flush=True)
             else:
                 rec, results = run_pair(cluster, services, load, cfg, plan, reference, cap_tps)
-                if name == BASELINE and "probe" in rec:
+                if name == plan.reference and "probe" in rec:
                     reference[workload.name] = rec["probe"]["outputs"]
                 with gzip.open(reqs_path, "at") as f:
                     for r in results:

@@ -15,6 +15,17 @@ pool pages through the adapter (storage hits); the rest are "computed" (page byt
 page key) and written through to the store. The generated tokens are a digest of every page's bytes,
 so a wrong or torn page read from the store changes the output, as wrong KV does on a GPU. Prefill
 time is simulated per computed token, so hits shorten TTFT.
+
+PD mode (``--disaggregation-mode prefill|decode``, as ``sglang_router --pd-disaggregation`` drives a
+1P1D pair): real SGLang 0.5.23 PD classes under the transfer backend named by
+``--disaggregation-transfer-backend`` (kvconnect's, with ``KVCONNECT_PD_CONFIG``, or SGLang's own),
+through ``kvconnect.connectors.testing.pd.Node``: ``ServerArgs`` + ``publish``, the plugin loader,
+``get_kv_class``, the prefill's bootstrap server, an ``MHATokenToKVPool`` on ``device="cpu"`` as the
+KV memory. Both halves of a request carry the router's ``bootstrap_host/port/room``. Prefill writes
+the prompt's page bytes (the hash model's, as above) into KV slots and sends them with a real sender;
+decode receives them into its own slots with a real receiver and answers with the digest of the
+bytes it received, so its tokens equal the non-disaggregated server's only if every byte arrived.
+One thread drives every sender and receiver, as SGLang's scheduler loop does.
 """
 
 from __future__ import annotations
@@ -126,7 +137,163 @@ class Engine:
         return counts, digest
 
 
-def make_app(engine: Engine, admin_key: str) -> web.Application:
+class PDRole:
+    """One PD half (``prefill`` or ``decode``) on real SGLang PD classes; see the module docstring."""
+
+    LAYERS, HEADS, HEAD_DIM = 2, 2, 8   # the host pool's geometry above: a KV page has the same bytes
+
+    def __init__(self, a, engine: Engine):
+        from kvconnect.connectors.testing.pd import Node
+
+        self.engine, self.role, self.page = engine, a.disaggregation_mode, a.page_size
+        self.timeout_s = a.pd_timeout_s
+        self.node = Node({"role": self.role, "backend": a.disaggregation_transfer_backend,
+                          "bootstrap_port": a.disaggregation_bootstrap_port, "http_port": a.port,
+                          "layers": self.LAYERS, "heads": self.HEADS, "head_dim": self.HEAD_DIM,
+                          "page_size": self.page, "dtype": "bfloat16", "pool_pages": a.pd_pool_pages,
+                          "aux_slots": a.pd_aux_slots, "verify": False, "alloc": "sequential"})
+        assert self.node.page_bytes == engine.page_nbytes, (self.node.page_bytes, engine.page_nbytes)
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        self.KVPoll = KVPoll
+        self.free_pages = list(range(1, a.pd_pool_pages))   # page 0 is SGLang's padding page
+        self.free_aux = list(range(a.pd_aux_slots))
+        self.jobs: dict[int, dict] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._loop, daemon=True, name="pd-scheduler-loop").start()
+
+    # -- the "scheduler loop" --------------------------------------------------------
+    def submit(self, room: int, job: dict):
+        import concurrent.futures
+
+        job.update(future=concurrent.futures.Future(), state="new", deadline=time.monotonic() + self.timeout_s,
+                   room=room)
+        with self.lock:
+            if room in self.jobs:
+                raise ValueError(f"bootstrap_room {room} already in flight")
+            self.jobs[room] = job
+        return asyncio.wrap_future(job["future"])
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                jobs = list(self.jobs.values())
+            for job in jobs:
+                try:
+                    done = self._step(job) if time.monotonic() < job["deadline"] else \
+                        self._fail(job, f"room {job['room']}: no result within {self.timeout_s:.0f} s "
+                                        f"(state {job['state']})")
+                except Exception as e:  # noqa: BLE001 - the request fails, the loop goes on
+                    done = self._fail(job, f"{type(e).__name__}: {e}")
+                if done:
+                    self._release(job)
+            time.sleep(0.001 if jobs else 0.005)
+
+    def _fail(self, job: dict, reason: str) -> bool:
+        job["error"] = reason
+        return True
+
+    def _release(self, job: dict) -> None:
+        with self.lock:
+            self.jobs.pop(job["room"], None)
+            self.free_pages.extend(job.get("pages", []))
+            if job.get("aux") is not None:
+                self.free_aux.append(job["aux"])
+        if "error" in job:
+            job["future"].set_exception(RuntimeError(job["error"]))
+        else:
+            job["future"].set_result(job.get("result"))
+
+    def _alloc(self, job: dict, n: int) -> bool:
+        with self.lock:
+            if n > len(self.free_pages) or not self.free_aux:
+                return False   # wait for others to finish, as SGLang's queues do
+            job["pages"], self.free_pages = self.free_pages[:n], self.free_pages[n:]
+            job["aux"] = self.free_aux.pop()
+        return True
+
+    def _step(self, job: dict) -> bool:
+        import numpy as np
+
+        P, node = self.KVPoll, self.node
+        if job["state"] == "new":
+            cls = node.get_kv_class(node.backend, node.KVClassType.SENDER if self.role == "prefill"
+                                    else node.KVClassType.RECEIVER)
+            if self.role == "prefill":
+                job["kv"] = cls(mgr=node.mgr, bootstrap_addr=job["addr"], bootstrap_room=job["room"])
+            else:
+                if not node.mgr.try_ensure_parallel_info(job["addr"]):   # SGLang's decode asks /route first
+                    return False
+                job["kv"] = cls(mgr=node.mgr, bootstrap_addr=job["addr"], bootstrap_room=job["room"])
+                job["kv"].init(0)
+            job["state"] = "bootstrap"
+            return False
+        kv = job["kv"]
+        st = int(kv.poll())
+        if st == P.Failed:
+            try:
+                kv.failure_exception()
+                reason = "failed"
+            except Exception as e:  # noqa: BLE001 - SGLang's KVTransferError with the reason
+                reason = str(e)
+            return self._fail(job, f"room {job['room']}: KV transfer failed: {reason}")
+        if job["state"] == "bootstrap" and st == P.WaitingForInput:
+            if not self._alloc(job, job["npages"]):
+                return False
+            pages = np.asarray(job["pages"], dtype=np.int64)
+            if self.role == "prefill":
+                self._write(pages, job["page_bytes"])
+                node.write_aux(job["room"], job["aux"], job["room"])
+                kv.init(len(pages), job["aux"])
+                kv.send(pages.astype(np.int32), None)
+            else:
+                kv.send_metadata(pages.astype(np.int32), job["aux"], None)
+            job["state"] = "transfer"
+        elif job["state"] == "transfer" and st == P.Success:
+            if self.role == "decode":
+                job["result"] = self._read(np.asarray(job["pages"], dtype=np.int64))
+            kv.clear()
+            return True
+        return False
+
+    def _write(self, pages, page_bytes: list[bytes]) -> None:
+        import numpy as np
+
+        from kvconnect.connectors.testing.pd import _view
+
+        raw = np.frombuffer(b"".join(page_bytes), dtype=np.uint8).reshape(len(page_bytes), -1)
+        off = 0
+        for ptr, n, item in self.node.kv:
+            _view(ptr, n).reshape(-1, item)[pages] = raw[:, off:off + item]
+            off += item
+
+    def _read(self, pages) -> list[bytes]:
+        from kvconnect.connectors.testing.pd import _view
+
+        parts = [_view(ptr, n).reshape(-1, item)[pages] for ptr, n, item in self.node.kv]
+        return [b"".join(p[i].tobytes() for p in parts) for i in range(len(pages))]
+
+    # -- one request -------------------------------------------------------------------
+    async def generate(self, body: dict, ids: list[int]) -> tuple[dict, bytes]:
+        for k in ("bootstrap_host", "bootstrap_port", "bootstrap_room"):
+            if body.get(k) is None:
+                raise web.HTTPBadRequest(text=f"PD {self.role}: the request has no {k} (send it through the "
+                                              "router, or give all three)\n")
+        room, addr = int(body["bootstrap_room"]), f"{body['bootstrap_host']}:{int(body['bootstrap_port'])}"
+        keys = page_keys(ids, self.page)
+        npages = max(1, len(keys))   # SGLang sends a request's last page even when partial
+        if self.role == "prefill":
+            await asyncio.sleep(self.engine.us_per_token * 1e-6 * len(ids))   # the prefill's compute
+            data = [self.engine.expected(k) for k in keys] or [bytes(self.engine.page_nbytes)]
+            await self.submit(room, {"addr": addr, "npages": npages, "page_bytes": data})
+            return {"device": 0, "host": 0, "storage": 0}, b""
+        received = await self.submit(room, {"addr": addr, "npages": npages})
+        pages = received[:len(keys)]
+        digest = hashlib.sha256(b"".join(pages) + json.dumps(ids[len(keys) * self.page:]).encode()).digest()
+        return {"device": 0, "host": 0, "storage": 0}, digest
+
+
+def make_app(engine: Engine, admin_key: str, pd: "PDRole | None" = None) -> web.Application:
     def authorized(request) -> bool:
         return request.headers.get("Authorization") == f"Bearer {admin_key}"
 
@@ -135,7 +302,8 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
 
     async def info(request):
         return web.json_response({"model_path": "serving-test", "is_generation": True, "page_size": engine.page,
-                                  "requests_served": engine.served, "admin_refusals": engine.refusals})
+                                  "requests_served": engine.served, "admin_refusals": engine.refusals,
+                                  "disaggregation_mode": pd.role if pd else "null", "tp_size": 1, "dp_size": 1})
 
     async def flush(request):
         if not authorized(request):
@@ -177,7 +345,15 @@ def make_app(engine: Engine, admin_key: str) -> web.Application:
             engine.busy_until = time.monotonic() + engine.idle_lag_s
 
     async def respond(request, body, ids, n):
-        counts, digest = await asyncio.to_thread(engine.prefill, ids)
+        if pd is not None:
+            try:
+                counts, digest = await pd.generate(body, ids)
+            except RuntimeError as e:   # a failed transfer: SGLang aborts the request with the reason
+                return web.json_response({"error": {"message": str(e)}}, status=500)
+            if pd.role == "prefill":   # its answer carries no tokens; the router streams decode's
+                n = 1
+        else:
+            counts, digest = await asyncio.to_thread(engine.prefill, ids)
         engine.served += 1
         out = output_tokens(digest, n)
         meta = {"prompt_tokens": len(ids), "cached_tokens": counts["device"] + counts["storage"],
@@ -218,8 +394,20 @@ def main() -> None:
     p.add_argument("--us-per-token", type=float, default=50.0, help="simulated prefill time per computed token")
     p.add_argument("--idle-lag-s", type=float, default=0.5,
                    help="attach/detach/flush refused this long after the last response (SGLang's idle lag)")
+    p.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"])
+    p.add_argument("--disaggregation-transfer-backend", default="mooncake")
+    p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
+    p.add_argument("--pd-pool-pages", type=int, default=4096, help="PD: KV pages of the CPU KV pool")
+    p.add_argument("--pd-aux-slots", type=int, default=256, help="PD: aux rows (requests in flight)")
+    p.add_argument("--pd-timeout-s", type=float, default=120.0, help="PD: a request's transfer bound")
     a, _sglang_args = p.parse_known_args()
-    web.run_app(make_app(Engine(a), a.admin_api_key), host=a.host, port=a.port, print=None)
+    engine = Engine(a)
+    pd = PDRole(a, engine) if a.disaggregation_mode != "null" else None
+    web.run_app(make_app(engine, a.admin_api_key, pd), host=a.host, port=a.port, print=None)
+    if pd is not None:   # SGLang's PD threads (bootstrap server, heartbeats, transfer workers) never end
+        import os
+
+        os._exit(0)
 
 
 if __name__ == "__main__":

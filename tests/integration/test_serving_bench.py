@@ -9,6 +9,7 @@ load driver, the output check and the report.
 """
 
 import gzip
+import hashlib
 import json
 import re
 
@@ -148,3 +149,71 @@ def test_serve_quick_end_to_end(tmp_path, broken_config, capsys):
     assert rows[-1]["load"]["capacity_input_tps"] == capacity["w1"]["served_input_tps"]
     doc = json.loads((results / "serving.json").read_text())
     assert {"l2_only", "kvc_hf3fs", "kvc_memory"} <= set(doc["figures"]["w1"])
+
+
+PD_PAIRS = "w1:pd_kvc_relay_hf3fs,w1:pd_kvc_relay_hf3fs_late,w1:no_pd"
+
+
+@pytest.mark.timeout(300)  # one PD launch, one router + proxy restart, one plain launch: ~65 s on a 2-core machine
+def test_serve_pd_behind_the_real_router(tmp_path, capsys):
+    """`kvconnect bench serve --pd` on CPU: the real ``sglang_router --pd-disaggregation`` in front of a
+    prefill and a decode server, the kvconnect relay over the hf3fs store (with its metadata service)
+    as the transfer backend, a late-decode variant and the non-disaggregated output reference.
+
+    Mocked because CI has no GPU: the model (``serving_engine``'s hash model: a request's output is a
+    digest of every KV byte decode received). Real: the router, SGLang 0.5.23's PD classes in both
+    servers (plugin loader, ``get_kv_class``, the prefill's bootstrap server, senders and receivers
+    over a CPU ``MHATokenToKVPool``), kvconnect's PD backend and relay, the hf3fs store and metadata
+    service, the delaying proxy, the load driver, the capacity probe, the output check and the report.
+    SGLang's own mooncake backend and the direct plane (Mooncake's Transfer Engine, which listens on
+    every interface) are not started here: ``tests/integration/test_sglang_pd.py`` runs them in a
+    network namespace.
+    """
+    from kvconnect.connectors.testing.hash_model import output_tokens, page_bytes, page_keys
+
+    out, results = tmp_path / "out", tmp_path / "results"
+    argv = ["--pd", "--quick", "--server-module", "kvconnect.connectors.testing.serving_engine", "--kv-device", "cpu",
+            "--workdir", str(tmp_path / "work"), "--out", str(out), "--results-dir", str(results),
+            "--port-base", "1700", "--pd-baseline", "pd_kvc_relay_hf3fs", "--pd-decode-delay-s", "0.5",
+            "--capacity-requests", "16", "--l3-file-size", "64mb", "--pairs", PD_PAIRS]
+    assert serve.main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    cap = next(r for r in rows if r.get("event") == "capacity")
+    assert cap["workload"] == "w1" and cap["failed"] == 0 and cap["served_input_tps"] > 0
+    pairs = {r["config"]: r for r in rows if "event" not in r}
+    assert set(pairs) == {"pd_kvc_relay_hf3fs", "pd_kvc_relay_hf3fs_late", "no_pd"}
+    for c, r in pairs.items():
+        s = r["summary"]
+        assert s["failed"] == 0 and s["ok"] == s["requests"] > 0, (c, s["errors"])
+        assert s["ttft_p50_s"] > 0 and s["output_tps"] > 0
+        assert r["load"]["capacity_input_tps"] == cap["served_input_tps"]
+    # the tokens decode streamed are the hash model's digest of the page bytes prefill computed: every
+    # byte of every page crossed prefill -> store -> decode (a non-disaggregated server gives the same)
+    load = workloads.from_params("w1", cap["params"])
+    page, nbytes = 64, 2 * 2 * 2 * 8 * 2 * 64   # the stand-in's KV page: K+V x 2 layers x 2 heads x 8 x bf16
+    expected = []
+    for ids in load.sample(8):
+        keys = page_keys(ids, page)
+        digest = hashlib.sha256(b"".join(page_bytes(k, nbytes) for k in keys) +
+                                json.dumps(ids[len(keys) * page:]).encode()).digest()
+        expected.append(" ".join(f"w{t}" for t in output_tokens(digest, 16)))
+    for c, r in pairs.items():
+        assert r["probe"]["ok"] == r["probe"]["prompts"] == 8
+        assert r["probe"]["outputs"] == expected, c
+    # the late variant: the same servers, decode's half held 0.5 s by the proxy (TTFT includes it)
+    assert pairs["pd_kvc_relay_hf3fs_late"]["summary"]["ttft_p50_s"] > 0.5
+    assert printed.count("[serve] launching PD prefill + decode") == 1
+
+    doc = json.loads((results / "pd_serving.json").read_text())
+    assert doc["name"] == "pd_serving" and doc["device"].startswith("cpu") and doc["when"]
+    figs = doc["figures"]["w1"]
+    for c in ("pd_kvc_relay_hf3fs", "pd_kvc_relay_hf3fs_late"):
+        assert figs[c]["identical_to_no_pd"] == 8 and figs[c]["mismatches_vs_no_pd"] == 0
+    names = {r["metric"] for r in doc["ratios"]}
+    assert "w1_pd_kvc_relay_hf3fs_late_ttft_p50_vs_pd_kvc_relay_hf3fs" not in names  # its counterpart is direct_late
+    assert any(t["target"] == "w1: pd_kvc_relay_hf3fs failed requests" and t["met"] for t in doc["targets"])
+    assert any(t["target"].startswith("w1: pd_kvc_relay_hf3fs_late output mismatches") and t["met"]
+               for t in doc["targets"])
+    assert doc["failed_pairs"] == [] and doc["refused"] == []
+    assert not list((tmp_path / "work" / "data").glob("pd_hf3fs/*"))   # the relay's files went with its services
