@@ -16,9 +16,13 @@ as SGLang's prefetch thread does:
 * ``kvc_mooncake`` vs ``sglang_mooncake``: both clients of the same ``mooncake_master`` (and
   segment-holder process) in one loopback-only namespace, Transfer Engine over TCP, the
   engine side lending no memory (the Mooncake Store deployment guide's setup);
-* ``kvc_mooncake_inline``: ``kvc_mooncake`` with ``call_mode="inline"`` (Mooncake calls on the
-  caller's thread; the default ``"worker"`` hands each call to a worker thread so that
-  ``op_timeout`` bounds it, which costs one thread hand-off per call);
+* ``kvc_mooncake_inline``: ``kvc_mooncake`` with ``call_mode="inline"`` (every Mooncake call on
+  the caller's thread; the default ``"worker"`` runs gets and puts on worker threads so that
+  ``op_timeout`` bounds them, and its lookups on the caller's thread too, bounded by
+  Mooncake's RPC timeouts: one path for ``batch_exists`` in both modes);
+* ``floor_kvc_mooncake`` / ``floor_sglang_mooncake``: the floor under each: its backend's own
+  Mooncake client asked ``batch_is_exist`` for the object keys the backend asks (one a page
+  for kvconnect, K and V for SGLang), derived before timing: the RPC alone;
 * ``kvc_hf3fs`` vs ``sglang_hf3fs``: kvconnect's ``hf3fs`` store (POSIX client) with its
   metadata service (``kvconnect hf3fs-meta serve``, framed TCP) vs SGLang's ``HiCacheHF3FS``
   with its mock client and ``mini_3fs_metadata_server`` (``Hf3fsGlobalMetadataClient``,
@@ -30,7 +34,8 @@ The cost per key is one call's seconds over the keys asked. Each repetition call
 system ``--calls`` times per batch kind, systems in a rotating order (interleaved, so load
 changes on the shared machine hit all alike); the ratio of a pair is the median over
 repetitions of the same-repetition quotient ``SGLang's cost / kvconnect's`` (> 1: kvconnect
-cheaper; target >= 1.0 against SGLang's ``mooncake`` on the same master).
+cheaper; target >= 1.0 against SGLang's ``mooncake`` on the same master), with its quartiles
+and the share of repetitions kvconnect was cheaper in.
 """
 
 from __future__ import annotations
@@ -59,7 +64,9 @@ PAIRS = (("kvc_mooncake", "sglang_mooncake",
           "SGLang 0.5.23 MooncakeStore backend, same mooncake_master (target >= 1.0)"),
          ("kvc_mooncake_inline", "sglang_mooncake", "SGLang 0.5.23 MooncakeStore backend, same mooncake_master"),
          ("kvc_hf3fs", "sglang_hf3fs",
-          "SGLang 0.5.23 HiCacheHF3FS (mock client) + mini_3fs_metadata_server (HTTP)"))
+          "SGLang 0.5.23 HiCacheHF3FS (mock client) + mini_3fs_metadata_server (HTTP)"),
+         ("floor_kvc_mooncake", "floor_sglang_mooncake",
+          "the batch_is_exist RPC alone, each backend's object keys (1 a page / 2 a page), same master"))
 KINDS = ("hit", "prefix", "miss")
 MODEL = "bench/batch-exists"
 
@@ -122,6 +129,36 @@ def _backends(p: dict, host, tmp: Path, stack: contextlib.ExitStack) -> dict[str
     return out
 
 
+def _leading_ones(codes: list[int]) -> int:
+    n = 0
+    for c in codes:
+        if c != 1:
+            break
+        n += 1
+    return n
+
+
+def _floors(systems: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The floor of each Mooncake system's lookup: its own Mooncake client's ``batch_is_exist``
+    of the object keys its backend would ask for a batch (derived before timing), answered as
+    leading 1s: the RPC both backends make, without either backend's Python around it.
+    ``(name, prepare, client)`` per system present."""
+    out = []
+    kvc = systems.get("kvc_mooncake")
+    if kvc is not None:
+        view = kvc.kv.store
+        out.append(("floor_kvc_mooncake", view.inner_keys, view.inner.session.client))
+    sg = systems.get("sglang_mooncake")
+    if sg is not None and not sg.is_mla_backend and not sg.should_split_heads:
+        suffix = sg.mha_suffix
+
+        def objects(keys: list[str], sg=sg, suffix=suffix) -> list[str]:
+            return [f"{key}_{suffix}_{kv}" for key in sg._tag_keys(keys) for kv in "kv"]
+
+        out.append(("floor_sglang_mooncake", objects, sg.store))
+    return out
+
+
 def _worker(args: argparse.Namespace) -> int:
     from kvconnect.benchmarks.mooncake import _IOThread
     from kvconnect.connectors.testing.sglang import fill_pages, make_cpu_host_pool, page_bytes, zero_pages
@@ -150,28 +187,35 @@ def _worker(args: argparse.Namespace) -> int:
         fresh = lambda name, r, j, m: [hashlib.sha256(f"miss-{name}-{r}-{j}-{i}".encode()).hexdigest()  # noqa: E731
                                        for i in range(m)]
         want = {"hit": k, "prefix": k // 2, "miss": 0}
-        names = list(systems)
+        # name -> (prepare a batch of page keys before timing, ask it: leading hits)
+        asks: dict[str, tuple[Any, Any]] = {name: (None, b.batch_exists) for name, b in systems.items()}
+        for name, prep, client in _floors(systems):
+            asks[name] = (prep, lambda ks, client=client: _leading_ones(client.batch_is_exist(ks)))
+            stored[name] = stored[name.split("floor_", 1)[1]]
+        names = list(asks)
         timers = {name: _IOThread(name).timed for name in names}
         times: dict[str, dict[str, list[float]]] = {name: {kind: [] for kind in KINDS} for name in names}
         for r in range(p["reps"] + 1):  # repetition 0 warms up
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
-                b, keys = systems[name], stored[name]
+                (prep, ask), keys = asks[name], stored[name]
                 for kind in KINDS:
                     batches = []
                     for j in range(p["calls"]):
                         start = ((r * p["calls"] + j) * k) % (n - k + 1)
                         hit = keys[start:start + k]
-                        batches.append(hit if kind == "hit" else fresh(name, r, j, k) if kind == "miss" else
-                                       hit[:k // 2] + fresh(name, r, j, k - k // 2))
+                        batch = (hit if kind == "hit" else fresh(name, r, j, k) if kind == "miss" else
+                                 hit[:k // 2] + fresh(name, r, j, k - k // 2))
+                        batches.append(batch if prep is None else prep(batch))
                     got: list[int] = []
 
-                    def calls(b=b, batches=batches, got=got):
+                    def calls(ask=ask, batches=batches, got=got):
                         for keys_ in batches:
-                            got.append(b.batch_exists(keys_))
+                            got.append(ask(keys_))
 
                     dt = timers[name](calls)
-                    if got != [want[kind]] * len(batches):
+                    per_page = 2 if name == "floor_sglang_mooncake" else 1  # its K and V objects
+                    if [g // per_page for g in got] != [want[kind]] * len(batches):
                         raise RuntimeError(f"{name}: batch_exists of a {kind} batch of {k} answered {got[:4]}, "
                                            f"not {want[kind]}")
                     if r:
@@ -244,8 +288,22 @@ def main(argv: list[str] | None = None) -> int:
             row = res.ratio(f"us_per_key {kind} {ours} / {ref}", o["us_per_key"], f["us_per_key"], system,
                             higher_is_better=False)
             row["ratio_of_medians"] = row["ratio"]
-            row["ratio"] = round(statistics.median(rv / ov for ov, rv in zip(o["us_per_key_all"],
-                                                                             f["us_per_key_all"])), 4)
+            q = sorted(rv / ov for ov, rv in zip(o["us_per_key_all"], f["us_per_key_all"]))
+            row["ratio"] = round(statistics.median(q), 4)
+            row["ratio_q25_q75"] = [round(x, 4) for x in statistics.quantiles(q, n=4)[::2]] if len(q) > 1 else None
+            row["reps_kvconnect_cheaper"] = round(sum(x > 1 for x in q) / len(q), 4)
+    over: dict[str, Any] = {}
+    for name in ("kvc_mooncake", "kvc_mooncake_inline", "sglang_mooncake"):
+        floor = fig.get("floor_" + ("kvc_mooncake" if name.startswith("kvc_") else name))
+        if name in fig and floor is not None:
+            over[name] = {kind: round(statistics.median(a - b for a, b in zip(fig[name][kind]["us_per_key_all"],
+                                                                              floor[kind]["us_per_key_all"])), 4)
+                          for kind in KINDS}
+    if over:
+        res.figures["overhead_us_per_key"] = over
+    res.notes.append("overhead_us_per_key: median over repetitions of a Mooncake system's cost per key minus its "
+                     "floor's in the same repetition (the backend's own Python: key derivation, checks, result "
+                     "conversion, hand-offs)")
     res.notes.append("ratio = median over repetitions of the same-repetition quotient reference cost / kvconnect "
                      "cost per key (> 1: kvconnect cheaper); ours/reference are median microseconds per key; "
                      "ratio_of_medians is their quotient")
@@ -253,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
                      "pool; its pages were written by its own batch_set_v1 and read back byte-exact by its own "
                      "batch_get_v1 before timing; every batch_exists answer was checked (hit: all keys, prefix: "
                      "half, miss: 0)")
+    res.notes.append("ratio_q25_q75: quartiles of those same-repetition quotients; reps_kvconnect_cheaper: the "
+                     "share of repetitions in which kvconnect's cost per key was the lower")
+    res.notes.append("floor_kvc_mooncake / floor_sglang_mooncake: each Mooncake backend's own client asked "
+                     "batch_is_exist for the object keys its backend asks (derived before timing), in the same "
+                     "rotation: the RPC without either backend's Python; a system's cost minus its floor is its "
+                     "own overhead")
     res.notes.append("SGLang's mooncake backend asks two objects per MHA page (K and V) and its hf3fs backend two "
                      "keys per page (zero-copy page_first); kvconnect one key per page")
     res.notes.append("the machine is shared (see machine.loadavg): quote ratios, not absolute microseconds")

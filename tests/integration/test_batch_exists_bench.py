@@ -39,8 +39,14 @@ def test_batch_exists_benchmark_quick(tmp_path):
     for name in ("kvc_mooncake", "sglang_mooncake", "kvc_hf3fs", "sglang_hf3fs"):
         for kind in ("hit", "prefix", "miss"):
             assert fig[name][kind]["us_per_key"] > 0 and len(fig[name][kind]["us_per_key_all"]) == 3, (name, kind)
+    for name in ("floor_kvc_mooncake", "floor_sglang_mooncake"):  # the RPC alone, answers checked as well
+        for kind in ("hit", "prefix", "miss"):
+            assert fig[name][kind]["us_per_key"] > 0 and len(fig[name][kind]["us_per_key_all"]) == 3, (name, kind)
+    assert set(fig["overhead_us_per_key"]) == {"kvc_mooncake", "sglang_mooncake"}
     metrics = {r["metric"]: r for r in doc["ratios"]}
     for kind in ("hit", "prefix", "miss"):
-        assert metrics[f"us_per_key {kind} kvc_mooncake / sglang_mooncake"]["ratio"] > 0
+        row = metrics[f"us_per_key {kind} kvc_mooncake / sglang_mooncake"]
+        assert row["ratio"] > 0 and 0 <= row["reps_kvconnect_cheaper"] <= 1 and len(row["ratio_q25_q75"]) == 2
+        assert metrics[f"us_per_key {kind} floor_kvc_mooncake / floor_sglang_mooncake"]["ratio"] > 0
         assert metrics[f"us_per_key {kind} kvc_hf3fs / sglang_hf3fs"]["ratio"] > 0
     assert doc["params"]["keys"] == 32 and doc["machine"]["loadavg"]
