@@ -49,6 +49,35 @@ def abort_room(msg: List[bytes]) -> Optional[int]:
         return None
 
 
+class _Accepted:
+    status_code = 200
+    text = "OK"
+
+
+def recorded_registrations(register: Any) -> List[Tuple[str, Any]]:
+    """Run ``register`` (SGLang 0.5.17's ``register_to_bootstrap``, which builds the URL and payload
+    and PUTs them inline, five tries in ~15 s and then only an error in the log) with its module's
+    ``requests.put`` answered 200 by a recorder; the (url, payload) pairs it would have sent."""
+    calls: List[Tuple[str, Any]] = []
+    real = _conn.requests
+
+    class Recorder:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        @staticmethod
+        def put(url: str, json: Any = None, **kwargs: Any) -> _Accepted:
+            calls.append((url, json))
+            return _Accepted()
+
+    _conn.requests = Recorder()
+    try:
+        register()
+    finally:
+        _conn.requests = real
+    return calls
+
+
 if HAS_COMMON_PLUMBING:
     ManagerBase = _conn.CommonKVManager
     SenderBase = _conn.CommonKVSender
@@ -59,6 +88,18 @@ else:
         """0.5.17's CommonKVManager plus the status plumbing of later releases."""
 
         DEFAULT_PREFILL_FAILURE_REASON = "Failed to get kvcache from prefill instance, it might be dead"
+
+        def register_to_bootstrap(self) -> None:
+            """0.5.17 registers inline; 0.5.23 hands URL and payload to ``_register_topology_row``,
+            which kvconnect's manager implements with the retries the start-up race needs. Here
+            0.5.17's own code builds them (its PUT recorded, not sent) and the hook sends them."""
+            hook = getattr(self, "_register_topology_row", None)
+            if hook is None:
+                super().register_to_bootstrap()
+                return
+            for url, payload in recorded_registrations(super().register_to_bootstrap):
+                hook(url, payload)
+
         kv_status_msg_tag: Optional[bytes] = None
         kv_status_msg_carries_reason = False
 

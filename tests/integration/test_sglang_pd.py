@@ -400,3 +400,25 @@ def test_bootstrap_server_listens_before_it_returns_and_fails_on_a_held_port():
         assert e.code == 503 and b"not fully registered" in e.read()
     finally:
         server.close()
+
+
+def test_sglang_0517_registration_goes_through_the_retrying_hook():
+    """SGLang 0.5.17 PUTs its registration inline (five tries, then only a log line); the compat
+    layer runs 0.5.17's own code with that PUT recorded and hands URL and payload to the hook the
+    0.5.23 path uses. The recorder answers only ``put`` and restores SGLang's module afterwards."""
+    from sglang.srt.disaggregation.common import conn
+
+    from kvconnect.connectors.engines.sglang_pd_compat import recorded_registrations
+
+    real = conn.requests
+
+    def register_like_0517():   # the shape of 0.5.17's CommonKVManager.register_to_bootstrap
+        assert conn.requests.get is real.get   # everything but put is SGLang's own
+        for attempt in range(5):
+            response = conn.requests.put("http://127.0.0.1:1/route", json={"rank_port": 7 + attempt}, timeout=5)
+            if response.status_code == 200:
+                return
+        raise AssertionError("the recorder did not accept the registration")
+
+    assert recorded_registrations(register_like_0517) == [("http://127.0.0.1:1/route", {"rank_port": 7})]
+    assert conn.requests is real
