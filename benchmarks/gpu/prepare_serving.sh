@@ -1,24 +1,27 @@
 #!/bin/bash
-# Build the folders run_serving.sh installs from, on a machine with internet access, for a GPU machine that
-# has Python 3.12, CUDA torch and no network (and takes at most 64 MiB of files per transfer):
-#   .gpuwheels1/          SGLang 0.5.17, a slimmed sglang-kernel, transformers, tokenizers, tvm-ffi (~52 MiB)
-#   .gpuserve1/           PeerCache 0.8.4 (cp312)
+# Build the bundle run_serving.sh (and run_e2e.sh) installs from, on a machine with access to PyPI, for a
+# GPU node with Python 3.12 and a CUDA torch but no network. Writes into BUNDLE_DIR (default: the checkout
+# this script is in); copy those folders next to the checkout on the node (or point BUNDLE_DIR there):
+#   .gpuwheels1/             SGLang 0.5.17, a slimmed sglang-kernel, transformers, tokenizers, tvm-ffi (~52 MiB)
+#   .gpuserve1/              PeerCache 0.8.4 (cp312)
 #   .gpuserve2/site2.tar.xz  the rest of SGLang's wheel set + sglang-router 0.3.2 (stripped), unpacked (~34 MiB)
-#   .gpumc/mc312.tar.xz   Mooncake 0.3.13 (non-CUDA build: host memory) trimmed, with libibverbs/librdmacm (~15 MiB)
+#   .gpumc/mc312.tar.xz      Mooncake 0.3.13 (non-CUDA build: host memory) trimmed, with libibverbs/librdmacm (~15 MiB)
+#   .gpuwheels-dl/           the downloads (not needed on the node)
+# No part is over ~55 MiB, for nodes that take files in small uploads.
 # The pins (sglang_0517_wheels.txt) are the wheels SGLang 0.5.17 needs beyond a CUDA torch 2.11 image.
-# Every folder is git-ignored (.git/info/exclude): wheels are never committed.
+# Needs: python3 -m pip, xz, strip, and libibverbs/libnl/librdmacm in /lib/x86_64-linux-gnu (copied for bare
+# images). The folders are git-ignored.
+#   bash benchmarks/gpu/prepare_serving.sh          (-h: this text)
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo pipefail$/p' "$0" | sed '$d' | cut -c3-; exit 0 ;; esac
 G=$(cd "$(dirname "$0")" && pwd)
-cd "$(git rev-parse --show-toplevel)"
+mkdir -p "${BUNDLE_DIR:-$G/../..}" && cd "${BUNDLE_DIR:-$G/../..}"
 D=.gpuwheels-dl
 W="python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp"
 P="--platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
    --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
    --platform manylinux2014_x86_64 --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64"
-mkdir -p .git/info "$D"
-for p in /.gpuwheels-dl/ /.gpuwheels1/ /.gpuserve1/ /.gpuserve2/ /.gpumc/ /.gpujitcache/; do
-  grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude
-done
+mkdir -p "$D"
 
 # 1. SGLang's wheel set, split in two
 # shellcheck disable=SC2086

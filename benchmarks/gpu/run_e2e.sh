@@ -1,9 +1,13 @@
 #!/bin/bash
 # GPU end-to-end TTFT of SGLang HiCache with kvconnect stores vs SGLang's own L3 backends.
-# Runs on the GPU machine (H200) from the repository root; benchmarks/gpu/README.md has the commands.
-#   bash benchmarks/gpu/run_e2e.sh PHASE...
-# PHASE: diag | install1 | install2 | install3 (Mooncake, from .gpumc/) | install4 (CUDA Mooncake from .gpumccuda/ + the PD plugin's
-#        entry point, needs two GPUs' phases) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE | pd:TRANSPORT
+# Runs on a GPU node (one GPU; two of one host for pd:*); benchmarks/gpu/README.md is the runbook.
+#   bash benchmarks/gpu/run_e2e.sh PHASE...        (phases run in the order given; -h: this text)
+# PHASE: diag | install1 | install2 | install3 (Mooncake) | install4 (CUDA Mooncake + the PD plugin's entry
+#        point, for pd:*) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE | pd:TRANSPORT
+#   install1-4 install from a bundle of files (no network): install1 pip-installs $SGLANG_WHEELS/*.whl into
+#   $GPU_TMP/site1; install2 $SGLANG_WHEELS2/*.whl into site2 or, without that folder, unpacks $SITE2_TAR
+#   (prepare_serving.sh's bundle); install3 unpacks $MOONCAKE_TAR into site3, install4 $MOONCAKE_CUDA_TAR.
+#   Where SGLang and Mooncake are installed already, skip them: the store phases need only `python3 -m sglang`.
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
 #         kvc_hf3fs (kvconnect HF3FS store, POSIX client) | kvc_memory (kvconnect in-process store)
@@ -25,14 +29,26 @@
 # Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384),
 #      HICACHE_LAYOUT (--hicache-mem-layout for every server; default: SGLang's),
 #      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES,
-#      GPU_TMP (default /tmp: where site1-3, sglogs, l3, the model configs and jitcache go), PORT_OFFSET (default 0,
-#      added to every port), SGLANG_SERVER_MODULE (default sglang.launch_server) -- the CPU tests run the script
-#      with a stand-in server, a scratch GPU_TMP and free ports.
+#      OUT (default /tmp/out: results.jsonl, diag.txt, logs.tgz, jitcache.tgz), GPU_TMP (default /tmp: where
+#      site1-3, sglogs, l3, the model configs and jitcache go), PORT_OFFSET (default 0, added to every port),
+#      SGLANG_SERVER_MODULE (default sglang.launch_server) -- the CPU tests run the script with a stand-in
+#      server, a scratch GPU_TMP and free ports.
+#      The bundle: BUNDLE_DIR (default: the current folder), SGLANG_WHEELS ($BUNDLE_DIR/.gpuwheels1),
+#      SGLANG_WHEELS2 ($BUNDLE_DIR/.gpuwheels2), SITE2_TAR ($BUNDLE_DIR/.gpuserve2/site2.tar.xz), MOONCAKE_TAR
+#      ($BUNDLE_DIR/.gpumc/mc312.tar.xz), MOONCAKE_CUDA_TAR ($BUNDLE_DIR/.gpumccuda/mccuda312.tar.xz),
+#      JIT_CACHE ($BUNDLE_DIR/.gpujitcache/jitcache.tgz, optional: an earlier run's $OUT/jitcache.tgz).
+#      MOONCAKE_MASTER (default: install3's, else mooncake_master on PATH).
+#      The kvconnect it runs is this script's checkout (on PYTHONPATH).
 set -u
 T0=$(date +%s)
+case "${1:-}" in -h|--help|"") sed -n '2,/^set -u$/p' "$0" | sed '$d' | cut -c3-; [ -n "${1:-}" ]; exit $? ;; esac
 DEADLINE_S=${DEADLINE_S:-570}
-REPO=$(pwd)
-G=$REPO/.gpu                         # the install recipe folder (benchmarks/gpu/README.md), on PYTHONPATH
+REPO=$(cd "$(dirname "$0")/../.." && pwd)   # the checkout this script is in: its kvconnect is the one run
+BUNDLE=${BUNDLE_DIR:-.}
+SGLANG_WHEELS=${SGLANG_WHEELS:-$BUNDLE/.gpuwheels1} SGLANG_WHEELS2=${SGLANG_WHEELS2:-$BUNDLE/.gpuwheels2}
+SITE2_TAR=${SITE2_TAR:-$BUNDLE/.gpuserve2/site2.tar.xz} MOONCAKE_TAR=${MOONCAKE_TAR:-$BUNDLE/.gpumc/mc312.tar.xz}
+MOONCAKE_CUDA_TAR=${MOONCAKE_CUDA_TAR:-$BUNDLE/.gpumccuda/mccuda312.tar.xz}
+JIT_CACHE=${JIT_CACHE:-$BUNDLE/.gpujitcache/jitcache.tgz}
 B=$(cd "$(dirname "$0")" && pwd)    # the drivers, next to this script
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 TMPD=${GPU_TMP:-/tmp}
@@ -44,9 +60,9 @@ P_SRV=$((30000 + PO)) P_MET=$((9400 + PO)) P_META=$((18000 + PO)) P_MC=$((50051 
 P_MCS=$((9310 + PO)) P_PEER=$((31998 + PO)) P_BOOT=$((8998 + PO))
 RES=$OUTD/results.jsonl
 PLAN=${PLAN:-w8192,8192,16384}
-export PYTHONPATH=$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO:$G
+export PYTHONPATH=$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO
 # Mooncake's .so files need libibverbs.so.1 (install3 carries it for images that lack it); the CUDA build
-# (install4) also needs libcudart.so.12 and libmlx5.so.1, carried in the same folder
+# (install4) also needs libcudart.so.12 and libmlx5.so.1, shipped in the same folder
 if [ -f "$TMPD/site3/ibv/libcudart.so.12" ] || ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
   export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
@@ -91,8 +107,8 @@ JSON
 kv_half_page_bytes() { if [ "$1" = qwen3 ]; then echo $((64*64*8*128*2)); else echo $((32*64*8*128*2)); fi; }
 
 load_jitcache() {
-  if [ ! -d "$TMPD/jitcache" ] && [ -f "$REPO/.gpujitcache/jitcache.tgz" ]; then
-    tar xzf "$REPO/.gpujitcache/jitcache.tgz" -C "$TMPD" && say "restored $TMPD/jitcache"
+  if [ ! -d "$TMPD/jitcache" ] && [ -f "$JIT_CACHE" ]; then
+    tar xzf "$JIT_CACHE" -C "$TMPD" && say "restored $TMPD/jitcache"
   fi
 }
 
@@ -238,7 +254,9 @@ store_services() {  # store: start what the store needs next to SGLang (all on 1
         svc_stop_all  # the running store lends its segment the other way: start both afresh
       fi
       echo "$shared" > "$LOGD/mc_store.shared"
-      svc_start mc_master "$TMPD/site3/mooncake/mooncake_master" --rpc_address=127.0.0.1 --rpc_port="$P_MC" \
+      local master=${MOONCAKE_MASTER:-$TMPD/site3/mooncake/mooncake_master}
+      [ -x "$master" ] || master=$(command -v mooncake_master || echo "$master")   # a pip-installed Mooncake
+      svc_start mc_master "$master" --rpc_address=127.0.0.1 --rpc_port="$P_MC" \
         --metrics_host=127.0.0.1 --metrics_port="$P_MCM"
       wait_port "$P_MC" 20 || { say "mooncake_master did not start"; tail -5 "$LOGD/mc_master.log"; return 1; }
       svc_start mc_store python3 -m kvconnect mooncake-store --master "127.0.0.1:$P_MC" --segment "${KVC_MC_SEGMENT:-40gb}" \
@@ -269,20 +287,23 @@ phase_diag() { { nvidia-smi --query-gpu=name,memory.total,memory.used,driver_ver
 pipi() {
   local t=$(date +%s)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -5
-  say "installed $(ls "$1"/*.whl | wc -l) wheels from $1 into $2 in $(( $(date +%s) - t ))s"
+  say "installed $(ls "$1"/*.whl | wc -l) wheels from ${1#./} into $2 in $(( $(date +%s) - t ))s"
 }
-phase_install1() { pipi .gpuwheels1 "$TMPD/site1"; load_jitcache; }
-phase_install2() { pipi .gpuwheels2 "$TMPD/site2"; load_jitcache; find "$TMPD/site1" "$TMPD/site2" -exec touch -h -d 2000-01-01 {} + 2>/dev/null; }
+phase_install1() { pipi "$SGLANG_WHEELS" "$TMPD/site1"; load_jitcache; }
+phase_install2() {
+  if [ -d "$SGLANG_WHEELS2" ] || [ ! -f "$SITE2_TAR" ]; then pipi "$SGLANG_WHEELS2" "$TMPD/site2"
+  else mkdir -p "$TMPD/site2" && xz -dc "$SITE2_TAR" | tar xf - -C "$TMPD/site2" && say "unpacked $SITE2_TAR into $TMPD/site2"; fi
+  load_jitcache; find "$TMPD/site1" "$TMPD/site2" -exec touch -h -d 2000-01-01 {} + 2>/dev/null; return 0; }
 phase_install3() {  # Mooncake (non-CUDA wheel, cp312) unpacked: mooncake/, its .libs, libibverbs for bare images
   local t=$(date +%s); mkdir -p "$TMPD/site3"
-  tar xJf .gpumc/mc312.tar.xz -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
+  tar xJf "$MOONCAKE_TAR" -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
   python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake import failed"; return 1; }
   say "installed mooncake into $TMPD/site3 in $(( $(date +%s) - t ))s"
 }
 phase_install4() {  # Mooncake CUDA build (registers GPU memory: PD) replaces install3's; kvconnect's PD plugin
   # is found through an entry point, so give the repository on PYTHONPATH a dist-info that declares it
   local t=$(date +%s); rm -rf "$TMPD/site3"; mkdir -p "$TMPD/site3"
-  tar xJf .gpumccuda/mccuda312.tar.xz -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
+  tar xJf "$MOONCAKE_CUDA_TAR" -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
   export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   local d=$TMPD/site3/kvconnect-0.0.0+gpu.dist-info; mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: kvconnect\nVersion: 0.0.0+gpu\n' > "$d/METADATA"
@@ -389,5 +410,5 @@ for ph in "$@"; do
 done
 stop_all
 ( cd "$LOGD" && tar czf "$OUTD/logs.tgz" ./*.log 2>/dev/null )
-[ -d "$TMPD/jitcache" ] && [ ! -f "$REPO/.gpujitcache/jitcache.tgz" ] && tar czf "$OUTD/jitcache.tgz" -C "$TMPD" jitcache 2>/dev/null
+[ -d "$TMPD/jitcache" ] && [ ! -f "$JIT_CACHE" ] && tar czf "$OUTD/jitcache.tgz" -C "$TMPD" jitcache 2>/dev/null
 say "end"

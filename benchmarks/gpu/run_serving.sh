@@ -1,21 +1,36 @@
 #!/bin/bash
-# The serving benchmark (`kvconnect bench serve`) on a GPU machine without network, from the repository root.
-# Phases (any order, each once per machine):
-#   install1   SGLang 0.5.17 wheels (.gpuwheels1/) + PeerCache 0.8.4 (.gpuserve1/*.whl) into $GPU_TMP/site1
-#   install2   the rest of SGLang's wheel set + sglang-router 0.3.2, unpacked (.gpuserve2/site2.tar.xz) into
-#              $GPU_TMP/site2; Mooncake 0.3.13 (.gpumc/mc312.tar.xz, with libibverbs/librdmacm) into $GPU_TMP/site3;
-#              an earlier run's JIT cache (.gpujitcache/jitcache.tgz, optional) into $GPU_TMP/jitcache
-#   start      start `kvconnect bench serve $SERVE_ARGS` detached (it outlives this call; results in $SERVE_DIR/out)
-#   wait       wait for it up to DEADLINE_S seconds after this script started, then copy what it wrote to $OUT
-#   stop       stop it and every process it started (they carry KVC_SERVE_DIR in their environment)
-# benchmarks/gpu/README.md lists the commands of each phase and how the carried folders are made.
-# Env: DEADLINE_S, OUT, SERVE_ARGS (above); GPU_TMP (default /tmp: site1-3 and jitcache go there), SERVE_DIR
-# (default $GPU_TMP/serve), WRITE_PROBE_MB (install1's write probe per medium, default 2048), STOP_GRACE_S
-# (default 15: how long stop lets the benchmark stop its servers before it kills what is left).
+# The serving benchmark (`kvconnect bench serve`, docs/serving.md) on a GPU node, installing SGLang and
+# the other systems from a bundle of files (prepare_serving.sh) instead of the network.
+#   bash benchmarks/gpu/run_serving.sh PHASE...        (phases run in the order given; -h: this text)
+# Phases:
+#   install1   SGLang 0.5.17's wheels ($SGLANG_WHEELS/*.whl) + PeerCache ($EXTRA_WHEELS/*.whl) into
+#              $GPU_TMP/site1; writes $OUT/diag.txt (GPU, Python, cores, memory, write rate of /tmp, /dev/shm)
+#   install2   the rest of SGLang's wheel set + sglang-router ($SITE2_TAR) into $GPU_TMP/site2, Mooncake
+#              ($MOONCAKE_TAR, with libibverbs/librdmacm) into $GPU_TMP/site3, an earlier run's JIT cache
+#              ($JIT_CACHE, optional) into $GPU_TMP/jitcache
+#   start      start `kvconnect bench serve $SERVE_ARGS` detached from this shell (it outlives it); it
+#              writes into $SERVE_DIR/out
+#   wait       wait until the benchmark ends or DEADLINE_S seconds after this script started, printing its
+#              progress lines, then copy what it wrote so far to $OUT (again at every wait)
+#   stop       stop the benchmark and every process it started (they carry KVC_SERVE_DIR), then copy
+# Env (defaults):
+#   BUNDLE_DIR (the current folder): where prepare_serving.sh's folders are; SGLANG_WHEELS
+#   ($BUNDLE_DIR/.gpuwheels1), EXTRA_WHEELS ($BUNDLE_DIR/.gpuserve1), SITE2_TAR
+#   ($BUNDLE_DIR/.gpuserve2/site2.tar.xz), MOONCAKE_TAR ($BUNDLE_DIR/.gpumc/mc312.tar.xz), JIT_CACHE
+#   ($BUNDLE_DIR/.gpujitcache/jitcache.tgz; every wait/stop leaves $OUT/jitcache.tgz to reuse)
+#   SERVE_ARGS (none): `kvconnect bench serve` options; DEADLINE_S (570); OUT (/tmp/out); GPU_TMP (/tmp: site1-3
+#   and jitcache go there); SERVE_DIR ($GPU_TMP/serve); WRITE_PROBE_MB (2048: install1's write probe per
+#   medium); STOP_GRACE_S (15: how long stop lets the benchmark stop its servers before killing what is left)
+# The kvconnect it runs is this script's checkout (on PYTHONPATH). benchmarks/gpu/README.md: the runbook.
 set -u
 T0=$(date +%s)
+case "${1:-}" in -h|--help|"") sed -n '2,/^set -u$/p' "$0" | sed '$d' | cut -c3-; [ -n "${1:-}" ]; exit $? ;; esac
 DEADLINE_S=${DEADLINE_S:-570}
-REPO=$(pwd)
+REPO=$(cd "$(dirname "$0")/../.." && pwd)   # the checkout this script is in: its kvconnect is the one run
+BUNDLE=${BUNDLE_DIR:-.}
+SGLANG_WHEELS=${SGLANG_WHEELS:-$BUNDLE/.gpuwheels1} EXTRA_WHEELS=${EXTRA_WHEELS:-$BUNDLE/.gpuserve1}
+SITE2_TAR=${SITE2_TAR:-$BUNDLE/.gpuserve2/site2.tar.xz} MOONCAKE_TAR=${MOONCAKE_TAR:-$BUNDLE/.gpumc/mc312.tar.xz}
+JIT_CACHE=${JIT_CACHE:-$BUNDLE/.gpujitcache/jitcache.tgz}
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 TMPD=${GPU_TMP:-/tmp}
 SERVE=${SERVE_DIR:-$TMPD/serve}; mkdir -p "$SERVE"
@@ -33,7 +48,7 @@ say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
 phase_install1() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMPD/site1" \
-    .gpuwheels1/*.whl .gpuserve1/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -3
+    "$SGLANG_WHEELS"/*.whl "$EXTRA_WHEELS"/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -3
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V; nproc; free -g | head -2;
     df -h /tmp /dev/shm | tail -2
     # the media the file-backed stores write to: 2 GiB, flushed to the device (the write-through demand is in runs.jsonl)
@@ -44,10 +59,10 @@ phase_install1() {
 }
 phase_install2() {
   mkdir -p "$TMPD/site2" "$TMPD/site3"
-  xz -dc .gpuserve2/site2.tar.xz | tar xf - -C "$TMPD/site2" || return 1
-  xz -dc .gpumc/mc312.tar.xz | tar xf - -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
+  xz -dc "$SITE2_TAR" | tar xf - -C "$TMPD/site2" || return 1
+  xz -dc "$MOONCAKE_TAR" | tar xf - -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
   find "$TMPD/site1" "$TMPD/site2" -exec touch -h -d 2000-01-01 {} + 2>/dev/null   # JIT caches stay newer than headers
-  [ -f .gpujitcache/jitcache.tgz ] && tar xzf .gpujitcache/jitcache.tgz -C "$TMPD"   # an earlier run's kernels
+  [ -f "$JIT_CACHE" ] && tar xzf "$JIT_CACHE" -C "$TMPD"   # an earlier run's kernels
   python3 -c 'import mooncake.store, mooncake.engine, sglang_router, peercache.store, sglang' || return 1
   say "install2 done"
 }

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Summarize run_e2e.sh results (one or more results.jsonl) into benchmarks/results/gpu_e2e.json.
 
+  python3 benchmarks/gpu/summarize.py benchmarks/results/runs/gpu-e2e/2026-*.jsonl [--out PATH]
+
 TTFT of a request = SGLang's server-side ``e2e_latency`` with max_new_tokens=1.
 Ratios (issue's names):
   <store>_<model>_<len>_l3_over_cold  L3-hit TTFT / cold TTFT (lower is better); cold prefill never touches
@@ -109,7 +111,7 @@ def main(argv=None):
                     d[ph] = [t for i, t in vals if i == last]
     res = BenchResult("gpu_e2e")
     res.params = {"sources": a.results, "ttft": "server-side e2e_latency, max_new_tokens=1",
-                  "machine": "one NVIDIA H200 (device tool), SGLang 0.5.17 wheels, dummy weights"}
+                  "machine": "NVIDIA H200 (one; two of one host for the PD phases), SGLang 0.5.17 wheels, dummy weights"}
     out = {m: {n: {s: {ph: {"values_s": v, "median_s": statistics.median(v)} for ph, v in d.items()}
                    for s, d in by_store.items()} for n, by_store in by_n.items()} for m, by_n in fig.items()}
     res.figures = {"ttft": out,

@@ -587,6 +587,42 @@ def test_install_phases_unpack_the_carried_folders(tmp_path):
     assert (e_tmp / "jitcache" / "triton" / "kernel.bin").read_bytes() == b"cubin"
 
 
+def test_every_script_prints_its_usage_and_its_env():
+    """``-h`` on every shell script prints the header (its phases and the environment it reads) and
+    exits 0; run_serving.sh and run_e2e.sh with no phase print it too and fail. Nothing mocked."""
+    for name, words in {"run_serving.sh": ("install1", "BUNDLE_DIR", "SERVE_ARGS", "DEADLINE_S"),
+                        "run_e2e.sh": ("install4", "BUNDLE_DIR", "MOONCAKE_CUDA_TAR", "PLAN"),
+                        "prepare_serving.sh": ("BUNDLE_DIR", ".gpuwheels1"),
+                        "run_vllm.sh": ("VLLM_SPEC", "VLLM_VENV")}.items():
+        p = subprocess.run(["bash", str(GPU / name), "-h"], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0 and all(w in p.stdout for w in words), (name, p.stdout)
+        assert not p.stdout.startswith("#") and "set -" not in p.stdout, name
+    for name in ("run_serving.sh", "run_e2e.sh"):
+        p = subprocess.run(["bash", str(GPU / name)], capture_output=True, text=True, timeout=30)
+        assert p.returncode != 0 and "Env" in p.stdout, name
+    for name in ("e2e_driver.py", "pd_driver.py", "summarize.py", "slim_sglang_kernel.py"):
+        p = subprocess.run([sys.executable, str(GPU / name), "--help"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and p.stdout.strip(), name
+
+
+def test_install_phases_read_the_bundle_from_BUNDLE_DIR(tmp_path):
+    """The bundle in a folder of its own (``BUNDLE_DIR``), the scripts run from elsewhere: run_serving.sh
+    install2 and run_e2e.sh install2, the latter unpacking prepare_serving.sh's ``site2.tar.xz`` where
+    there is no ``.gpuwheels2`` folder. Mocked: the archives' contents. Real: the scripts, xz/tar."""
+    bundle, elsewhere = tmp_path / "bundle", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    make_tar(bundle / ".gpuserve2" / "site2.tar.xz", {"./site2mod.py": b"VALUE = 44\n"})
+    make_tar(bundle / ".gpumc" / "mc312.tar.xz", {"mooncake/__init__.py": b"", "mooncake/store.py": b"",
+                                                  "mooncake/engine.py": b"", "mooncake/mooncake_master": b"#!/bin/sh\n"})
+    for name, phase_ok in (("run_serving.sh", "install2 done"), ("run_e2e.sh", "=== phase install2 ok")):
+        gtmp = tmp_path / f"{name}_tmp"
+        env = script_env(tmp_path, GPU_TMP=str(gtmp), OUT=str(tmp_path / f"{name}_out"), BUNDLE_DIR=str(bundle))
+        p = run(["bash", str(GPU / name), "install2"], env, elsewhere, 120)
+        log = p.stdout + p.stderr
+        assert phase_ok in log and "FAILED" not in log, log
+        assert (gtmp / "site2" / "site2mod.py").read_text() == "VALUE = 44\n"
+
+
 SERVE_PORTS = [30000, 30001, 31000, 18000, 18010, 50051, 9003, 9310, 31998, 9400, 9401, 32998, 31900]
 
 

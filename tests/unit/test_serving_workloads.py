@@ -283,6 +283,9 @@ def test_the_committed_serving_results_rebuild_from_the_committed_run(tmp_path):
     root = Path(report.__file__).resolve().parents[1]
     committed = json.loads((root / "results" / "serving.json").read_text())
     dirs = [root.parent / d["dir"] if not Path(d["dir"]).is_absolute() else Path(d["dir"]) for d in committed["runs"]]
+    # the records live under benchmarks/results/runs/ (its MANIFEST.md); the list is serving.json's own
+    assert dirs and all(Path(d["dir"]).parts[:3] == ("benchmarks", "results", "runs") for d in committed["runs"])
+    assert all((d / "runs.jsonl").is_file() for d in dirs)
     doc = report.build(dirs, tmp_path / "serving.json", committed["command"])
     doc = json.loads((tmp_path / "serving.json").read_text())
     for key in ("figures", "ratios", "targets", "bounds", "l3_path", "failed_pairs"):
