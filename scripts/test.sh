@@ -11,7 +11,7 @@ export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1
 args=("$@")
 ((${#args[@]})) || args=(tests)
 rc=0
-.venv/bin/python -m pytest -q -ra "${args[@]}" || rc=$?
+.venv/bin/python -m pytest -q -ra --durations=30 "${args[@]}" || rc=$?
 if ((rc == 5)); then
     echo "test.sh: pytest ran no tests (exit 5): that counts as a failure" >&2
 fi
