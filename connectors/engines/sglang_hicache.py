@@ -243,7 +243,8 @@ def _in_flight(method: Callable[..., Any]) -> Callable[..., Any]:
                 self._inflight -= 1
                 last = self._inflight == 0 and self._close_when_idle
                 self._close_when_idle = self._close_when_idle and not last
-                self._idle.notify_all()
+                if self._closed:  # only close() waits (it sets _closed under this lock first)
+                    self._idle.notify_all()
             if last:
                 self._close_store()
 
