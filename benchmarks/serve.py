@@ -85,11 +85,11 @@ def plan_pairs(a: argparse.Namespace, loads: dict) -> list:
         other = [n for n in names if n not in PD_CONFIGS]
         if other:
             raise SystemExit(f"--pd: {', '.join(other)} are not PD configurations ({', '.join(PD_CONFIGS)})")
-        # the baseline first (its servers take the capacity probes), the non-disaggregated reference
-        # last; configuration by configuration, so each deployment is launched once for every workload
-        first = [a.pd_baseline] if a.pd_baseline in names else []
-        names = first + [n for n in names if n not in (a.pd_baseline, PD_REFERENCE)] + \
-            ([PD_REFERENCE] if PD_REFERENCE in names else [])
+        # the baseline first (its servers take the capacity probes), then the non-disaggregated
+        # reference (the outputs the others are checked against as they run); configuration by
+        # configuration, so each deployment is launched once for all workloads
+        first = [n for n in (a.pd_baseline, PD_REFERENCE) if n in names]
+        names = first + [n for n in names if n not in first]
         return [(loads[w], c) for c in names for w in chosen]
     names = parse_names(a.configs) if a.configs else list(HICACHE_NAMES)
     names = [BASELINE] + [n for n in names if n != BASELINE]   # the baseline first: the output reference
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         return 0
     loads = build_workloads(a)
     pairs = plan_pairs(a, loads)
-    if a.budget_s:
+    if a.budget_s and not a.pd:   # --pd keeps its order: each deployment launches once
         pairs = by_information(pairs)
     gpus = tuple(x for x in a.gpus.split(",") if x)
     if a.pd and len(gpus) < 2:

@@ -202,18 +202,19 @@ PD_CONFIGS: dict[str, Config] = {c.name: c for c in [
            profile="pd", pd=PD_MOONCAKE),
     Config("pd_kvc_direct", "pd_kvconnect", "1P1D, kvconnect direct plane (one-sided Transfer Engine writes, TCP)",
            profile="pd", pd=PD_DIRECT, counterpart=PD_BASELINE),
+    Config("pd_kvc_direct_late", "pd_late", f"pd_kvc_direct, {_LATE}", profile="pd", pd=_late(PD_DIRECT)),
     Config("pd_kvc_relay_mooncake", "pd_kvconnect", "1P1D, kvconnect relay through a Mooncake store "
            "(mooncake_master + a standalone segment holder)", profile="pd", pd=PD_RELAY_MOONCAKE,
            services=("mooncake_store",), counterpart=PD_BASELINE),
+    Config("pd_kvc_relay_mooncake_late", "pd_late", f"pd_kvc_relay_mooncake, {_LATE}", profile="pd",
+           pd=_late(PD_RELAY_MOONCAKE), services=("mooncake_store",), counterpart="pd_kvc_direct_late"),
     Config("pd_kvc_relay_hf3fs", "pd_kvconnect", "1P1D, kvconnect relay through the hf3fs store (shared files + "
            "kvconnect metadata service; needs KV in host memory)", profile="pd", pd=PD_RELAY_HF3FS,
            services=("kvc_meta",), counterpart=PD_BASELINE),
-    Config("pd_kvc_direct_late", "pd_late", f"pd_kvc_direct, {_LATE}", profile="pd", pd=_late(PD_DIRECT)),
-    Config("pd_kvc_relay_mooncake_late", "pd_late", f"pd_kvc_relay_mooncake, {_LATE}", profile="pd",
-           pd=_late(PD_RELAY_MOONCAKE), services=("mooncake_store",), counterpart="pd_kvc_direct_late"),
     Config("pd_kvc_relay_hf3fs_late", "pd_late", f"pd_kvc_relay_hf3fs, {_LATE}", profile="pd",
            pd=_late(PD_RELAY_HF3FS), services=("kvc_meta",), counterpart="pd_kvc_direct_late"),
 ]}
+# each *_late next to its plane: the same servers, only the router and proxy are restarted between them
 CONFIGS.update(PD_CONFIGS)   # one table for run.py; the default (non-PD) run leaves these out
 HICACHE_NAMES = [n for n in CONFIGS if n not in PD_CONFIGS]
 
