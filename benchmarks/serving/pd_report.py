@@ -3,8 +3,9 @@
 Built from the same raw runs and with the same figures as ``serving.json`` (``report.merge_runs``,
 ``report.figures_of``, ``report.bounds``); the comparisons are PD's own: every kvconnect data plane
 against SGLang's ``mooncake`` transfer backend on the same GPUs (TTFT p50 and p99, decode
-throughput), each ``*_late`` relay against the direct plane under the same late decode, and every
-PD pair's sampled outputs against the non-disaggregated server's, token for token.
+throughput), each ``*_late`` relay against the direct plane under the same late decode, every
+``*_late`` against its plane with decode on time, and every PD pair's sampled outputs against the
+non-disaggregated server's, token for token.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def ratios(figs: dict) -> list[dict]:
             cfg = CONFIGS.get(c)
             if cfg is None or cfg.pd is None or c == PD_BASELINE:
                 continue
-            refs = [r for r in (PD_BASELINE, cfg.counterpart) if r in by_cfg and r != c]
+            twin = c[:-len("_late")] if c.endswith("_late") else None   # the same plane, decode on time
+            refs = [r for r in (PD_BASELINE, cfg.counterpart, twin) if r and r in by_cfg and r != c]
             for ref in dict.fromkeys(refs):
                 b = by_cfg[ref]
                 for m in ("ttft_p50", "ttft_p99"):
