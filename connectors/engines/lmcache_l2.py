@@ -504,6 +504,10 @@ class KVConnectL2Adapter(L2AdapterInterface):
             fam.notifier.notify()
         except Exception:  # noqa: BLE001 - closed at shutdown
             pass
+        # Hand the GIL to the thread waiting for this result: a worker going on to its next
+        # task would otherwise keep it for up to the 5 ms switch interval, and a prompt's
+        # first chunk would reach LMCache only with its last.
+        time.sleep(0)
 
     def _submit(self, op: str, tid: int, fn: Callable[[], None], fail: Callable[[], None]) -> None:
         """Run ``fn`` on the family's workers; if it cannot run at all, ``fail`` reports it."""
