@@ -205,14 +205,16 @@ PD_CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config("pd_kvc_direct_late", "pd_late", f"pd_kvc_direct, {_LATE}", profile="pd", pd=_late(PD_DIRECT)),
     Config("pd_kvc_relay_mooncake", "pd_kvconnect", "1P1D, kvconnect relay through a Mooncake store "
            "(mooncake_master + a standalone segment holder)", profile="pd", pd=PD_RELAY_MOONCAKE,
-           services=("mooncake_store",), counterpart=PD_BASELINE),
+           services=("mooncake_store",), counterpart=PD_BASELINE, metrics_url=_kvc_metrics),
     Config("pd_kvc_relay_mooncake_late", "pd_late", f"pd_kvc_relay_mooncake, {_LATE}", profile="pd",
-           pd=_late(PD_RELAY_MOONCAKE), services=("mooncake_store",), counterpart="pd_kvc_direct_late"),
+           pd=_late(PD_RELAY_MOONCAKE), services=("mooncake_store",), counterpart="pd_kvc_direct_late",
+           metrics_url=_kvc_metrics),
     Config("pd_kvc_relay_hf3fs", "pd_kvconnect", "1P1D, kvconnect relay through the hf3fs store (shared files + "
            "kvconnect metadata service; needs KV in host memory)", profile="pd", pd=PD_RELAY_HF3FS,
-           services=("kvc_meta",), counterpart=PD_BASELINE),
+           services=("kvc_meta",), counterpart=PD_BASELINE, metrics_url=_kvc_metrics),
     Config("pd_kvc_relay_hf3fs_late", "pd_late", f"pd_kvc_relay_hf3fs, {_LATE}", profile="pd",
-           pd=_late(PD_RELAY_HF3FS), services=("kvc_meta",), counterpart="pd_kvc_direct_late"),
+           pd=_late(PD_RELAY_HF3FS), services=("kvc_meta",), counterpart="pd_kvc_direct_late",
+           metrics_url=_kvc_metrics),
 ]}
 # each *_late next to its plane: the same servers, only the router and proxy are restarted between them
 CONFIGS.update(PD_CONFIGS)   # one table for run.py; the default (non-PD) run leaves these out

@@ -61,23 +61,32 @@ def ratios(figs: dict) -> list[dict]:
 
 
 def relay_cost(figs: dict) -> dict:
-    """What the relay adds per request over the direct plane, by workload: TTFT p50 and p99 (ms)
-    and the ratio, next to the time the same load takes through SGLang's backend."""
+    """Where a relay's time goes, by workload: the time inside its store's calls over the pair
+    (prefill's puts, decode's lookups and gets: ``store_io``, and per request), and, where the
+    direct plane ran under the same conditions, the TTFT p50 and p99 the relay adds over it (ms)
+    and the ratios."""
     out = {}
     for w, by_cfg in figs.items():
         for c, f in by_cfg.items():
             cfg = CONFIGS.get(c)
             if cfg is None or cfg.pd is None or "relay" not in c:
                 continue
-            direct = by_cfg.get(DIRECT + ("_late" if c.endswith("_late") else ""))
-            if not direct:
-                continue
-            out.setdefault(w, {})[c] = {
-                "over": DIRECT + ("_late" if c.endswith("_late") else ""),
-                "ttft_p50_added_ms": round(1e3 * (f["ttft_p50_s"] - direct["ttft_p50_s"]), 2),
-                "ttft_p99_added_ms": round(1e3 * (f["ttft_p99_s"] - direct["ttft_p99_s"]), 2),
-                "ttft_p50_ratio": round(f["ttft_p50_s"] / direct["ttft_p50_s"], 4) if direct["ttft_p50_s"] else None,
-                "decode_tps_ratio": round(f["output_tps"] / direct["output_tps"], 4) if direct["output_tps"] else None}
+            io = f.get("store_io", {})
+            row = {"store_io": io, "store_s_per_request": round(sum(
+                (v.get("seconds") or 0.0) for k, v in io.items() if k in ("get", "put", "exists")) / f["ok"], 6)
+                if f["ok"] else None}
+            over = DIRECT + ("_late" if c.endswith("_late") else "")
+            direct = by_cfg.get(over)
+            if direct:
+                row.update({
+                    "over": over,
+                    "ttft_p50_added_ms": round(1e3 * (f["ttft_p50_s"] - direct["ttft_p50_s"]), 2),
+                    "ttft_p99_added_ms": round(1e3 * (f["ttft_p99_s"] - direct["ttft_p99_s"]), 2),
+                    "ttft_p50_ratio": round(f["ttft_p50_s"] / direct["ttft_p50_s"], 4) if direct["ttft_p50_s"]
+                    else None,
+                    "decode_tps_ratio": round(f["output_tps"] / direct["output_tps"], 4) if direct["output_tps"]
+                    else None})
+            out.setdefault(w, {})[c] = row
     return out
 
 
@@ -147,5 +156,9 @@ def render(run_dirs: list[Path], out_json: Path, command: str) -> dict:
         print(f"  refused {r['workload']}:{r['config']}: {r['skipped']}")
     for w, by in doc["relay_cost"].items():
         for c, v in by.items():
-            print(f"  {w}/{c}: TTFT p50 +{v['ttft_p50_added_ms']} ms over {v['over']} ({v['ttft_p50_ratio']}x)")
+            vs = f"TTFT p50 +{v['ttft_p50_added_ms']} ms over {v['over']} ({v['ttft_p50_ratio']}x); " if "over" in v \
+                else ""
+            calls = ", ".join(f"{op} {x.get('calls', 0):.0f} calls {x.get('seconds')} s"
+                              for op, x in v["store_io"].items())
+            print(f"  {w}/{c}: {vs}store calls {v['store_s_per_request']} s per request: {calls}")
     return doc

@@ -164,14 +164,16 @@ class Cluster:
         spec, log_dir, ports = self.plan.spec, Path(self.setup.workdir) / "logs", self.plan.ports
         env = {"SGLANG_HOST_IP": "127.0.0.1", **pd.env}
         conf = pd.pd_config(self.setup)
-        if conf is not None:
-            env["KVCONNECT_PD_CONFIG"] = json.dumps(conf)
         self.servers = []
         for i, role in enumerate(("prefill", "decode")):
             args = spec.args(profile) + ["--disaggregation-mode", role, "--disaggregation-transfer-backend",
                                          pd.backend, "--disaggregation-bootstrap-port", str(ports["pd_bootstrap"])]
+            own = dict(env)
+            if conf is not None:   # a relay serves its store's figures, one endpoint per server
+                own["KVCONNECT_PD_CONFIG"] = json.dumps(
+                    {**conf, "metrics_port": ports["kvc_metrics"] + i} if conf.get("transport") == "relay" else conf)
             self.servers.append(SGLangServer(i, ports["server"] + i, self.model_dir, args, log_dir,
-                                             {**self.env(i), **env}, module=spec.server_module))
+                                             {**self.env(i), **own}, module=spec.server_module))
         t0 = time.time()
         print(f"[serve] launching PD prefill + decode ({pd.backend}, {(conf or {}).get('transport', '-')}) ...",
               flush=True)
@@ -278,6 +280,13 @@ def scrape(url: Optional[str]) -> dict:
     return out
 
 
+def since(after: dict, before: Optional[dict]) -> dict:
+    """Counter samples ``after`` less ``before`` (cumulative series of a store that outlives the pair)."""
+    if not before:
+        return after
+    return {k: v - before.get(k, 0.0) if isinstance(v, float) else v for k, v in after.items()}
+
+
 def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Config, plan: Plan,
              reference: dict, capacity: float = 0.0) -> tuple[dict, list]:
     setup = cluster.setup
@@ -300,6 +309,8 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
                     record["prefetch_policy"] = policy
                 refusals += s.attach(cfg.backend, extra, prefetch_policy=policy)
                 attached.append(s)
+        # a PD relay's store lives as long as its servers: this pair's figures are the difference
+        before = {s.index: scrape(cfg.metrics_url(setup, s.index)) for s in cluster.servers} if cfg.pd else {}
         results, wall = client.run(cluster.router.url, workload, desc=f"{workload.name}/{cfg.name}",
                                    timeout_s=plan.request_timeout_s)
         record["summary"] = client.summarize(results, wall)
@@ -308,7 +319,8 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
             record["load"] = {"capacity_input_tps": capacity, "offered_input_tps": offered,
                               "offered_over_capacity": offered / capacity,
                               "overloaded": offered / capacity > OVERLOAD_FRACTION}
-        record["store_metrics"] = {s.index: scrape(cfg.metrics_url(setup, s.index)) for s in cluster.servers}
+        record["store_metrics"] = {s.index: since(scrape(cfg.metrics_url(setup, s.index)), before.get(s.index))
+                                   for s in cluster.servers}
         # the output check: idle servers, empty GPU and host caches, a sample of the prompts
         if cfg.backend:
             time.sleep(2.0)   # let write-through reach L3

@@ -37,7 +37,7 @@ from kvconnect.connectors import auth, transfer_engine
 from kvconnect.connectors.base import Capability, ConfigError, Page, PageStore, page_nbytes
 from kvconnect.connectors.config import Size, StoreConfig, field_doc, parse_config
 from kvconnect.connectors.context import EngineContext
-from kvconnect.connectors.engines.common import RateLimitedLog
+from kvconnect.connectors.engines.common import RateLimitedLog, serve_store_metrics
 from kvconnect.connectors.views import PrefixedStore, delete_many, exists_many
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,9 @@ class PDConfig(StoreConfig):
     call_bytes: Size = field(default=64 << 20, metadata=field_doc(
         "relay: most KV bytes per store call; a room is written and read in calls of this size, so each "
         "call ends well within the store's op_timeout also while other rooms transfer"))
+    metrics_port: Optional[int] = field(default=None, metadata=field_doc(
+        "relay: serve the relay store's figures (calls, bytes, seconds) on 127.0.0.1:PORT/metrics, plus "
+        "the rank index in a TP/PP group; 0: any free port; None: not served"))
     workers: int = field(default=2, metadata=field_doc(
         "transfer threads per process (2 measured best on a 2-core host; raise with cores and NICs)"))
     max_batch: int = field(default=4096, metadata=field_doc("direct: most blocks per Transfer Engine call"))
@@ -484,6 +487,10 @@ class StoreRelay:
         self.layout = layout
         context = context or EngineContext(engine="sglang-pd", page_bytes=max(1, layout.page_bytes))
         self.store = store if store is not None else create_relay_store(config, context)
+        self.metrics_port = None
+        if config.metrics_port is not None:   # where the relay's time goes, scraped like any store's
+            port = config.metrics_port + context.rank_index if config.metrics_port else 0
+            self.metrics_port = serve_store_metrics(self.store, port, engine="sglang-pd")
         if self.store.supports(Capability.NEEDS_REGISTERED_MEMORY):
             for ptr, n in layout.regions():
                 self.store.register_memory(ptr, n)
@@ -667,6 +674,10 @@ class StoreRelay:
     def close(self) -> None:
         self.cleaner.close()
         try:
+            if self.config.metrics_port is not None:
+                from kvconnect.connectors import metrics
+
+                metrics.unexport_store(self.store)
             self.store.close()
         except Exception:  # noqa: BLE001
             pass

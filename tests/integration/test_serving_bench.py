@@ -218,4 +218,12 @@ def test_serve_pd_behind_the_real_router(tmp_path, capsys):
     assert any(t["target"].startswith("w1: pd_kvc_relay_hf3fs_late output mismatches") and t["met"]
                for t in doc["targets"])
     assert doc["failed_pairs"] == [] and doc["refused"] == []
+    # where the relay's time went: this pair's store calls (prefill's puts, decode's gets), from both servers'
+    # /metrics, less what the warm-up and the capacity probe had counted before it
+    for c in ("pd_kvc_relay_hf3fs", "pd_kvc_relay_hf3fs_late"):
+        cost, io = doc["relay_cost"]["w1"][c], figs[c]["store_io"]
+        assert io["put"]["calls"] > 0 and io["get"]["calls"] > 0 and io["get"]["bytes"] > 0, io
+        # 128 KV bytes a token: this pair's full pages (plus aux rows), not the warm-up's and probe's as well
+        assert 0.5 < io["get"]["bytes"] / (figs[c]["input_tokens"] * 128) < 1.5, io
+        assert cost["store_s_per_request"] > 0 and "over" not in cost    # no direct plane ran here
     assert not list((tmp_path / "work" / "data").glob("pd_hf3fs/*"))   # the relay's files went with its services
