@@ -188,33 +188,32 @@ PD_RELAY_MOONCAKE = PD("kvconnect", _relay(_relay_mooncake))
 PD_RELAY_HF3FS = PD("kvconnect", _relay(_relay_hf3fs))
 
 
-def _late(pd: PD) -> PD:
-    return PD(pd.backend, pd.pd_config, pd.env, late=True)
-
-
 PD_BASELINE = "pd_mooncake"     # the capacity probe runs on it; kvconnect's planes are compared with it
 PD_REFERENCE = "no_pd"          # outputs of every PD pair are compared with this one's
 _LATE = "decode's request reaches it --pd-decode-delay-s after prefill's (a delaying proxy before decode)"
+
+
+def _plane(name: str, what: str, pd: PD, services: tuple = (), metrics: bool = False) -> list[Config]:
+    """A kvconnect data plane and, right after it (the same servers: only the router and proxy are
+    restarted between them), its late-decode variant, compared with the direct plane's."""
+    url = {"metrics_url": _kvc_metrics} if metrics else {}
+    late = PD(pd.backend, pd.pd_config, pd.env, late=True)
+    return [Config(name, "pd_kvconnect", f"1P1D, kvconnect {what}", profile="pd", pd=pd, services=services,
+                   counterpart=PD_BASELINE, **url),
+            Config(f"{name}_late", "pd_late", f"{name}, {_LATE}", profile="pd", pd=late, services=services,
+                   counterpart=None if name == "pd_kvc_direct" else "pd_kvc_direct_late", **url)]
+
+
 PD_CONFIGS: dict[str, Config] = {c.name: c for c in [
     Config(PD_REFERENCE, "reference", "one non-disaggregated server on the first GPU, no HiCache (the output "
            "reference of the PD pairs)", profile="plain"),
     Config(PD_BASELINE, "pd_anchor", "1P1D, SGLang's own mooncake transfer backend (Transfer Engine over TCP)",
            profile="pd", pd=PD_MOONCAKE),
-    Config("pd_kvc_direct", "pd_kvconnect", "1P1D, kvconnect direct plane (one-sided Transfer Engine writes, TCP)",
-           profile="pd", pd=PD_DIRECT, counterpart=PD_BASELINE),
-    Config("pd_kvc_direct_late", "pd_late", f"pd_kvc_direct, {_LATE}", profile="pd", pd=_late(PD_DIRECT)),
-    Config("pd_kvc_relay_mooncake", "pd_kvconnect", "1P1D, kvconnect relay through a Mooncake store "
-           "(mooncake_master + a standalone segment holder)", profile="pd", pd=PD_RELAY_MOONCAKE,
-           services=("mooncake_store",), counterpart=PD_BASELINE, metrics_url=_kvc_metrics),
-    Config("pd_kvc_relay_mooncake_late", "pd_late", f"pd_kvc_relay_mooncake, {_LATE}", profile="pd",
-           pd=_late(PD_RELAY_MOONCAKE), services=("mooncake_store",), counterpart="pd_kvc_direct_late",
-           metrics_url=_kvc_metrics),
-    Config("pd_kvc_relay_hf3fs", "pd_kvconnect", "1P1D, kvconnect relay through the hf3fs store (shared files + "
-           "kvconnect metadata service; needs KV in host memory)", profile="pd", pd=PD_RELAY_HF3FS,
-           services=("kvc_meta",), counterpart=PD_BASELINE, metrics_url=_kvc_metrics),
-    Config("pd_kvc_relay_hf3fs_late", "pd_late", f"pd_kvc_relay_hf3fs, {_LATE}", profile="pd",
-           pd=_late(PD_RELAY_HF3FS), services=("kvc_meta",), counterpart="pd_kvc_direct_late",
-           metrics_url=_kvc_metrics),
+    *_plane("pd_kvc_direct", "direct plane (one-sided Transfer Engine writes, TCP)", PD_DIRECT),
+    *_plane("pd_kvc_relay_mooncake", "relay through a Mooncake store (mooncake_master + a standalone segment "
+            "holder)", PD_RELAY_MOONCAKE, ("mooncake_store",), metrics=True),
+    *_plane("pd_kvc_relay_hf3fs", "relay through the hf3fs store (shared files + kvconnect metadata service; "
+            "needs KV in host memory)", PD_RELAY_HF3FS, ("kvc_meta",), metrics=True),
 ]}
 # each *_late next to its plane: the same servers, only the router and proxy are restarted between them
 CONFIGS.update(PD_CONFIGS)   # one table for run.py; the default (non-PD) run leaves these out
