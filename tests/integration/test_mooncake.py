@@ -258,6 +258,24 @@ def test_local_copy_reads_own_segment_pages_itself_and_others_through_mooncake(m
         master.kill()
 
 
+def _kill_under_load(master, load, stop: threading.Event, *, warm: float, after: float, join: float,
+                     threads: int = 3) -> float:
+    """``load(i)`` on ``threads`` threads; ``master`` killed (-9) ``warm`` s in, ``stop`` set
+    ``after`` s later; every thread must end within ``join`` s. The time of the kill."""
+    running = [threading.Thread(target=load, args=(i,)) for i in range(threads)]
+    for t in running:
+        t.start()
+    time.sleep(warm)
+    master.kill()
+    killed = time.monotonic()
+    time.sleep(after)
+    stop.set()
+    for t in running:
+        t.join(join)
+    assert not any(t.is_alive() for t in running), "a call hung"
+    return killed
+
+
 @pytest.mark.failure_injection
 @pytest.mark.parametrize("call_mode,op_timeout", [("worker", 1.5), ("inline", 5.0)])
 def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cluster, tmp_path,  # noqa: F811
@@ -307,17 +325,8 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
-        threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)
-        master.kill()
-        killed_at.append(time.monotonic())
-        time.sleep(op_timeout + 4.5)
-        stop.set()
-        for t in threads:
-            t.join(op_timeout + 10)
-        assert not any(t.is_alive() for t in threads), "a call hung"
+        killed_at.append(_kill_under_load(master, load, stop, warm=1.0, after=op_timeout + 4.5,
+                                          join=op_timeout + 10))
         assert not errors, errors[0]
         after = [c for c in calls if c[0] > killed_at[0] + 0.2]
         assert after, "no calls after the kill"

@@ -21,23 +21,8 @@ from kvconnect.connectors.registry import create_store
 from kvconnect.connectors.testing.mooncake import INNER, MasterProcess, outer_test
 from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: F401 - fixture
 from kvconnect.connectors.transfer_engine import RPC_TIMEOUTS, mooncake_timeouts
-from tests.integration.test_mooncake import _filled, _keys, _pages, _stopped
-
-
-@pytest.fixture(autouse=True)
-def _restore_mooncake_timeouts():
-    """A store sets Mooncake's timeout variables process-wide: later tests start from
-    Mooncake's defaults again."""
-    names = list(mooncake_timeouts(1.0))
-    saved = {n: os.environ.get(n) for n in names}
-    for n in names:
-        os.environ.pop(n, None)
-    yield
-    for n, v in saved.items():
-        if v is None:
-            os.environ.pop(n, None)
-        else:
-            os.environ[n] = v
+from tests.integration.test_mooncake import _restore_mooncake_timeouts  # noqa: F401 - autouse fixture
+from tests.integration.test_mooncake import _filled, _keys, _kill_under_load, _pages, _stopped
 
 
 class _Threads:
@@ -54,10 +39,24 @@ class _Threads:
         return getattr(self._client, name)
 
 
-def _store(cluster, master, op_timeout):
-    return create_store("mooncake", store_options(cluster, master_server_address=master.address,
-                                                  op_timeout=op_timeout, reconnect_interval=0.3,
-                                                  call_mode="worker"))
+def _stored(cluster, log_path, ports: tuple[int, int], op_timeout: float):
+    """A master of its own (RPC and metrics ``ports``), a worker-mode store on it whose lookups
+    run on the caller's thread, and 8 pages stored: ``(master, store, keys, pages)``."""
+    master = MasterProcess(None, rpc_port=ports[0], metrics_port=ports[1], lease_ttl_ms=500,
+                           log_path=log_path).start()
+    s = create_store("mooncake", store_options(cluster, master_server_address=master.address,
+                                               op_timeout=op_timeout, reconnect_interval=0.3, call_mode="worker"))
+    try:
+        assert s.session.lookups_on_caller
+        keys = _keys(8, log_path.stem)
+        src = _filled(keys)
+        s.register_memory(src.address, len(src.raw))
+        assert s.put_from(keys, _pages(src)) == [True] * 8
+    except BaseException:
+        s.close()
+        master.kill()
+        raise
+    return master, s, keys, src
 
 
 @pytest.mark.parametrize("op_timeout,on_caller", [(5.0, True), (1.5, False)])
@@ -66,10 +65,11 @@ def test_worker_mode_lookups_run_on_the_caller_where_mooncake_bounds_them(moonca
     """op_timeout 5: the RPC timeouts are set to 2.5 s and lookups run on the calling thread;
     op_timeout 1.5: on a worker (a killed master would hold a caller ~4.5 s). Gets and puts
     run on a worker either way; every answer is the same."""
+    progress = os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC")
     s = create_store("mooncake", store_options(mooncake_cluster, op_timeout=op_timeout, call_mode="worker"))
     try:
         assert {n: os.environ[n] for n in RPC_TIMEOUTS} == {n: mooncake_timeouts(op_timeout)[n] for n in RPC_TIMEOUTS}
-        assert "MC_TCP_PROGRESS_TIMEOUT_SEC" not in os.environ  # transfers keep Mooncake's own
+        assert os.environ.get("MC_TCP_PROGRESS_TIMEOUT_SEC") == progress  # transfer timeouts untouched
         assert s.session.lookups_on_caller is on_caller and s.stats().extra["lookups_on_caller"] is on_caller
         spy = s.session.client = _Threads(s.session.client)
         keys = _keys(8, "where")
@@ -91,15 +91,8 @@ def test_worker_mode_lookup_on_the_caller_with_a_stalled_master_misses_at_the_rp
     exception) at Mooncake's RPC timeout (2.5 s), the store turns unhealthy and the next
     lookup short-circuits; after SIGCONT the same store finds the pages again."""
     op_timeout = 5.0
-    master = MasterProcess(None, rpc_port=50071, metrics_port=9023, lease_ttl_ms=500,
-                           log_path=tmp_path / "master-stop.log").start()
-    s = _store(mooncake_cluster, master, op_timeout)
+    master, s, keys, _src = _stored(mooncake_cluster, tmp_path / "master-stop.log", (50071, 9023), op_timeout)
     try:
-        assert s.session.lookups_on_caller
-        keys = _keys(8, "lstop")
-        src = _filled(keys)
-        s.register_memory(src.address, len(src.raw))
-        assert s.put_from(keys, _pages(src)) == [True] * 8
         with _stopped(master.proc.pid):
             t0 = time.monotonic()
             assert s.exists(keys) == [False] * 8
@@ -130,20 +123,13 @@ def test_worker_mode_lookups_on_the_caller_with_a_killed_master_miss_in_time(moo
     RPC_FAIL codes trip it: no get or put needed), and lookups short-circuit until a probe
     passes."""
     op_timeout = 5.0
-    master = MasterProcess(None, rpc_port=50072, metrics_port=9024, lease_ttl_ms=500,
-                           log_path=tmp_path / "master-kill.log").start()
-    s = _store(mooncake_cluster, master, op_timeout)
+    master, s, keys, _src = _stored(mooncake_cluster, tmp_path / "master-kill.log", (50072, 9024), op_timeout)
     try:
-        assert s.session.lookups_on_caller
-        keys = _keys(8, "lkill")
-        src = _filled(keys)
-        s.register_memory(src.address, len(src.raw))
-        assert s.put_from(keys, _pages(src)) == [True] * 8
         calls: list[tuple[float, float, list]] = []
         errors: list[BaseException] = []
         stop = threading.Event()
 
-        def lookups() -> None:
+        def lookups(_: int) -> None:
             try:
                 while not stop.is_set():
                     t0 = time.monotonic()
@@ -152,17 +138,7 @@ def test_worker_mode_lookups_on_the_caller_with_a_killed_master_miss_in_time(moo
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
-        threads = [threading.Thread(target=lookups) for _ in range(3)]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        master.kill()
-        killed = time.monotonic()
-        time.sleep(op_timeout + 2)
-        stop.set()
-        for t in threads:
-            t.join(op_timeout + 10)
-        assert not any(t.is_alive() for t in threads), "a lookup hung"
+        killed = _kill_under_load(master, lookups, stop, warm=0.5, after=op_timeout + 2, join=op_timeout + 10)
         assert not errors, errors[0]
         assert any(c[2] == [True] * 8 for c in calls if c[0] < killed), "no hits before the kill"
         slowest = max(c[1] for c in calls)
