@@ -199,8 +199,9 @@ class MooncakeStore(PageStore):
         codes = self.session.call("batch_is_exist", self.session.client.batch_is_exist, keys, lookup=True)
         if codes is None or len(codes) != len(keys):
             return [False] * len(keys)
-        if codes.count(1) == len(codes):  # every key stored: no per-key work
-            return [True] * len(codes)
+        n, hits = len(codes), codes.count(1)
+        if hits == n or (not hits and codes.count(0) == n):  # all stored / none: no per-key work
+            return [hits == n] * n
         if min(codes) < 0:  # counted; an unreachable master turns the store unhealthy
             self.session.note_codes(codes)
         return [c == 1 for c in codes]
