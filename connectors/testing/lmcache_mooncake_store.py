@@ -66,12 +66,12 @@ class MooncakeStoreClient:
     (a future id each), ``drain_completions`` -> ``[(future_id, ok, error, per-key bools)]``,
     ``close``; each batch's keys spread over ``num_workers`` threads, one call per key."""
 
-    def __init__(self, params: dict[str, Any], num_workers: int = 4):
-        self._client = open_client(params)
+    def __init__(self, params: dict[str, Any], num_workers: int = 4, client: Any = None):
+        self._client = client if client is not None else open_client(params)
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._lock = threading.Lock()
         self._next = 0
-        self._pending: dict[int, list] = {}  # future id -> [per-key results, keys left, error]
+        self._pending: dict[int, list] = {}  # future id -> [per-key results, keys left, error, op]
         self._done: list[tuple[int, bool, str, list[bool] | None]] = []
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
@@ -87,7 +87,7 @@ class MooncakeStoreClient:
         with self._lock:
             self._next += 1
             fid = self._next
-            self._pending[fid] = [[False] * len(keys), len(keys), ""]
+            self._pending[fid] = [[False] * len(keys), len(keys), "", op]
         if not keys:
             self._finish(fid)
         for i, key in enumerate(keys):
@@ -138,8 +138,9 @@ class MooncakeStoreClient:
 
     def _finish(self, fid: int) -> None:
         with self._lock:
-            bools, _, err = self._pending.pop(fid)
-            self._done.append((fid, not err and all(bools), err, bools))
+            bools, _, err, op = self._pending.pop(fid)
+            # a lookup succeeds with misses in it; a store or load only if every key went through
+            self._done.append((fid, not err and (op == "exists" or all(bools)), err, bools))
         os.eventfd_write(self._efd, 1)
 
     def drain_completions(self) -> list[tuple[int, bool, str, list[bool] | None]]:
@@ -169,9 +170,9 @@ class LMCacheMooncakeStoreL2Adapter(NativeConnectorL2Adapter):
     """LMCache's ``NativeConnectorL2Adapter`` over ``MooncakeStoreClient`` (what
     ``mooncake_store``'s factory returns, with the connector in Python)."""
 
-    def __init__(self, params: dict[str, Any], l1_memory_desc: Any = None):
+    def __init__(self, params: dict[str, Any], l1_memory_desc: Any = None, client: Any = None):
         params = dict(params or {})
-        super().__init__(MooncakeStoreClient(params, int(params.get("num_workers", 4))),
+        super().__init__(MooncakeStoreClient(params, int(params.get("num_workers", 4)), client=client),
                          type_name="mooncake_store (Python connector)")
 
 
