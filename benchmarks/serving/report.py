@@ -62,6 +62,23 @@ def merge_runs(run_dirs: list[Path]) -> tuple[list[dict], list[dict]]:
     return headers, list(chosen.values())
 
 
+def ratios_within_runs(run_dirs: list[Path], records: list[dict]) -> list[dict]:
+    """Every ratio from one run: each run's pairs against that run's baseline and anchors, and per
+    metric the latest run that has it (a pair measured again in a later run replaces its rows).
+
+    ``records`` are the chosen ones (``merge_runs``), whose summaries may have been completed; a
+    run's superseded pairs are read again from its runs.jsonl.
+    """
+    chosen = {(r["run"], r["workload"], r["config"]): r for r in records}
+    latest: dict = {}
+    for n, d in enumerate(run_dirs):
+        own = [chosen.get((n, r["workload"], r["config"]), {**r, "run": n})
+               for r in load_runs(Path(d) / "runs.jsonl")[1]]
+        for row in ratios(figures_of(own)):
+            latest[row["metric"]] = {**row, "run": n}
+    return list(latest.values())
+
+
 def _caveats(run_dir: Path) -> dict:
     """``WORKLOAD:CONFIG`` -> what was found after the run about that pair's figures
     (``caveats.json`` beside ``runs.jsonl``, written by hand with the evidence's location)."""
@@ -187,10 +204,11 @@ def l3_path(figs: dict, reqs: dict) -> dict:
             f = by_cfg.get(c)
             return [r for r in reqs.get((f["run"], w, c), []) if r.get("ok")] if f else []
 
-        base_recomputed = [r["ttft"] for r in rows_of(BASELINE) if source_of(r.get("cached_from") or {}) ==
-                           "recomputed"]
         for c, f in by_cfg.items():
             rows = rows_of(c)
+            # the baseline of the pair's own run (a later run may have measured the baseline again)
+            base_recomputed = [r["ttft"] for r in reqs.get((f["run"], w, BASELINE), [])
+                               if r.get("ok") and source_of(r.get("cached_from") or {}) == "recomputed"]
             by = f.get("ttft_by_source") or {}
             if not by and rows:
                 from .client import ttft_by_source
@@ -377,7 +395,7 @@ def build(run_dirs: list[Path], out_json: Path, command: str = "") -> dict:
         if "summary" in r and "offered_input_tps" not in r["summary"]:
             r["summary"].update(offered(reqs.get((r["run"], r["workload"], r["config"]), [])))
     figs = figures_of(records)
-    rows = ratios(figs)
+    rows = ratios_within_runs(run_dirs, records)
     bounds_, path = bounds(figs, headers), l3_path(figs, reqs)
     first = headers[0] if headers else {}
     doc = {"name": "serving", "when": first.get("when"), "machine": first.get("machine"), "command": command,

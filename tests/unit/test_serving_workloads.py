@@ -312,3 +312,29 @@ def test_scrape_reads_a_real_prometheus_endpoint_with_the_library_parser():
     assert out['kvconnect_store_latency_seconds_sum{op="get"}'] == pytest.approx(0.2)
     assert report.store_io({"0": out})["get"] == {"calls": 1.0, "seconds": 0.2, "ms_per_call": 200.0}
     assert scrape(None) == {} and "_error" in scrape("http://127.0.0.1:1/metrics")
+
+
+def test_ratios_never_cross_runs(tmp_path):
+    """A later run that measured only some pairs: its pairs are compared with its own baseline and
+    anchors, the earlier run's remaining pairs with the earlier run's; no ratio mixes two runs."""
+    import json
+
+    def run(d, pairs):
+        d.mkdir()
+        rows = [{"event": "start", "when": d.name}] + [
+            {"workload": "w1", "config": c, "summary": {"ttft_p50_s": p50, "ttft_p99_s": 2 * p50, "input_tps": 100.0}}
+            for c, p50 in pairs.items()]
+        (d / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d
+
+    first = run(tmp_path / "a", {"l2_only": 1.0, "kvc_hf3fs": 0.5, "sglang_mooncake": 0.8, "kvc_mooncake_shm": 0.4})
+    second = run(tmp_path / "b", {"l2_only": 2.0, "kvc_hf3fs": 0.5, "sglang_hf3fs": 1.0})
+    _, records = report.merge_runs([first, second])
+    rows = {r["metric"]: r for r in report.ratios_within_runs([first, second], records)}
+    assert rows["w1_kvc_hf3fs_ttft_p50_over_baseline"]["ratio"] == 0.25 and rows["w1_kvc_hf3fs_ttft_p50_over_baseline"]["run"] == 1
+    assert rows["w1_kvc_hf3fs_ttft_p50_vs_sglang_hf3fs"]["ratio"] == 2.0
+    # measured only in the first run: against the first run's baseline (1.0), not the second's (2.0)
+    assert rows["w1_kvc_mooncake_shm_ttft_p50_over_baseline"]["ratio"] == 0.4
+    assert rows["w1_kvc_mooncake_shm_ttft_p50_vs_sglang_mooncake"]["run"] == 0
+    assert "w1_kvc_mooncake_shm_ttft_p50_vs_sglang_hf3fs" not in rows
+    assert rows["w1_kvc_hf3fs_ttft_p50_vs_sglang_mooncake"]["run"] == 0   # the first run's own pair
