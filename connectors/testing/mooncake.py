@@ -17,8 +17,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,9 +31,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from kvconnect.connectors.buffers import HostBuffer
+from kvconnect.connectors.testing.conformance import PAGE, page_bytes
 from kvconnect.connectors.testing.netns import Netns, netns_available
 from kvconnect.connectors.testing.netns import outer_test as netns_outer_test
 from kvconnect.connectors.testing.processes import child_env
+from kvconnect.connectors.transfer_engine import mooncake_timeouts
 
 NS_ENV = "KVCONNECT_MOONCAKE_NS"
 INNER = bool(os.environ.get(NS_ENV))
@@ -336,3 +341,84 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "holder":
         sys.exit(_holder_main(sys.argv[2:]))
     print(__doc__)
+
+
+# Helpers of the Mooncake store's integration tests (transfers, failure injection, lookups), shared
+# by their modules.
+
+def random_keys(n: int, tag: str = "") -> list[str]:
+    """``n`` distinct page keys, salted per call so tests never share objects on a master."""
+    salt = random.getrandbits(48)
+    return [hashlib.sha256(f"{tag}{salt}-{i}".encode()).hexdigest() for i in range(n)]
+
+
+def filled_buffer(keys: list[str], gen: int = 0) -> HostBuffer:
+    """A host buffer of conformance pages, one per key (``page_bytes(key, gen)``)."""
+    b = HostBuffer(len(keys), PAGE, 2)
+    for i, k in enumerate(keys):
+        b.fill(i, page_bytes(k, gen))
+    return b
+
+
+def buffer_pages(b: HostBuffer) -> list:
+    return [b.page(i) for i in range(b.num_pages)]
+
+
+
+@contextmanager
+def restored_mooncake_timeouts() -> Iterator[None]:
+    """An inline store sets Mooncake's timeout variables process-wide: the body's changes are
+    undone, so later tests start from Mooncake's defaults again (wrap it in an autouse fixture)."""
+    names = list(mooncake_timeouts(1.0))
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def kill_under_load(master, load, stop: threading.Event, *, warm: float, after: float, join: float,
+                     threads: int = 3) -> float:
+    """``load(i)`` on ``threads`` threads; ``master`` killed (-9) ``warm`` s in, ``stop`` set
+    ``after`` s later; every thread must end within ``join`` s. The time of the kill."""
+    running = [threading.Thread(target=load, args=(i,)) for i in range(threads)]
+    for t in running:
+        t.start()
+    time.sleep(warm)
+    master.kill()
+    killed = time.monotonic()
+    time.sleep(after)
+    stop.set()
+    for t in running:
+        t.join(join)
+    assert not any(t.is_alive() for t in running), "a call hung"
+    return killed
+
+
+@contextmanager
+def sigstopped(pid: int, timeout: float = 10):
+    """``pid`` SIGSTOPped for the ``with`` body, SIGCONT after (also on failure). The body starts
+    once every thread is stopped: SIGSTOP is asynchronous, and a thread busy on another
+    (virtual) CPU can still answer a request until it takes the signal."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            states = []
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except FileNotFoundError:  # thread ended meanwhile
+                    pass
+            if states and all(st in "tT" for st in states):
+                break
+            assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout}s: {states}"
+            time.sleep(0.01)
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)

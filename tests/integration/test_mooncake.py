@@ -10,12 +10,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -26,46 +23,27 @@ import pytest
 
 from kvconnect.connectors.base import BackendUnavailable
 from kvconnect.connectors.buffers import HostBuffer
-from kvconnect.connectors.transfer_engine import mooncake_timeouts
 from kvconnect.connectors.testing.mooncake import MasterProcess
 from kvconnect.connectors.testing.processes import child_env
 from kvconnect.connectors.registry import create_store
 from kvconnect.connectors.testing.conformance import PAGE, check_page, page_bytes
 from kvconnect.connectors.testing.mooncake import INNER, outer_test
 from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: F401 - fixture
+from kvconnect.connectors.testing.mooncake import buffer_pages as _pages, filled_buffer as _filled
+from kvconnect.connectors.testing.mooncake import kill_under_load as _kill_under_load, random_keys as _keys
+from kvconnect.connectors.testing.mooncake import restored_mooncake_timeouts, sigstopped as _stopped
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
-def _keys(n: int, tag: str = "") -> list[str]:
-    salt = random.getrandbits(48)
-    return [hashlib.sha256(f"{tag}{salt}-{i}".encode()).hexdigest() for i in range(n)]
-
-
-def _filled(keys: list[str], gen: int = 0) -> HostBuffer:
-    b = HostBuffer(len(keys), PAGE, 2)
-    for i, k in enumerate(keys):
-        b.fill(i, page_bytes(k, gen))
-    return b
-
-
-def _pages(b: HostBuffer) -> list:
-    return [b.page(i) for i in range(b.num_pages)]
-
-
 @pytest.fixture(autouse=True)
 def _restore_mooncake_timeouts():
-    """An inline store sets Mooncake's timeout variables process-wide: later tests start
-    from Mooncake's defaults again."""
-    names = list(mooncake_timeouts(1.0))
-    saved = {n: os.environ.get(n) for n in names}
-    yield
-    for n, v in saved.items():
-        if v is None:
-            os.environ.pop(n, None)
-        else:
-            os.environ[n] = v
+    with restored_mooncake_timeouts():
+        yield
+
+
+
+
 
 
 def _put_until_stored(s, keys: list[str], buf: HostBuffer) -> None:
@@ -258,24 +236,6 @@ def test_local_copy_reads_own_segment_pages_itself_and_others_through_mooncake(m
         master.kill()
 
 
-def _kill_under_load(master, load, stop: threading.Event, *, warm: float, after: float, join: float,
-                     threads: int = 3) -> float:
-    """``load(i)`` on ``threads`` threads; ``master`` killed (-9) ``warm`` s in, ``stop`` set
-    ``after`` s later; every thread must end within ``join`` s. The time of the kill."""
-    running = [threading.Thread(target=load, args=(i,)) for i in range(threads)]
-    for t in running:
-        t.start()
-    time.sleep(warm)
-    master.kill()
-    killed = time.monotonic()
-    time.sleep(after)
-    stop.set()
-    for t in running:
-        t.join(join)
-    assert not any(t.is_alive() for t in running), "a call hung"
-    return killed
-
-
 @pytest.mark.failure_injection
 @pytest.mark.parametrize("call_mode,op_timeout", [("worker", 1.5), ("inline", 5.0)])
 def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cluster, tmp_path,  # noqa: F811
@@ -440,31 +400,6 @@ def test_hung_peer_abandoned_staged_read_never_writes_caller_memory(mooncake_clu
         s.close()
         if holder.poll() is None:
             holder.kill()
-
-
-@contextlib.contextmanager
-def _stopped(pid: int, timeout: float = 10):
-    """``pid`` SIGSTOPped for the ``with`` body, SIGCONT after (also on failure). The body starts
-    once every thread is stopped: SIGSTOP is asynchronous, and a thread busy on another
-    (virtual) CPU can still answer a request until it takes the signal."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            states = []
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-                except FileNotFoundError:  # thread ended meanwhile
-                    pass
-            if states and all(st in "tT" for st in states):
-                break
-            assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout}s: {states}"
-            time.sleep(0.01)
-        yield
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
 
 def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_cluster, tmp_path):  # noqa: F811

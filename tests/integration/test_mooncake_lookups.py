@@ -21,8 +21,15 @@ from kvconnect.connectors.registry import create_store
 from kvconnect.connectors.testing.mooncake import INNER, MasterProcess, outer_test
 from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: F401 - fixture
 from kvconnect.connectors.transfer_engine import RPC_TIMEOUTS, mooncake_timeouts
-from tests.integration.test_mooncake import _restore_mooncake_timeouts  # noqa: F401 - autouse fixture
-from tests.integration.test_mooncake import _filled, _keys, _kill_under_load, _pages, _stopped
+from kvconnect.connectors.testing.mooncake import buffer_pages as _pages, filled_buffer as _filled
+from kvconnect.connectors.testing.mooncake import kill_under_load as _kill_under_load, random_keys as _keys
+from kvconnect.connectors.testing.mooncake import restored_mooncake_timeouts, sigstopped as _stopped
+
+
+@pytest.fixture(autouse=True)
+def _restore_mooncake_timeouts():
+    with restored_mooncake_timeouts():
+        yield
 
 
 class _Threads:
