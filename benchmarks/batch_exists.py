@@ -1,6 +1,6 @@
 """batch_exists cost per key: kvconnect's HiCache backend vs SGLang 0.5.23's mooncake and hf3fs backends.
 
-Run: ``kvconnect bench batch_exists [--quick]`` or ``python benchmarks/batch_exists.py [--quick]``
+Run: ``kvconnect bench batch_exists [--quick]`` or ``python -m kvconnect.benchmarks.batch_exists [--quick]``
 (root: it makes a loopback-only network namespace).
 
 ``batch_exists`` runs on SGLang's scheduler path (the prefetch thread asks it before every

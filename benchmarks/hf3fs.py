@@ -1,6 +1,6 @@
 """HF3FS store and metadata service vs SGLang 0.5.23's HiCacheHF3FS and mini_3fs_metadata_server.
 
-Run: ``kvconnect bench hf3fs [--quick]`` or ``python benchmarks/hf3fs.py [--quick]``.
+Run: ``kvconnect bench hf3fs [--quick]`` or ``python -m kvconnect.benchmarks.hf3fs [--quick]``.
 
 Store (same run, same machine, same host memory, files in one temporary directory, warm
 page cache): kvconnect's ``HF3FSStore`` (POSIX client, in-process index) against SGLang's

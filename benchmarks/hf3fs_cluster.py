@@ -1,6 +1,6 @@
 """HF3FS page index on Redis Cluster: lookup throughput with 1 and 3 shards, same clients, same run.
 
-Run: ``kvconnect bench hf3fs_cluster [--quick]`` or ``python benchmarks/hf3fs_cluster.py [--quick]``.
+Run: ``kvconnect bench hf3fs_cluster [--quick]`` or ``python -m kvconnect.benchmarks.hf3fs_cluster [--quick]``.
 
 Two Redis Clusters side by side (``RedisClusterSet``: real ``redis-server --cluster-enabled
 yes`` on 127.0.0.1, AOF every second, no replicas: lookups do not replicate), one of 1 primary

@@ -1,6 +1,6 @@
 """HF3FS page index on Redis + Sentinel: throughput vs the kvconnect service and SGLang's mini server, failover figures.
 
-Run: ``kvconnect bench hf3fs_ha [--quick]`` or ``python benchmarks/hf3fs_ha.py [--quick]``.
+Run: ``kvconnect bench hf3fs_ha [--quick]`` or ``python -m kvconnect.benchmarks.hf3fs_ha [--quick]``.
 
 Index (same run, same machine, each server its own process on 127.0.0.1): the Redis page
 index (``RedisMetadata`` through ``redis+sentinel://``: a primary with AOF fsync every second,

@@ -1,6 +1,6 @@
 """HF3FS store on the kvconnect metadata service: what the page identity check (verify_pages) costs.
 
-Run: ``kvconnect bench hf3fs_verify [--quick]`` or ``python benchmarks/hf3fs_verify.py [--quick]``.
+Run: ``kvconnect bench hf3fs_verify [--quick]`` or ``python -m kvconnect.benchmarks.hf3fs_verify [--quick]``.
 
 One ``kvconnect hf3fs-meta serve`` process on 127.0.0.1 (journal, fsync every 50 ms, its
 defaults) and two ``HF3FSStore`` s in this process on it, the same in everything but

@@ -1,6 +1,6 @@
 """SGLang linker vs HiCache adapter: load throughput of the same pages from the same store.
 
-Run: ``kvconnect bench linker [--quick]`` or ``python benchmarks/linker.py [--quick]``.
+Run: ``kvconnect bench linker [--quick]`` or ``python -m kvconnect.benchmarks.linker [--quick]``.
 
 One store per run (``memory``, and ``hf3fs`` on POSIX files with a ``kvconnect hf3fs-meta
 serve`` process on 127.0.0.1), two readers in this process, the same key space and the same

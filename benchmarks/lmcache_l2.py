@@ -49,7 +49,7 @@ Each system runs the same ``lmcache bench l2`` invocation (store -> lookup -> lo
 same keys, round trip verified) in its own process; systems alternate and repeat, the best
 round-average per metric is kept. Results: benchmarks/results/lmcache_l2.json.
 
-    .venv/bin/python benchmarks/lmcache_l2.py [--quick] [--dir DIR] [--stores memory,hf3fs,...] [--remote on|off]
+    .venv/bin/python -m kvconnect.benchmarks.lmcache_l2 [--quick] [--dir DIR] [--stores memory,hf3fs,...] [--remote on|off]
 """
 
 from __future__ import annotations

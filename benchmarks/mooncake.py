@@ -1,6 +1,6 @@
 """Mooncake store: kvconnect vs raw MooncakeDistributedStore vs SGLang's own MooncakeStore.
 
-Run: ``kvconnect bench mooncake [--quick]`` or ``python benchmarks/mooncake.py [--quick]``
+Run: ``kvconnect bench mooncake [--quick]`` or ``python -m kvconnect.benchmarks.mooncake [--quick]``
 (root: it makes a loopback-only network namespace).
 
 The Mooncake Store deployment guide's setup, on one machine: a ``mooncake_master`` and a process that only

@@ -23,7 +23,7 @@ the run (Mooncake TE and PeerCache listen on every interface; nothing leaves the
 Pages of 64 KiB and 2 MiB, batches of 128. Every read is checked byte-exact once before
 timing. Results: benchmarks/results/peer_rdma.json (ratios ours/reference).
 
-    .venv/bin/python benchmarks/peer_rdma.py [--quick]
+    .venv/bin/python -m kvconnect.benchmarks.peer_rdma [--quick]
 """
 
 from __future__ import annotations
