@@ -19,11 +19,16 @@ from kvconnect.connectors.buffers import scatter, scatter_many
 from kvconnect.connectors.peer_rdma.directory import CSUM, HOLDER, HOLDER_GONE, LEN, OFF, RESIDENT, live_holder
 from kvconnect.connectors.peer_rdma.membership import Member
 from kvconnect.connectors.peer_rdma.rpc import RpcError
-from kvconnect.connectors.peer_rdma.segment import Slot, checksum_at, checksum_pages
+from kvconnect.connectors.peer_rdma.segment import Slot, checksum_at, checksum_pages, copy_checksum_pages
 
 
 class Reader:
     """The node's reads, and the locations it learned (``location_cache_ttl``)."""
+
+    # Same-host copies hash each chunk of a page right after copying it, while it is in cache
+    # (one pass over memory). False: copy every page, then hash every page (two passes; kept
+    # so the benchmark measures what the fused pass saves, ``kvconnect bench l3_floor``).
+    fused_same_host = True
 
     def __init__(self, node):  # the PeerNode this is part of
         self.node = node
@@ -255,9 +260,10 @@ class Reader:
     def _read_same_host(self, same_host, member: Member, items: list[tuple[int, list]], pages, out: list[bool],
                         why: dict[int, str]) -> list[tuple[int, list]]:
         """Copies the pages of a holder whose shared segment this process mapped straight into
-        the caller's pages (copy threads), each then checked against its published checksum
-        (a slot evicted, reused or rewritten during the copy is a miss). Returns the items it
-        could not copy (not in a published segment: the Transfer Engine moves them)."""
+        the caller's pages (copy threads), hashing each chunk of a page right after it landed;
+        a page whose bytes do not hash to its published checksum (a slot evicted, reused or
+        rewritten during the copy) is a miss. Returns the items it could not copy (not in a
+        published segment: the Transfer Engine moves them)."""
         near, rest, srcs = [], [], []
         for it in items:
             src = same_host.source(member.te_name, member.seg_base + it[1][OFF], it[1][LEN])
@@ -268,16 +274,24 @@ class Reader:
                 srcs.append(src)
         if not near:
             return rest
-        scatter_many(srcs, [pages[i] for i, _ in near])
-        self._validate(near, pages, out, why)
+        dst = [pages[i] for i, _ in near]
+        if self.fused_same_host:
+            sums = copy_checksum_pages(srcs, dst)
+        else:
+            scatter_many(srcs, dst)
+            sums = checksum_pages(dst)
+        self._check(near, sums, out, why)
         self.node.count(shared_reads=len(near))
         return rest
 
     def _validate(self, items: list[tuple[int, list]], pages, out: list[bool], why: dict[int, str]) -> None:
-        """Checks pages copied straight into caller memory against their published checksums:
-        a page that does not match is a miss ("corrupt", counted in ``read_stale``)."""
+        """Checks pages copied straight into caller memory against their published checksums."""
+        self._check(items, checksum_pages([pages[i] for i, _ in items]), out, why)
+
+    def _check(self, items: list[tuple[int, list]], sums: list[int], out: list[bool], why: dict[int, str]) -> None:
+        """Each page is read only if the digest of its bytes in caller memory is its published
+        checksum: one that does not match is a miss ("corrupt", counted in ``read_stale``)."""
         stale = 0
-        sums = checksum_pages([pages[i] for i, _ in items])
         for (i, e), got in zip(items, sums):
             ok = got == e[CSUM]
             out[i] = ok

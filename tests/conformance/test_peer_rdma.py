@@ -466,6 +466,51 @@ else:
 
             self._with_holder(body)
 
+        def test_a_slot_rewritten_during_a_read_is_a_miss_never_torn(self, monkeypatch):
+            """A thread keeps writing another key's bytes over a published page and then its own
+            back while the store reads it from the holder's file (copied and hashed chunk by chunk,
+            4 KiB chunks here so a page is several): every read returns the page's own bytes or
+            misses it ("corrupt"), never a torn page or the other key's bytes."""
+            import ctypes
+            import threading
+
+            from kvconnect.connectors.peer_rdma import segment
+
+            monkeypatch.setattr(segment, "HASH_CHUNK", 4096)
+
+            def body(store, holder):
+                keys = self.keys(8)
+                assert self.write(holder, keys) == [True] * 8
+                slot = holder.node.segment.lookup(keys[3])
+                at = holder.node.segment.base + slot.offset
+                own, other = page_bytes(keys[3]), page_bytes(keys[4])
+                stop = threading.Event()
+
+                def rewrite():
+                    while not stop.is_set():
+                        for half in (0, PAGE // 2):  # a torn page, then the other key's whole page
+                            ctypes.memmove(at + half, other[half:], PAGE - half)
+                        ctypes.memmove(at, own, PAGE)
+
+                writer = threading.Thread(target=rewrite, daemon=True)
+                writer.start()
+                hits = misses = 0
+                deadline = time.monotonic() + 10
+                try:
+                    while time.monotonic() < deadline and (misses < 3 or hits < 3):
+                        ok, b = self.read(store, keys)
+                        assert all(o for i, o in enumerate(ok) if i != 3), ok
+                        assert all(b.read(i) == page_bytes(k) for i, (k, o) in enumerate(zip(keys, ok)) if o)
+                        hits, misses = hits + ok[3], misses + (not ok[3])
+                finally:
+                    stop.set()
+                    writer.join()
+                assert misses > 0, "the writer never raced a read: the test proved nothing"
+                m = store.node.metrics()
+                assert m["read_stale"] >= misses and m["staged_reads"] == 0, m
+
+            self._with_holder(body)
+
         def test_a_holder_that_is_gone_is_unmapped_and_its_pages_are_misses(self):
             """The holder dies without a goodbye: its file and registry entry go with it; until
             the reader notices (it re-lists every 2 s) a hit is still the page's own bytes
