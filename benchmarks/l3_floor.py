@@ -8,7 +8,10 @@ machine it runs on:
 * ``memcpy``: ``ctypes.memmove`` of the prefix's bytes, one thread and ``--threads`` threads
   (``limits.measure_memcpy``): the most any host-memory store can do here;
 * ``get``: each store (``memory``; ``hf3fs`` with ``numjobs`` 16 and ``entries`` 8 on ``--dir``,
-  ``hf3fs_e16`` with the serving benchmark's ``entries`` 16, ``hf3fs_2t`` with two workers) reading the prefix's pages into one host buffer (pinned when a
+  ``hf3fs_e16`` with the serving benchmark's ``entries`` 16, ``hf3fs_2t`` with two workers;
+  ``peer_shm``: a ``peer_rdma`` node reading another node's pages from its shared segment on this
+  host, each page copied and hashed in one pass, and ``peer_shm_2pass`` the same with every page
+  copied, then every page hashed) reading the prefix's pages into one host buffer (pinned when a
   GPU is there, as SGLang's host pool is), alone and while another thread keeps writing other
   pages into the same store (write-through puts of other requests); every read is checked byte
   for byte on its first and last page;
@@ -18,7 +21,7 @@ machine it runs on:
   (torch): what an L2 hit costs in copies.
 
 Ratios (``benchmarks/results/l3_floor.json``): each store's read against memcpy with as many
-threads; reads under puts against reads alone; the L3 floor (store read + h2d) against the L2
+threads; reads under puts against reads alone; ``peer_shm`` against ``peer_shm_2pass``; the L3 floor (store read + h2d) against the L2
 floor (h2d). The serving benchmark's measured store time per L3 hit can be set beside them.
 Without CUDA the h2d figures are left out (the JSON says so).
 """
@@ -45,7 +48,7 @@ MiB = 1 << 20
 
 class PinnedPages:
     """``n`` pages of ``page_bytes`` in one host buffer: pinned torch memory where CUDA is
-    there (``tensor``), else a bytearray."""
+    there (``tensor``), else anonymous memory (page-aligned, as pinned memory is)."""
 
     def __init__(self, n: int, page_bytes: int, torch: Any = None, segments: int = 1):
         from kvconnect.connectors.buffers import buffer_address
@@ -58,7 +61,9 @@ class PinnedPages:
             self.tensor = torch.empty(n * page_bytes, dtype=torch.uint8, pin_memory=True)
             self.address = self.tensor.data_ptr()
         else:
-            self._raw = bytearray(n * page_bytes)
+            import mmap
+
+            self._raw = mmap.mmap(-1, max(1, n * page_bytes))
             self.address = buffer_address(self._raw)
 
     def page(self, i: int) -> list[tuple[int, int]]:
@@ -89,6 +94,9 @@ def open_stores(names: list[str], directory: Path, page_bytes: int, pages: int) 
     stores = {}
     for n in names:
         store, options = FLOOR_STORES[n]
+        if store == "peer_rdma":
+            stores[n] = PeerPair(directory / n, room, **options)
+            continue
         if store == "memory":
             options = {**options, "capacity": room}
         else:
@@ -112,7 +120,64 @@ FLOOR_STORES = {
     "hf3fs_2t": ("hf3fs", {"numjobs": 2, "entries": 16}),
     # hf3fs_e16 with one pool of workers for reads and writes (as before they had pools of their own)
     "hf3fs_e16_1pool": ("hf3fs", {"numjobs": 16, "entries": 16}),
+    # peer_rdma, two nodes of one host with shared_segment (the serving benchmark's kvc_peer_rdma_shm)
+    "peer_shm": ("peer_rdma", {"fused": True}),
+    # the same with the two-pass same-host read it replaced: copy every page, then hash every page
+    "peer_shm_2pass": ("peer_rdma", {"fused": False}),
 }
+
+
+class PeerPair:
+    """Two ``peer_rdma`` nodes in this process, both with ``shared_segment`` in ``directory``
+    (on /dev/shm): ``holder`` lends the memory and keeps the pages it is given (``placement``
+    local); ``reader`` lends none and reads them as a server reads another same-host server's
+    pages: a directory lookup, then a copy out of the holder's mapped file, checked against the
+    published checksums (no Transfer Engine transfer). Puts and deletes go to the holder, gets to
+    the reader. ``fused`` False: the reader copies every page, then hashes every page.
+
+    Mooncake's Transfer Engine (started by each node, TCP, not used by these reads) listens on
+    every interface of this network namespace while the run lasts."""
+
+    def __init__(self, directory: Path, room: int, fused: bool = True):
+        import socket
+
+        from kvconnect.connectors.registry import create_store
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        common = {"discovery_addr": f"127.0.0.1:{port}", "protocol": "tcp", "local_hostname": "127.0.0.1",
+                  "shared_segment": True, "shared_segment_dir": str(directory)}
+        self.holder = create_store("peer_rdma", {**common, "control_port": port, "global_segment_size": room,
+                                                 "placement": "local"})
+        try:
+            self.reader = create_store("peer_rdma", {**common, "control_port": 0, "global_segment_size": 0})
+            deadline = time.monotonic() + 10
+            while len(self.reader.node.view.members) < 2:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("peer_shm: the reader never saw the holder join")
+                time.sleep(0.02)
+        except BaseException:
+            self.holder.close()
+            raise
+        self.reader.node.reader.fused_same_host = fused
+
+    def put_from(self, keys: list[str], pages: list) -> list[bool]:
+        return self.holder.put_from(keys, pages)
+
+    def get_into(self, keys: list[str], pages: list) -> list[bool]:
+        return self.reader.get_into(keys, pages)
+
+    def delete(self, keys: list[str]) -> list[bool]:
+        return self.holder.delete(keys)
+
+    def metrics(self) -> dict[str, Any]:
+        m = self.reader.node.metrics()
+        return {k: m[k] for k in ("shared_reads", "staged_reads", "read_stale")}
+
+    def close(self) -> None:
+        self.reader.close()
+        self.holder.close()
 
 
 def timed(fn: Callable[[], Any], repeats: int) -> list[float]:
@@ -189,7 +254,12 @@ def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: 
         under = summary(nbytes, timed(read, repeats))
     under["writer_gib_per_s"] = round(gib_per_s(w.written, w.seconds), 3)
     store.delete(keys)
-    return {"get": alone, "get_under_puts": under}
+    out = {"get": alone, "get_under_puts": under}
+    if isinstance(store, PeerPair):
+        m = out["reader_counters"] = store.metrics()
+        if m["shared_reads"] == 0 or m["staged_reads"]:
+            raise AssertionError(f"{name}: the reads did not all come from the shared segment ({m})")
+    return out
 
 
 def measure_checksums(pages: PinnedPages, n: int, repeats: int) -> dict[str, Any]:
@@ -241,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                         "layer_first, where each page is one piece per layer and K/V)")
     p.add_argument("--stores", default="memory,hf3fs", help="stores to read from, of " + ", ".join(FLOOR_STORES)
                    + " (default memory,hf3fs; hf3fs: numjobs 16, entries 8; hf3fs_e16: entries 16, the serving "
-                   "benchmark's; hf3fs_2t: 2 workers; hf3fs_e16_1pool: reads and writes on one pool)")
+                   "benchmark's; hf3fs_2t: 2 workers; hf3fs_e16_1pool: reads and writes on one pool; peer_shm: "
+                   "peer_rdma's same-host read from another node's shared segment, peer_shm_2pass: the same "
+                   "copying, then hashing)")
     p.add_argument("--dir", default=None, help="hf3fs data directory (default: a temporary one under /dev/shm "
                                                "where it exists, so the file system is not the limit)")
     p.add_argument("--store-s-per-l3-hit", type=float, default=None,
@@ -306,6 +378,13 @@ def main(argv: list[str] | None = None) -> int:
                   figs["xxh3"]["one_thread"]["gib_per_s"], "the same pages hashed on one thread, same run")
     except ImportError:
         res.notes.append("xxhash is not installed: no checksum figures")
+    if "peer_shm" in stores and "peer_shm_2pass" in stores:
+        res.ratio("peer_shm_get_over_2pass", figs["peer_shm"]["get"]["gib_per_s"],
+                  figs["peer_shm_2pass"]["get"]["gib_per_s"],
+                  "the same same-host reads copying every page, then hashing every page (the path the "
+                  "one-pass copy and hash replaced), same run")
+        res.ratio("peer_shm_get_under_puts_over_2pass", figs["peer_shm"]["get_under_puts"]["gib_per_s"],
+                  figs["peer_shm_2pass"]["get_under_puts"]["gib_per_s"], "the same, under puts, same run")
     if "hf3fs_e16" in stores and "hf3fs_e16_1pool" in stores:
         res.ratio("hf3fs_e16_get_under_puts_over_one_pool", figs["hf3fs_e16"]["get_under_puts"]["gib_per_s"],
                   figs["hf3fs_e16_1pool"]["get_under_puts"]["gib_per_s"],
