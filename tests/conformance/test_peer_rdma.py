@@ -472,9 +472,9 @@ else:
             4 KiB chunks here so a page is several): every read returns the page's own bytes or
             misses it ("corrupt"), never a torn page or the other key's bytes."""
             import ctypes
-            import threading
 
             from kvconnect.connectors.peer_rdma import segment
+            from kvconnect.connectors.testing.conformance import race
 
             monkeypatch.setattr(segment, "HASH_CHUNK", 4096)
 
@@ -484,27 +484,23 @@ else:
                 slot = holder.node.segment.lookup(keys[3])
                 at = holder.node.segment.base + slot.offset
                 own, other = page_bytes(keys[3]), page_bytes(keys[4])
-                stop = threading.Event()
+                seen = {"hits": 0, "misses": 0}
 
-                def rewrite():
+                def rewrite(stop):
                     while not stop.is_set():
                         for half in (0, PAGE // 2):  # a torn page, then the other key's whole page
                             ctypes.memmove(at + half, other[half:], PAGE - half)
                         ctypes.memmove(at, own, PAGE)
 
-                writer = threading.Thread(target=rewrite, daemon=True)
-                writer.start()
-                hits = misses = 0
-                deadline = time.monotonic() + 10
-                try:
-                    while time.monotonic() < deadline and (misses < 3 or hits < 3):
+                def read(stop):
+                    while not stop.is_set():
                         ok, b = self.read(store, keys)
                         assert all(o for i, o in enumerate(ok) if i != 3), ok
                         assert all(b.read(i) == page_bytes(k) for i, (k, o) in enumerate(zip(keys, ok)) if o)
-                        hits, misses = hits + ok[3], misses + (not ok[3])
-                finally:
-                    stop.set()
-                    writer.join()
+                        seen["hits" if ok[3] else "misses"] += 1
+
+                assert race([rewrite, read], seconds=3) == []
+                misses = seen["misses"]
                 assert misses > 0, "the writer never raced a read: the test proved nothing"
                 m = store.node.metrics()
                 assert m["read_stale"] >= misses and m["staged_reads"] == 0, m

@@ -7,9 +7,6 @@ it is copied can never pass as the page (a miss, never torn bytes)."""
 
 import ctypes
 import os
-import threading
-import time
-
 import pytest
 import xxhash
 
@@ -17,6 +14,7 @@ from kvconnect.connectors import buffers
 from kvconnect.connectors.buffers import HostBuffer, buffer_address
 from kvconnect.connectors.peer_rdma import segment
 from kvconnect.connectors.peer_rdma.segment import checksum_page, copy_checksum_pages
+from kvconnect.connectors.testing.conformance import race
 
 
 @pytest.mark.parametrize("threads", ["1", "4"])
@@ -60,10 +58,10 @@ def test_a_page_rewritten_during_the_copy_is_a_miss_never_torn(monkeypatch):
     for i in range(n):
         src.fill(i, own[i])
     dst = HostBuffer(n, pb)
-    stop = threading.Event()
     other_at = buffers.bytes_address(other)
+    seen = {"hits": 0, "misses": 0}
 
-    def rewrite():
+    def rewrite(stop):
         k = 0
         while not stop.is_set():
             i, off = k % n, (k * 48 << 10) % pb
@@ -72,25 +70,17 @@ def test_a_page_rewritten_during_the_copy_is_a_miss_never_torn(monkeypatch):
             ctypes.memmove(src.address + i * pb + off, buffers.bytes_address(own[i]) + off, step)  # ...and back
             k += 1
 
-    writer = threading.Thread(target=rewrite, daemon=True)
-    writer.start()
-    hits = misses = 0
-    deadline = time.monotonic() + 3
-    try:
-        while time.monotonic() < deadline and (misses < 5 or hits < 5):
+    def read(stop):
+        while not stop.is_set():
             sums = copy_checksum_pages([src.address + i * pb for i in range(n)], [dst.page(i) for i in range(n)])
             for i, got in enumerate(sums):
                 landed = dst.read(i)
                 assert got == xxhash.xxh3_64_intdigest(landed)  # the digest is of the caller's bytes
-                if got == published[i]:
-                    assert landed == own[i]
-                    hits += 1
-                else:
-                    assert landed != own[i]
-                    misses += 1
-    finally:
-        stop.set()
-        writer.join()
+                assert (got == published[i]) == (landed == own[i])
+                seen["hits" if got == published[i] else "misses"] += 1
+
+    assert race([rewrite, read], seconds=2) == []
+    misses = seen["misses"]
     assert misses > 0, "the writer never raced a copy: the test proved nothing"
 
 
