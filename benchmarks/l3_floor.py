@@ -10,8 +10,8 @@ machine it runs on:
 * ``get``: each store (``memory``; ``hf3fs`` with ``numjobs`` 16 and ``entries`` 8 on ``--dir``,
   ``hf3fs_e16`` with the serving benchmark's ``entries`` 16, ``hf3fs_2t`` with two workers;
   ``peer_shm``: a ``peer_rdma`` node reading another node's pages from its shared segment on this
-  host, each page copied and hashed in one pass, and ``peer_shm_2pass`` the same with every page
-  copied, then every page hashed) reading the prefix's pages into one host buffer (pinned when a
+  host, each page copied and hashed in one pass, its reads alternating with the same reads in
+  two passes, every page copied, then every page hashed: ``two_pass``) reading the prefix's pages into one host buffer (pinned when a
   GPU is there, as SGLang's host pool is), alone and while another thread keeps writing other
   pages into the same store (write-through puts of other requests); every read is checked byte
   for byte on its first and last page;
@@ -21,8 +21,8 @@ machine it runs on:
   (torch): what an L2 hit costs in copies.
 
 Ratios (``benchmarks/results/l3_floor.json``): each store's read against memcpy with as many
-threads; reads under puts against reads alone; ``peer_shm`` against ``peer_shm_2pass``; the L3 floor (store read + h2d) against the L2
-floor (h2d). The serving benchmark's measured store time per L3 hit can be set beside them.
+threads; reads under puts against reads alone; ``peer_shm``'s one pass against its two passes;
+the L3 floor (store read + h2d) against the L2 floor (h2d). The serving benchmark's measured store time per L3 hit can be set beside them.
 Without CUDA the h2d figures are left out (the JSON says so).
 """
 
@@ -95,7 +95,7 @@ def open_stores(names: list[str], directory: Path, page_bytes: int, pages: int) 
     for n in names:
         store, options = FLOOR_STORES[n]
         if store == "peer_rdma":
-            stores[n] = PeerPair(directory / n, room, **options)
+            stores[n] = PeerPair(directory / n, room)
             continue
         if store == "memory":
             options = {**options, "capacity": room}
@@ -120,10 +120,9 @@ FLOOR_STORES = {
     "hf3fs_2t": ("hf3fs", {"numjobs": 2, "entries": 16}),
     # hf3fs_e16 with one pool of workers for reads and writes (as before they had pools of their own)
     "hf3fs_e16_1pool": ("hf3fs", {"numjobs": 16, "entries": 16}),
-    # peer_rdma, two nodes of one host with shared_segment (the serving benchmark's kvc_peer_rdma_shm)
-    "peer_shm": ("peer_rdma", {"fused": True}),
-    # the same with the two-pass same-host read it replaced: copy every page, then hash every page
-    "peer_shm_2pass": ("peer_rdma", {"fused": False}),
+    # peer_rdma, two nodes of one host with shared_segment (the serving benchmark's kvc_peer_rdma_shm);
+    # its reads alternate with the two-pass reads the one-pass copy and hash replaced
+    "peer_shm": ("peer_rdma", {}),
 }
 
 
@@ -138,7 +137,7 @@ class PeerPair:
     Mooncake's Transfer Engine (started by each node, TCP, not used by these reads) listens on
     every interface of this network namespace while the run lasts."""
 
-    def __init__(self, directory: Path, room: int, fused: bool = True):
+    def __init__(self, directory: Path, room: int):
         import socket
 
         from kvconnect.connectors.registry import create_store
@@ -160,7 +159,14 @@ class PeerPair:
         except BaseException:
             self.holder.close()
             raise
-        self.reader.node.reader.fused_same_host = fused
+
+    @property
+    def fused(self) -> bool:
+        return self.reader.node.reader.fused_same_host
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self.reader.node.reader.fused_same_host = on
 
     def put_from(self, keys: list[str], pages: list) -> list[bool]:
         return self.holder.put_from(keys, pages)
@@ -249,16 +255,48 @@ def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: 
 
     read()  # warm: files mapped, pages faulted in
     nbytes = pages * pb
+    if isinstance(store, PeerPair):
+        return measure_peer(store, name, read, keys, pb, nbytes, repeats, torch)
     alone = summary(nbytes, timed(read, repeats))
     with BackgroundWriter(store, pb, 8, torch) as w:
         under = summary(nbytes, timed(read, repeats))
     under["writer_gib_per_s"] = round(gib_per_s(w.written, w.seconds), 3)
     store.delete(keys)
-    out = {"get": alone, "get_under_puts": under}
-    if isinstance(store, PeerPair):
-        m = out["reader_counters"] = store.metrics()
-        if m["shared_reads"] == 0 or m["staged_reads"]:
-            raise AssertionError(f"{name}: the reads did not all come from the shared segment ({m})")
+    return {"get": alone, "get_under_puts": under}
+
+
+def timed_alternating(store: "PeerPair", read: Callable[[], Any], repeats: int) -> dict[bool, list[float]]:
+    """``repeats`` reads in one pass and as many in two, alternating (which goes first alternates
+    too), so that what else runs on the host weighs on both alike. Keyed by ``fused``."""
+    out: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for r in range(repeats):
+            for fused in (True, False) if r % 2 == 0 else (False, True):
+                store.fused = fused
+                out[fused] += timed(read, 1)
+    finally:
+        store.fused = True
+    return out
+
+
+def measure_peer(store: "PeerPair", name: str, read: Callable[[], Any], keys: list[str], page_bytes: int,
+                 nbytes: int, repeats: int, torch: Any) -> dict[str, Any]:
+    """The same-host peer's reads: one pass (``get``) and two passes (``two_pass``) alternating,
+    alone and under a writer; its reader's counters say every read came out of the shared segment."""
+    store.fused = False
+    read()  # the two-pass path's bytes are checked too
+    store.fused = True
+    alone = timed_alternating(store, read, repeats)
+    with BackgroundWriter(store, page_bytes, 8, torch) as w:
+        under = timed_alternating(store, read, repeats)
+    writer = {"writer_gib_per_s": round(gib_per_s(w.written, w.seconds), 3)}
+    store.delete(keys)
+    out = {"get": summary(nbytes, alone[True]), "get_under_puts": {**summary(nbytes, under[True]), **writer},
+           "two_pass": {"get": summary(nbytes, alone[False]),
+                        "get_under_puts": {**summary(nbytes, under[False]), **writer}}}
+    m = out["reader_counters"] = store.metrics()
+    if m["shared_reads"] == 0 or m["staged_reads"]:
+        raise AssertionError(f"{name}: the reads did not all come from the shared segment ({m})")
     return out
 
 
@@ -312,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stores", default="memory,hf3fs", help="stores to read from, of " + ", ".join(FLOOR_STORES)
                    + " (default memory,hf3fs; hf3fs: numjobs 16, entries 8; hf3fs_e16: entries 16, the serving "
                    "benchmark's; hf3fs_2t: 2 workers; hf3fs_e16_1pool: reads and writes on one pool; peer_shm: "
-                   "peer_rdma's same-host read from another node's shared segment, peer_shm_2pass: the same "
-                   "copying, then hashing)")
+                   "peer_rdma's same-host read from another node's shared segment, one pass and two alternating)")
     p.add_argument("--dir", default=None, help="hf3fs data directory (default: a temporary one under /dev/shm "
                                                "where it exists, so the file system is not the limit)")
     p.add_argument("--store-s-per-l3-hit", type=float, default=None,
@@ -378,13 +415,14 @@ def main(argv: list[str] | None = None) -> int:
                   figs["xxh3"]["one_thread"]["gib_per_s"], "the same pages hashed on one thread, same run")
     except ImportError:
         res.notes.append("xxhash is not installed: no checksum figures")
-    if "peer_shm" in stores and "peer_shm_2pass" in stores:
-        res.ratio("peer_shm_get_over_2pass", figs["peer_shm"]["get"]["gib_per_s"],
-                  figs["peer_shm_2pass"]["get"]["gib_per_s"],
-                  "the same same-host reads copying every page, then hashing every page (the path the "
-                  "one-pass copy and hash replaced), same run")
-        res.ratio("peer_shm_get_under_puts_over_2pass", figs["peer_shm"]["get_under_puts"]["gib_per_s"],
-                  figs["peer_shm_2pass"]["get_under_puts"]["gib_per_s"], "the same, under puts, same run")
+    for name in stores:
+        two = figs[name].get("two_pass")
+        if two:
+            res.ratio(f"{name}_get_over_2pass", figs[name]["get"]["gib_per_s"], two["get"]["gib_per_s"],
+                      "the same same-host reads copying every page, then hashing every page (the path the "
+                      "one-pass copy and hash replaced), alternating with them, same run")
+            res.ratio(f"{name}_get_under_puts_over_2pass", figs[name]["get_under_puts"]["gib_per_s"],
+                      two["get_under_puts"]["gib_per_s"], "the same, under puts, alternating, same run")
     if "hf3fs_e16" in stores and "hf3fs_e16_1pool" in stores:
         res.ratio("hf3fs_e16_get_under_puts_over_one_pool", figs["hf3fs_e16"]["get_under_puts"]["gib_per_s"],
                   figs["hf3fs_e16_1pool"]["get_under_puts"]["gib_per_s"],
