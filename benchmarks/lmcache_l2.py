@@ -46,8 +46,13 @@ run tries to create both through LMCache's own adapter factory (``mooncake_store
 instead, ``mooncake_store`` as above.
 
 Each system runs the same ``lmcache bench l2`` invocation (store -> lookup -> load of the
-same keys, round trip verified) in its own process; systems alternate and repeat, the best
-round-average per metric is kept. Results: benchmarks/results/lmcache_l2.json.
+same keys, round trip verified) in its own process; systems alternate (in reverse order every
+other repeat, after one untimed run on each freshly started cluster) and repeat; the best round
+per metric is kept (``figures.per_system``), and each repeat's figures too (``figures.per_repeat``;
+``figures.per_repeat_ratios``: each pair's ratio within every repeat and their median).
+``--stores mooncake_local``: kvconnect's ``mooncake`` with ``prefer_local_segment`` (puts into the
+segment the LMCache server lends), against ``mooncake_store`` as well. Results:
+benchmarks/results/lmcache_l2.json.
 
     .venv/bin/python -m kvconnect.benchmarks.lmcache_l2 [--quick] [--dir DIR] [--stores memory,hf3fs,...] [--remote on|off]
 """
@@ -77,7 +82,12 @@ PLUGIN = {"type": "plugin", "module_path": "kvconnect.connectors.engines.lmcache
 # Best round of a run (LMCache reports per-round min/max): on a shared box the round
 # averages mostly measure the neighbours.
 METRICS = [("Store", "store_MBps"), ("Load", "load_MBps"), ("Lookup", "lookup_keys_per_s")]
-PAIRS = [("hf3fs", "fs"), ("hf3fs", "fs_native"), ("memory", "mock"), ("mooncake", "mooncake_store")]
+PAIRS = [("hf3fs", "fs"), ("hf3fs", "fs_native"), ("memory", "mock"), ("mooncake", "mooncake_store"),
+         ("mooncake_local", "mooncake_store")]
+# kvconnect's mooncake with prefer_local_segment: the LMCache server puts chunks into the segment it
+# lends (a memcpy) instead of wherever the master places them (over the transport); LMCache's
+# connector calls put_from with Mooncake's default ReplicateConfig and has no such option
+VARIANTS = {"mooncake_local": ("mooncake", {"prefer_local_segment": True})}
 # LMCache's mooncake_store: its NativeConnectorL2Adapter over a Python rendering of its C++
 # connector (kvconnect.connectors.testing.lmcache_mooncake_store), on the mooncake run's master
 MOONCAKE_STORE = {"type": "plugin", "module_path": "kvconnect.connectors.testing.lmcache_mooncake_store",
@@ -147,6 +157,10 @@ class Systems:
             mc = {k: params["adapter_params"][k] for k in MOONCAKE_KEYS}
             return {**MOONCAKE_STORE, "adapter_params": {k: str(parse_size(v)) if k.endswith("_size") else str(v)
                                                          for k, v in mc.items()}}, prefix
+        if name in VARIANTS:
+            base, over = VARIANTS[name]
+            params, prefix = self.spec(base)
+            return {**params, "adapter_params": {**params["adapter_params"], **over}}, prefix
         harness = self.harness(name)
         params = harness.sized_options(parse_size(size)) or harness.options(0)
         return {**PLUGIN, "adapter_params": params}, harness.exec_prefix()
@@ -377,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small run (tests): hf3fs vs fs and fs_native only, once")
     p.add_argument("--dir", default=None, help="directory for the fs adapter and the hf3fs file (default: a temp dir)")
     p.add_argument("--stores", default=None,
-                   help="kvconnect stores to run (default: memory,hf3fs,mooncake,peer_rdma; --quick: hf3fs)")
+                   help="kvconnect stores to run (default: memory,hf3fs,mooncake,peer_rdma; --quick: hf3fs); "
+                        "also mooncake_local: mooncake with prefer_local_segment")
     p.add_argument("--repeats", type=int, default=None,
                    help="runs of each compared system, alternating (default 2, --quick 1); "
                         "peer_rdma (figures only) runs once")
@@ -402,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = ({"keys": 8, "in_flight": 1, "size_kb": 512, "rounds": 2} if args.quick
              else {"keys": 16, "in_flight": 2, "size_kb": 1024, "rounds": 4})
     stores = (args.stores or ("hf3fs" if args.quick else "memory,hf3fs,mooncake,peer_rdma")).split(",")
-    refs = [ref for ours, ref in PAIRS if ours in stores]
+    refs = list(dict.fromkeys(ref for ours, ref in PAIRS if ours in stores))
     repeats = args.repeats or (1 if args.quick else 2)
     res = BenchResult("lmcache_l2", params={**shape, "stores": stores, "references": refs, "repeats": repeats,
                                              "quick": args.quick, "lmcache": _lmcache_version(),
@@ -410,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  sys.argv[1:] if argv is None else argv))})
     res.notes += [
         "each system: one `lmcache bench l2` process (store, lookup, load of the same keys; round trip "
-        "verified); systems alternate; compared pairs repeat; per metric the best round over all runs "
+        "verified); systems alternate, in reverse order every other repeat, after one untimed run on each "
+        "freshly started cluster (namespace); compared pairs repeat; per metric the best round over all runs "
         "(LMCache's per-round max MB/s; keys per round / min lookup round time)",
         "hf3fs, fs and fs_native write under the same directory, no fsync on any (fs: tmp file + rename; fs_native: "
         "a file per chunk from 4 C++ worker threads, its defaults; hf3fs: "
@@ -422,6 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="kvc-lmc-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     best: dict[str, dict[str, float]] = {}
+    per_repeat: dict[str, list] = {}  # system -> its figures per repeat (None: that repeat failed)
     t0 = time.monotonic()
     with ExitStack() as stack:
         systems = Systems(work, shape, stack, res.notes)
@@ -439,8 +456,17 @@ def main(argv: list[str] | None = None) -> int:
                 "loads (not compared by this benchmark)" if got["loads"] else
                 f"cannot load from the installed wheel: {got['error']} (cause: {got['cause']})"))
             print(f"[lmcache_l2] {res.notes[-1]}")
+        warmed: set[tuple] = set()
+        for name in order:  # a cluster just started (a namespace's master, pool): one untimed run on it first
+            adapter, prefix = specs[name]
+            if prefix and tuple(prefix) not in warmed:
+                warmed.add(tuple(prefix))
+                try:
+                    run_bench(adapter, shape, prefix)
+                except Exception as e:  # noqa: BLE001 - the timed runs report it
+                    print(f"[lmcache_l2] {name}: warm-up failed: {str(e)[-300:]}")
         for rep in range(repeats):
-            for name in order:
+            for name in (order if rep % 2 == 0 else order[::-1]):  # no system always first or last
                 if rep and name not in REPEATED:
                     continue
                 adapter, prefix = specs[name]
@@ -451,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
                 except Exception as e:  # noqa: BLE001
                     res.notes.append(f"{name} repeat {rep}: failed: {str(e)[-500:]}")
                     print(f"[lmcache_l2] {name}: FAILED: {str(e)[-1500:]}")
+                    per_repeat.setdefault(name, []).append(None)
                     continue
+                per_repeat.setdefault(name, []).append(figs)
                 print(f"[lmcache_l2] {name:9s} " + "  ".join(f"{k} {v:10.1f}" for k, v in figs.items()))
                 b = best.setdefault(name, {})
                 for k, v in figs.items():
@@ -486,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                     remote[name]["runs"] = runs
     if not args.dir:
         shutil.rmtree(work, ignore_errors=True)
-    res.figures = {"per_system": best, "lmcache_native": native, "mooncake_client": client, "ttfc": ttfc,
+    res.figures = {"per_system": best, "per_repeat": per_repeat,
+                   "per_repeat_ratios": repeat_ratios(per_repeat), "lmcache_native": native, "mooncake_client": client, "ttfc": ttfc,
                    "remote": remote,
                    "seconds": round(time.monotonic() - t0, 1)}
     ours, ref = remote.get("peer_rdma", {}), remote.get("p2p", {})
@@ -530,6 +559,13 @@ def main(argv: list[str] | None = None) -> int:
             res.ratio(f"mooncake_vs_mooncake_client.{metric}", best["mooncake"][metric], client[theirs],
                       "the Mooncake client itself on the same master, one call per key on 4 threads (what "
                       "mooncake_store's C++ connector does): the bound on mooncake_store")
+    batch = {"mooncake": ("batch_store_MBps", "batch calls, the master placing each chunk in any mounted segment"),
+             "mooncake_local": ("batch_local_store_MBps", "batch calls into its own segment (preferred_segment)")}
+    for ours, (theirs, how) in batch.items():
+        if ours in best and theirs in client:
+            res.ratio(f"{ours}_vs_mooncake_client_batch.store_MBps", best[ours]["store_MBps"], client[theirs],
+                      f"the Mooncake client itself on the same master, {how}: the ceiling of {ours}'s stores "
+                      "(its best of 3 rounds of 32 chunks, one call each, vs LMCache's best round)")
     if "mooncake_store" in specs:
         res.notes.append(
             "mooncake_store: LMCache's adapter needs lmcache.lmcache_mooncake (C++, built against Mooncake's "
@@ -547,6 +583,21 @@ def main(argv: list[str] | None = None) -> int:
                          "prompt order: first_chunk_s = from the lookup's submission to the first chunk in L1, "
                          "whole_prompt_s = to the last; medians; bytes verified each round; ratio > 1: kvconnect "
                          "is faster")
+    for pair, metrics in res.figures["per_repeat_ratios"].items():
+        print(f"[lmcache_l2] per repeat {pair}: " + "; ".join(
+            f"{m} {' '.join(f'{r:.2f}' for r in v['per_repeat'])} (median {v['median']:.2f})"
+            for m, v in metrics.items()))
+    if res.figures["per_repeat_ratios"]:
+        res.notes.append("per_repeat: each system's figures in each repeat (systems alternate, a pair's two "
+                         "runs back to back); per_repeat_ratios: ours / theirs within each repeat, and their "
+                         "median (the ratios above compare the best round over all repeats)")
+    if "mooncake_local" in specs:
+        res.notes.append("mooncake_local: kvconnect's mooncake with prefer_local_segment=true (Mooncake's "
+                         "preferred_segment: this process's own segment while it has room), so a store is a "
+                         "copy into the segment the LMCache server lends instead of a transfer to wherever the "
+                         "master places it; LMCache's connector calls put_from with Mooncake's default "
+                         "ReplicateConfig (no preferred segment); figures.mooncake_client's *_local_store_MBps: "
+                         "the client itself with that placement")
     res.finish(args.out)
     missing = [s for s in ["hf3fs", "fs", "fs_native"] if s in refs + stores and s not in best]
     return 1 if missing else 0
@@ -621,6 +672,23 @@ def run_client(spec: tuple[dict, list[str]], shape: dict) -> dict:
         return json.loads(line[len("CLIENT "):])
     except Exception as e:  # noqa: BLE001 - a failed measurement is a finding
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def repeat_ratios(per_repeat: dict[str, list]) -> dict[str, dict]:
+    """Per compared pair and metric: ours / theirs of each repeat (the two ran back to back in
+    that repeat) and the median of those ratios; a repeat where either failed is left out."""
+    out: dict[str, dict] = {}
+    for ours, ref in PAIRS:
+        a, b = per_repeat.get(ours, []), per_repeat.get(ref, [])
+        if not a or not b:
+            continue
+        pair = out[f"{ours}_vs_{ref}"] = {}
+        for _, metric in METRICS:
+            runs = [round(x[metric] / y[metric], 3) for x, y in zip(a, b) if x and y and y[metric]]
+            if runs:
+                pair[metric] = {"per_repeat": runs, "median": sorted(runs)[len(runs) // 2] if len(runs) % 2 else
+                                round((sorted(runs)[len(runs) // 2 - 1] + sorted(runs)[len(runs) // 2]) / 2, 3)}
+    return out
 
 
 def _clean(data: Path) -> None:

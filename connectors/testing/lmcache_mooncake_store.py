@@ -180,11 +180,17 @@ def client_throughput(params: dict[str, Any], chunks: int, chunk_bytes: int, wor
                       rounds: int = 3) -> dict[str, float]:
     """The Mooncake client by itself on the same master: ``chunks`` chunks put, looked up and
     read back, one call per key on ``workers`` threads (as ``mooncake_store``'s connector does)
-    and as one batch call each; the best of ``rounds`` rounds (fresh keys per round), bytes
-    verified."""
+    and as one batch call each; puts also with Mooncake's ``preferred_segment`` set to the
+    client's own segment (``*_local_store_MBps``: where the master places them otherwise, any
+    mounted segment, the put crosses the transport); the best of ``rounds`` rounds (fresh keys
+    per round), bytes verified."""
     import numpy as np
+    from mooncake.store import ReplicateConfig
 
     client = open_client(params)
+    local = ReplicateConfig()
+    local.replica_num = 1
+    local.preferred_segment = client.get_hostname()
     try:
         src = np.random.default_rng(3).integers(0, 255, size=(chunks, chunk_bytes), dtype=np.uint8)
         dst = np.zeros_like(src)
@@ -243,7 +249,16 @@ def client_throughput(params: dict[str, Any], chunks: int, chunk_bytes: int, wor
             if any(r != 0 for r in rcs) or any(e != 1 for e in ex) or any(g != chunk_bytes for g in got) \
                     or not np.array_equal(src, dst):
                 raise RuntimeError("the Mooncake client's batch calls failed or read back other bytes")
-            for k in keys + bkeys:
+            lkeys = [k + "-l" for k in keys]
+            lput_s = spread(lambda i: client.put_from(lkeys[i] + "k", ptr(src, i), chunk_bytes, local) == 0)
+            t0 = time.perf_counter()
+            rcs = client.batch_put_from(lkeys, [ptr(src, i) for i in range(chunks)], [chunk_bytes] * chunks, local)
+            blput_s = time.perf_counter() - t0
+            dst[:] = 0
+            got = client.batch_get_into(lkeys, [ptr(dst, i) for i in range(chunks)], [chunk_bytes] * chunks)
+            if any(r != 0 for r in rcs) or any(g != chunk_bytes for g in got) or not np.array_equal(src, dst):
+                raise RuntimeError("the Mooncake client's local-segment puts failed or read back other bytes")
+            for k in keys + bkeys + lkeys + [k + "k" for k in lkeys]:
                 client.remove(k)
             if rnd:
                 keep("per_key_store_MBps", mb / put_s)
@@ -252,6 +267,8 @@ def client_throughput(params: dict[str, Any], chunks: int, chunk_bytes: int, wor
                 keep("batch_store_MBps", mb / bput_s)
                 keep("batch_load_MBps", mb / bget_s)
                 keep("batch_lookup_keys_per_s", chunks / blook_s)
+                keep("per_key_local_store_MBps", mb / lput_s)
+                keep("batch_local_store_MBps", mb / blput_s)
         return {"chunks": chunks, "chunk_bytes": chunk_bytes, "workers": workers, "rounds": rounds, **best}
     finally:
         client.close()

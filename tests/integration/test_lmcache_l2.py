@@ -563,6 +563,10 @@ def test_benchmark_quick_writes_ratios(tmp_path):
     for n in native.values():  # loads, or the factory's own error (and its cause) is in the notes
         assert n["loads"] or (n["error"] and any(n["error"] in note for note in doc["notes"])), n
     assert all(r["ours"] > 0 and r["reference"] > 0 for r in ratios.values())
+    # each repeat's figures per system, and the pairs' ratios within each repeat (one here)
+    assert {n: len(v) for n, v in doc["figures"]["per_repeat"].items()} == {"hf3fs": 1, "fs": 1, "fs_native": 1}
+    per_rep = doc["figures"]["per_repeat_ratios"]["hf3fs_vs_fs"]["store_MBps"]
+    assert len(per_rep["per_repeat"]) == 1 and per_rep["median"] == per_rep["per_repeat"][0] > 0
     assert "loadavg" in doc["machine"]
     # the time to first chunk of a lookup-and-load of a whole prompt (8 chunks of 512 KiB), each system
     ttfc = doc["figures"]["ttfc"]
