@@ -89,13 +89,13 @@ def test_one_probe_lets_one_caller_through_at_a_time_until_reset():
 
 
 def test_the_clients_use_it():
-    """The HF3FS metadata clients and the Mooncake store retry and cool off through this module."""
+    """The HF3FS metadata clients and the Mooncake store's session retry and cool off through this module."""
     import inspect
 
     from kvconnect.connectors.hf3fs import client, redis_index
-    from kvconnect.connectors.mooncake import store
+    from kvconnect.connectors.mooncake import session  # the store's calls and health circuit
 
-    for mod in (client, redis_index, store):
+    for mod in (client, redis_index, session):
         src = inspect.getsource(mod)
         assert "from kvconnect.connectors.retry import" in src and "random.random()" not in src, mod.__name__
     assert "time.sleep(" not in inspect.getsource(client)  # every back-off of the metadata client is retry's
