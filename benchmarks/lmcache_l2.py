@@ -54,6 +54,14 @@ per metric is kept (``figures.per_system``), and each repeat's figures too (``fi
 segment the LMCache server lends), against ``mooncake_store`` as well. Results:
 benchmarks/results/lmcache_l2.json.
 
+Every ``lmcache bench l2`` process stores the same keys with the same bytes (its keys and fill
+pattern follow from the key index alone), and a Mooncake cluster keeps what a run put into the
+segment holder after the run ends. Mooncake answers a put of a key it already holds with success
+and moves no bytes, so a run would time free puts for every key an earlier run of the same
+system left there. Before each run on a Mooncake cluster (warm-up included) the benchmark
+therefore removes every object from it (``clear_mooncake``; ``--between-runs keep``: the old
+behaviour, objects left in place).
+
     .venv/bin/python -m kvconnect.benchmarks.lmcache_l2 [--quick] [--dir DIR] [--stores memory,hf3fs,...] [--remote on|off]
 """
 
@@ -97,6 +105,7 @@ MOONCAKE_KEYS = ("master_server_address", "metadata_server", "local_hostname", "
 REFERENCE = {"mooncake_store": "LMCache 0.5.6 'mooncake_store' (its NativeConnectorL2Adapter; connector in Python, "
                                "the C++ one is not in the wheel)"}
 REPEATED = {x for pair in PAIRS for x in pair}  # compared pairs repeat; figures-only systems run once
+MOONCAKE_SYSTEMS = {"mooncake", "mooncake_store", *VARIANTS}  # on the run's Mooncake cluster
 
 
 def _env() -> dict[str, str]:
@@ -131,11 +140,37 @@ def run_bench(adapter: dict, shape: dict, prefix: list[str] | None = None, timeo
     return figures
 
 
+_CLEAR = r"""
+import json, sys
+from kvconnect.connectors.testing.lmcache_mooncake_store import open_client
+client = open_client(json.loads(sys.argv[1]))
+try:
+    print("CLEARED", client.remove_all(True))
+finally:
+    client.close()
+"""
+
+
+def clear_mooncake(params: dict, prefix: list[str]) -> int:
+    """Remove every object from the Mooncake cluster of ``params`` (force: leases ignored), from
+    a client in ``prefix``'s namespace that lends no memory; the number removed."""
+    setup = {k: str(params[k]) for k in MOONCAKE_KEYS if k in params}
+    setup.update(global_segment_size="0", local_buffer_size=str(16 << 20))
+    p = subprocess.run(prefix + [sys.executable, "-c", _CLEAR, json.dumps(setup)], env=_env(), capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("CLEARED ")), None)
+    if p.returncode != 0 or line is None:
+        raise RuntimeError(f"clearing the Mooncake cluster failed (rc {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
+    return int(line.split()[1])
+
+
 class Systems:
     """Adapter JSON (and command prefix) per system; starts what a system needs."""
 
-    def __init__(self, work: Path, shape: dict, stack: ExitStack, notes: list[str]):
+    def __init__(self, work: Path, shape: dict, stack: ExitStack, notes: list[str], clear: bool = True):
         self.work, self.shape, self.stack, self.notes = work, shape, stack, notes
+        self.clear_between = clear
+        self.cleared: list[int] = []  # objects removed before each run on the Mooncake cluster
         self.harnesses: dict = {}
         self.total_bytes = (shape["rounds"] + 1) * shape["keys"] * shape["in_flight"] * shape["size_kb"] * 1024
 
@@ -164,6 +199,12 @@ class Systems:
         harness = self.harness(name)
         params = harness.sized_options(parse_size(size)) or harness.options(0)
         return {**PLUGIN, "adapter_params": params}, harness.exec_prefix()
+
+    def clear(self, name: str) -> None:
+        """Before a run of ``name``: an empty Mooncake cluster (nothing an earlier run stored)."""
+        if self.clear_between and name in MOONCAKE_SYSTEMS:
+            adapter, prefix = self.spec("mooncake")
+            self.cleared.append(clear_mooncake(adapter["adapter_params"], prefix))
 
     def harness(self, name: str):
         """A kvconnect store, as its test harness runs it (one per run)."""
@@ -399,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="results path (default benchmarks/results/lmcache_l2.json)")
     p.add_argument("--remote", choices=("on", "off"), default=None,
                    help="peer_rdma vs LMCache p2p between two servers (default: on, --quick: off)")
+    p.add_argument("--between-runs", choices=("clear", "keep"), default="clear",
+                   help="before each run on a Mooncake cluster remove every object from it (default), or keep "
+                        "what earlier runs stored (their puts of the same keys then move no bytes)")
     p.add_argument("--ttfc", choices=("on", "off"), default="on",
                    help="time to first chunk of a lookup-and-load of a whole prompt, per system (default on)")
     p.add_argument("--ttfc-child", default=None, help=argparse.SUPPRESS)
@@ -420,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     refs = list(dict.fromkeys(ref for ours, ref in PAIRS if ours in stores))
     repeats = args.repeats or (1 if args.quick else 2)
     res = BenchResult("lmcache_l2", params={**shape, "stores": stores, "references": refs, "repeats": repeats,
-                                             "quick": args.quick, "lmcache": _lmcache_version(),
+                                             "between_runs": args.between_runs, "quick": args.quick, "lmcache": _lmcache_version(),
                                              "command": " ".join(["kvconnect", "bench", "lmcache_l2"] + list(
                                                  sys.argv[1:] if argv is None else argv))})
     res.notes += [
@@ -441,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     per_repeat: dict[str, list] = {}  # system -> its figures per repeat (None: that repeat failed)
     t0 = time.monotonic()
     with ExitStack() as stack:
-        systems = Systems(work, shape, stack, res.notes)
+        systems = Systems(work, shape, stack, res.notes, clear=args.between_runs == "clear")
         specs = {}
         for name in refs + stores:
             try:
@@ -462,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             if prefix and tuple(prefix) not in warmed:
                 warmed.add(tuple(prefix))
                 try:
+                    systems.clear(name)
                     run_bench(adapter, shape, prefix)
                 except Exception as e:  # noqa: BLE001 - the timed runs report it
                     print(f"[lmcache_l2] {name}: warm-up failed: {str(e)[-300:]}")
@@ -473,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
                 _clean(work / "data")
                 os.sync()  # every run starts with no dirty pages: writeback throttling hits all alike
                 try:
+                    systems.clear(name)
                     figs = run_bench(adapter, shape, prefix)
                 except Exception as e:  # noqa: BLE001
                     res.notes.append(f"{name} repeat {rep}: failed: {str(e)[-500:]}")
@@ -486,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                     b[k] = max(b.get(k, 0.0), v)
         client: dict = {}
         if "mooncake_store" in specs:  # the Mooncake client itself, same master, same segment
+            systems.clear("mooncake_store")
             client = run_client(specs["mooncake_store"], shape)
             print(f"[lmcache_l2] mooncake client: {json.dumps(client)[:600]}")
         ttfc: dict[str, dict] = {}
@@ -591,6 +638,16 @@ def main(argv: list[str] | None = None) -> int:
         res.notes.append("per_repeat: each system's figures in each repeat (systems alternate, a pair's two "
                          "runs back to back); per_repeat_ratios: ours / theirs within each repeat, and their "
                          "median (the ratios above compare the best round over all repeats)")
+    if MOONCAKE_SYSTEMS & set(specs):
+        res.notes.append(
+            "Mooncake cluster between runs: " + (
+                f"every object removed before each run and before figures.mooncake_client (objects removed each time: "
+                f"{systems.cleared}); every "
+                "`lmcache bench l2` process stores the same keys with the same bytes, and Mooncake answers a put "
+                "of a key it holds with success without moving bytes, so objects an earlier run left in the "
+                "segment holder would make a later run's puts of them free" if args.between_runs == "clear" else
+                "objects kept (--between-runs keep): a run's puts of keys an earlier run of the same system left "
+                "in the segment holder succeed without moving bytes"))
     if "mooncake_local" in specs:
         res.notes.append("mooncake_local: kvconnect's mooncake with prefer_local_segment=true (Mooncake's "
                          "preferred_segment: this process's own segment while it has room), so a store is a "
