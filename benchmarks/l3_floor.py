@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from kvconnect.benchmarks.harness import BenchResult, gib_per_s  # noqa: E402
 from kvconnect.benchmarks.limits import measure_memcpy  # noqa: E402
+from kvconnect.connectors.config import parse_size  # noqa: E402
 
 MiB = 1 << 20
 
@@ -168,6 +169,15 @@ class PeerPair:
     def fused(self, on: bool) -> None:
         self.reader.node.reader.fused_same_host = on
 
+    @property
+    def chunk(self) -> int:
+        """Bytes copied then hashed per step of the one pass."""
+        return self.reader.node.reader.fused_chunk_bytes
+
+    @chunk.setter
+    def chunk(self, nbytes: int) -> None:
+        self.reader.node.reader.fused_chunk_bytes = nbytes
+
     def put_from(self, keys: list[str], pages: list) -> list[bool]:
         return self.holder.put_from(keys, pages)
 
@@ -234,7 +244,7 @@ class BackgroundWriter:
 
 
 def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: int,
-                  torch: Any) -> dict[str, Any]:
+                  torch: Any, peer_chunks: tuple[int, ...] = ()) -> dict[str, Any]:
     pb = dst.page_bytes
     keys = [f"prefix-{i}" for i in range(pages)]
     src = PinnedPages(pages, pb)
@@ -256,7 +266,7 @@ def measure_store(store: Any, name: str, dst: PinnedPages, pages: int, repeats: 
     read()  # warm: files mapped, pages faulted in
     nbytes = pages * pb
     if isinstance(store, PeerPair):
-        return measure_peer(store, name, read, keys, pb, nbytes, repeats, torch)
+        return measure_peer(store, name, read, keys, pb, nbytes, repeats, torch, peer_chunks)
     alone = summary(nbytes, timed(read, repeats))
     with BackgroundWriter(store, pb, 8, torch) as w:
         under = summary(nbytes, timed(read, repeats))
@@ -280,12 +290,25 @@ def timed_alternating(store: "PeerPair", read: Callable[[], Any], repeats: int) 
 
 
 def measure_peer(store: "PeerPair", name: str, read: Callable[[], Any], keys: list[str], page_bytes: int,
-                 nbytes: int, repeats: int, torch: Any) -> dict[str, Any]:
+                 nbytes: int, repeats: int, torch: Any, chunks: tuple[int, ...] = ()) -> dict[str, Any]:
     """The same-host peer's reads: one pass (``get``) and two passes (``two_pass``) alternating,
-    alone and under a writer; its reader's counters say every read came out of the shared segment."""
+    alone and under a writer; then, for each of ``chunks``, the one pass with that many bytes
+    copied then hashed per step, alternating with two passes again (``chunks``); its reader's
+    counters say every read came out of the shared segment."""
     store.fused = False
     read()  # the two-pass path's bytes are checked too
     store.fused = True
+    by_chunk: dict[str, Any] = {}
+    default = store.chunk
+    try:
+        for c in chunks:
+            store.chunk = c
+            read()  # this chunk's bytes are checked too
+            t = timed_alternating(store, read, repeats)
+            by_chunk[f"{c >> 10}k"] = {"chunk_bytes": c, "get": summary(nbytes, t[True]),
+                                       "two_pass_get": summary(nbytes, t[False])}
+    finally:
+        store.chunk = default
     alone = timed_alternating(store, read, repeats)
     with BackgroundWriter(store, page_bytes, 8, torch) as w:
         under = timed_alternating(store, read, repeats)
@@ -294,6 +317,8 @@ def measure_peer(store: "PeerPair", name: str, read: Callable[[], Any], keys: li
     out = {"get": summary(nbytes, alone[True]), "get_under_puts": {**summary(nbytes, under[True]), **writer},
            "two_pass": {"get": summary(nbytes, alone[False]),
                         "get_under_puts": {**summary(nbytes, under[False]), **writer}}}
+    if by_chunk:
+        out["chunks"] = by_chunk
     m = out["reader_counters"] = store.metrics()
     if m["shared_reads"] == 0 or m["staged_reads"]:
         raise AssertionError(f"{name}: the reads did not all come from the shared segment ({m})")
@@ -355,10 +380,19 @@ def main(argv: list[str] | None = None) -> int:
                                                "where it exists, so the file system is not the limit)")
     p.add_argument("--store-s-per-l3-hit", type=float, default=None,
                    help="the serving benchmark's measured store seconds per L3 hit, set beside the floor")
+    p.add_argument("--peer-chunks", default="",
+                   help="peer_shm: also time the one pass with these bytes copied then hashed per step, each "
+                        "alternating with two passes (comma-separated sizes, e.g. 256k,1m,4m; default none)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/l3_floor.json)")
     a = p.parse_args(argv)
     if a.quick:
         a.tokens, a.repeats = 256, 3
+    try:
+        chunks = tuple(parse_size(x, "--peer-chunks") for x in a.peer_chunks.split(",") if x.strip())
+    except ValueError as e:
+        p.error(str(e))
+    if any(c <= 0 for c in chunks):
+        p.error("--peer-chunks: sizes must be positive (for example 256k,1m,4m)")
     if a.tokens % a.page_tokens:
         p.error(f"--tokens must be a multiple of --page-tokens ({a.page_tokens})")
     try:
@@ -386,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name, store in stores.items():
                 print(f"[l3_floor] {name} ...", flush=True)
-                figs[name] = measure_store(store, name, dst, pages, a.repeats, torch)
+                figs[name] = measure_store(store, name, dst, pages, a.repeats, torch, chunks)
         finally:
             for store in stores.values():
                 store.close()
@@ -416,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         res.notes.append("xxhash is not installed: no checksum figures")
     for name in stores:
+        for label, f in figs[name].get("chunks", {}).items():
+            res.ratio(f"{name}_get_chunk_{label}_over_2pass", f["get"]["gib_per_s"], f["two_pass_get"]["gib_per_s"],
+                      f"the same reads in two passes, alternating with the one pass copying and hashing {label} "
+                      "per step, same run")
         two = figs[name].get("two_pass")
         if two:
             res.ratio(f"{name}_get_over_2pass", figs[name]["get"]["gib_per_s"], two["get"]["gib_per_s"],

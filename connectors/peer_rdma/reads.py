@@ -19,7 +19,8 @@ from kvconnect.connectors.buffers import scatter, scatter_many
 from kvconnect.connectors.peer_rdma.directory import CSUM, HOLDER, HOLDER_GONE, LEN, OFF, RESIDENT, live_holder
 from kvconnect.connectors.peer_rdma.membership import Member
 from kvconnect.connectors.peer_rdma.rpc import RpcError
-from kvconnect.connectors.peer_rdma.segment import Slot, checksum_at, checksum_pages, copy_checksum_pages
+from kvconnect.connectors.peer_rdma.segment import (HASH_CHUNK, Slot, checksum_at, checksum_pages,
+                                                    copy_checksum_pages)
 
 
 class Reader:
@@ -29,6 +30,7 @@ class Reader:
     # (one pass over memory). False: copy every page, then hash every page (two passes; kept
     # so the benchmark measures what the fused pass saves, ``kvconnect bench l3_floor``).
     fused_same_host = True
+    fused_chunk_bytes = HASH_CHUNK  # bytes copied then hashed per step of the one pass
 
     def __init__(self, node):  # the PeerNode this is part of
         self.node = node
@@ -276,7 +278,7 @@ class Reader:
             return rest
         dst = [pages[i] for i, _ in near]
         if self.fused_same_host:
-            sums = copy_checksum_pages(srcs, dst)
+            sums = copy_checksum_pages(srcs, dst, self.fused_chunk_bytes)
         else:
             scatter_many(srcs, dst)
             sums = checksum_pages(dst)

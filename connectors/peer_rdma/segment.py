@@ -35,7 +35,7 @@ ALIGN = 256
 HASH_CHUNK = 256 << 10
 
 
-def _hash_page(page: Page, src: int | None = None) -> int:
+def _hash_page(page: Page, src: int | None = None, chunk: int = HASH_CHUNK) -> int:
     """xxh3-64 over a page's segments in order; with ``src``, each chunk of the page is first
     copied from ``src`` (the page's bytes back to back) and hashed right after, while hot.
     The streaming digest equals the one-shot digest of the same bytes; ``update`` releases
@@ -46,8 +46,8 @@ def _hash_page(page: Page, src: int | None = None) -> int:
         if src is None:
             h.update(mv)
         else:
-            for o in range(0, n, HASH_CHUNK):
-                c = min(HASH_CHUNK, n - o)
+            for o in range(0, n, chunk):
+                c = min(chunk, n - o)
                 memmove(addr + o, src + off + o, c)
                 h.update(mv[o:o + c])
         off += n
@@ -66,12 +66,12 @@ def checksum_pages(pages: list[Page]) -> list[int]:
     return map_spread(checksum_page, pages, sum(page_nbytes(p) for p in pages))
 
 
-def copy_checksum_pages(srcs: list[int], pages: list[Page]) -> list[int]:
+def copy_checksum_pages(srcs: list[int], pages: list[Page], chunk: int = HASH_CHUNK) -> list[int]:
     """Copies ``srcs[i]`` (contiguous bytes) into ``pages[i]`` and returns the xxh3-64 of the
     bytes that landed in each page, in one pass: copy a chunk, hash it while it is in cache.
     Pages are shared out over the copy threads. A page's digest is of the caller's bytes, so a
     source rewritten during the copy cannot pass as the published checksum."""
-    return map_spread(lambda sp: _hash_page(sp[1], sp[0]), list(zip(srcs, pages)),
+    return map_spread(lambda sp: _hash_page(sp[1], sp[0], chunk), list(zip(srcs, pages)),
                       sum(page_nbytes(p) for p in pages))
 
 
