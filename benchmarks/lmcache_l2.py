@@ -464,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     refs = list(dict.fromkeys(ref for ours, ref in PAIRS if ours in stores))
     repeats = args.repeats or (1 if args.quick else 2)
     res = BenchResult("lmcache_l2", params={**shape, "stores": stores, "references": refs, "repeats": repeats,
-                                             "between_runs": args.between_runs, "quick": args.quick, "lmcache": _lmcache_version(),
+                                             "between_runs": args.between_runs, "quick": args.quick,
+                                             "lmcache": _lmcache_version(),
                                              "command": " ".join(["kvconnect", "bench", "lmcache_l2"] + list(
                                                  sys.argv[1:] if argv is None else argv))})
     res.notes += [
