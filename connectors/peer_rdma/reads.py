@@ -26,10 +26,12 @@ from kvconnect.connectors.peer_rdma.segment import (HASH_CHUNK, Slot, checksum_a
 class Reader:
     """The node's reads, and the locations it learned (``location_cache_ttl``)."""
 
-    # Same-host copies hash each chunk of a page right after copying it, while it is in cache
-    # (one pass over memory). False: copy every page, then hash every page (two passes; kept
-    # so the benchmark measures what the fused pass saves, ``kvconnect bench l3_floor``).
-    fused_same_host = True
+    # Same-host copies: every page copied, then every page hashed, each pass on the copy threads.
+    # True: each chunk of a page hashed right after it is copied, while in cache (one pass over
+    # memory). On a 16-core serving node the one pass ran at 0.63x the two (``kvconnect bench
+    # l3_floor --stores peer_shm``, 1 GiB: 10.1 against 16.1 GiB/s), on a 2-core host at 1.27x;
+    # kept for the benchmark, which times both alternating.
+    fused_same_host = False
     fused_chunk_bytes = HASH_CHUNK  # bytes copied then hashed per step of the one pass
 
     def __init__(self, node):  # the PeerNode this is part of

@@ -22,7 +22,6 @@ from kvconnect.connectors.testing.conformance import race
 def test_fused_digest_equals_the_one_shot_digest_and_the_bytes_are_copied(monkeypatch, threads, chunk):
     monkeypatch.setenv(buffers.COPY_THREADS_ENV, threads)
     monkeypatch.setattr(buffers, "_copy_pool", None)
-    monkeypatch.setattr(segment, "HASH_CHUNK", chunk)
     # 12 pages of 1.5 MiB + 3 bytes in 3 uneven, non-contiguous segments: 18 MiB, spread
     # over the threads; segment ends that are not chunk multiples
     sizes = [(512 << 10) + 1, (768 << 10) + 2, 256 << 10]
@@ -34,7 +33,7 @@ def test_fused_digest_equals_the_one_shot_digest_and_the_bytes_are_copied(monkey
         base = buffer_address(r)
         pages.append([(base + 32 + sizes[2] + sizes[1], sizes[0]), (base + 32 + sizes[2], sizes[1]),
                       (base + 32, sizes[2])])
-    sums = copy_checksum_pages([buffers.bytes_address(s) for s in srcs], pages)
+    sums = copy_checksum_pages([buffers.bytes_address(s) for s in srcs], pages, chunk)
     assert sums == [xxhash.xxh3_64_intdigest(s) for s in srcs]
     for s, p, r in zip(srcs, pages, raw):
         assert b"".join(ctypes.string_at(a, n) for a, n in p) == s
@@ -49,7 +48,6 @@ def test_a_page_rewritten_during_the_copy_is_a_miss_never_torn(monkeypatch):
     bytes in the caller's page, and some reads did see a torn page (counted as misses)."""
     monkeypatch.setenv(buffers.COPY_THREADS_ENV, "2")
     monkeypatch.setattr(buffers, "_copy_pool", None)
-    monkeypatch.setattr(segment, "HASH_CHUNK", 64 << 10)
     n, pb = 4, 2 << 20
     own = [os.urandom(pb) for _ in range(n)]
     other = os.urandom(pb)
@@ -89,7 +87,6 @@ def test_a_chunk_that_changed_under_the_copy_and_back_is_a_miss(monkeypatch):
     key's bytes while that chunk is copied and the page's own again by the time it is hashed.
     The digest is of what landed in the caller's page, so that page is a miss; the others hit."""
     monkeypatch.setenv(buffers.COPY_THREADS_ENV, "1")
-    monkeypatch.setattr(segment, "HASH_CHUNK", 64 << 10)
     n, pb = 3, 1 << 20
     own = [os.urandom(pb) for _ in range(n)]
     src = HostBuffer(n, pb)
@@ -109,7 +106,7 @@ def test_a_chunk_that_changed_under_the_copy_and_back_is_a_miss(monkeypatch):
         return copy(to, frm, nbytes)
 
     monkeypatch.setattr(segment, "memmove", racing_memmove)
-    sums = copy_checksum_pages([src.address + i * pb for i in range(n)], [dst.page(i) for i in range(n)])
+    sums = copy_checksum_pages([src.address + i * pb for i in range(n)], [dst.page(i) for i in range(n)], 64 << 10)
     published = [xxhash.xxh3_64_intdigest(b) for b in own]
     assert [s == p for s, p in zip(sums, published)] == [True, False, True]
     assert sums[1] == xxhash.xxh3_64_intdigest(dst.read(1)) and dst.read(1) != own[1]
