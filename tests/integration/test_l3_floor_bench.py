@@ -6,6 +6,8 @@ node it is measured by the same code)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from kvconnect.benchmarks import l3_floor
 
@@ -66,7 +68,8 @@ def test_a_read_that_returns_other_bytes_fails_the_run(tmp_path):
 def test_quick_floor_reads_a_same_host_peer_in_one_pass_and_in_two(tmp_path):
     """``peer_shm``: two peer_rdma nodes of one host (shared_segment), the reader copying the
     holder's pages out of its file, checked byte for byte and against their checksums, in one
-    pass (copy and hash per chunk) alternating with two passes; the ratio of the two. Run in a
+    pass (copy and hash per chunk) alternating with two passes, also at two other step sizes
+    (``--peer-chunks``, each read checked too); the ratios. Run in a
     loopback-only namespace (the nodes' Transfer Engines listen on every interface)."""
     import subprocess
 
@@ -83,7 +86,8 @@ def test_quick_floor_reads_a_same_host_peer_in_one_pass_and_in_two(tmp_path):
     ns = Netns("kvf")
     try:
         proc = subprocess.run(ns.exec_prefix() + [python(), "-m", "kvconnect.benchmarks.l3_floor", "--quick",
-                                                  "--stores", "peer_shm", "--out", str(out)],
+                                                  "--stores", "peer_shm", "--peer-chunks", "64k,1m",
+                                                  "--out", str(out)],
                               env=child_env(MOONCAKE_QUIET_ENV), capture_output=True, text=True, timeout=180)
     finally:
         ns.delete()
@@ -95,4 +99,16 @@ def test_quick_floor_reads_a_same_host_peer_in_one_pass_and_in_two(tmp_path):
     c = peer["reader_counters"]  # every read came out of the holder's shared segment
     assert c["shared_reads"] > 0 and c["staged_reads"] == 0 and c["read_stale"] == 0, c
     names = {r["metric"] for r in json.loads(out.read_text())["ratios"]}
-    assert {"peer_shm_get_over_2pass", "peer_shm_get_under_puts_over_2pass"} <= names
+    assert {"peer_shm_get_over_2pass", "peer_shm_get_under_puts_over_2pass", "peer_shm_get_chunk_64k_over_2pass",
+            "peer_shm_get_chunk_1024k_over_2pass"} <= names
+    steps = peer["chunks"]
+    assert {k: v["chunk_bytes"] for k, v in steps.items()} == {"64k": 64 << 10, "1024k": 1 << 20}
+    assert all(v["get"]["repeats"] == 3 and v["two_pass_get"]["gib_per_s"] > 0 for v in steps.values())
+
+
+def test_bad_peer_chunks_are_refused_naming_the_option(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "kvconnect.benchmarks.l3_floor", "--quick", "--stores", "memory",
+                           "--peer-chunks", "1m,lots", "--out", str(tmp_path / "x.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--peer-chunks" in proc.stderr, proc.stderr
+    assert not (tmp_path / "x.json").exists()
