@@ -70,7 +70,8 @@ def test_a_page_rewritten_during_the_copy_is_a_miss_never_torn(monkeypatch):
 
     def read(stop):
         while not stop.is_set():
-            sums = copy_checksum_pages([src.address + i * pb for i in range(n)], [dst.page(i) for i in range(n)])
+            sums = copy_checksum_pages([src.address + i * pb for i in range(n)], [dst.page(i) for i in range(n)],
+                                       64 << 10)
             for i, got in enumerate(sums):
                 landed = dst.read(i)
                 assert got == xxhash.xxh3_64_intdigest(landed)  # the digest is of the caller's bytes
