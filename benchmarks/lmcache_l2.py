@@ -151,17 +151,33 @@ finally:
 """
 
 
+def child_line(prefix: list[str], code: str, args: list[str], marker: str,
+               timeout: float) -> tuple[str | None, int, str]:
+    """Runs ``code`` in a Python child inside ``prefix``'s namespace; (the rest of its first stdout
+    line starting with ``marker`` and a space, or None; its exit code; its rc and the tail of what
+    it printed, for an error)."""
+    p = subprocess.run(prefix + [sys.executable, "-c", code, *args], env=_env(), capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith(marker + " ")), None)
+    return (None if line is None else line[len(marker) + 1:], p.returncode,
+            f"rc {p.returncode}: {(p.stdout + p.stderr)[-1500:]}")
+
+
+def lending_nothing(params: dict) -> dict:
+    """A Mooncake client setup on the cluster of ``params`` that lends no memory (its objects land
+    in the cluster's segment holder)."""
+    setup = {k: str(params[k]) for k in MOONCAKE_KEYS if k in params}
+    setup.update(global_segment_size="0", local_buffer_size=str(16 << 20))
+    return setup
+
+
 def clear_mooncake(params: dict, prefix: list[str]) -> int:
     """Remove every object from the Mooncake cluster of ``params`` (force: leases ignored), from
     a client in ``prefix``'s namespace that lends no memory; the number removed."""
-    setup = {k: str(params[k]) for k in MOONCAKE_KEYS if k in params}
-    setup.update(global_segment_size="0", local_buffer_size=str(16 << 20))
-    p = subprocess.run(prefix + [sys.executable, "-c", _CLEAR, json.dumps(setup)], env=_env(), capture_output=True,
-                       text=True, timeout=120, cwd=ROOT)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("CLEARED ")), None)
-    if p.returncode != 0 or line is None:
-        raise RuntimeError(f"clearing the Mooncake cluster failed (rc {p.returncode}): {(p.stdout + p.stderr)[-1500:]}")
-    return int(line.split()[1])
+    removed, rc, out = child_line(prefix, _CLEAR, [json.dumps(lending_nothing(params))], "CLEARED", 120)
+    if rc != 0 or removed is None:
+        raise RuntimeError(f"clearing the Mooncake cluster failed ({out})")
+    return int(removed)
 
 
 class Systems:
@@ -721,13 +737,9 @@ def run_client(spec: tuple[dict, list[str]], shape: dict) -> dict:
     """``client_throughput`` with mooncake_store's setup, inside the run's Mooncake namespace."""
     adapter, prefix = spec
     try:
-        p = subprocess.run(prefix + [sys.executable, "-c", _CLIENT, json.dumps(adapter["adapter_params"]),
-                                     json.dumps(shape)], env=_env(), capture_output=True, text=True, timeout=300,
-                           cwd=ROOT)
-        line = next((ln for ln in p.stdout.splitlines() if ln.startswith("CLIENT ")), None)
-        if line is None:
-            return {"error": f"rc {p.returncode}: {(p.stdout + p.stderr)[-1500:]}"}
-        return json.loads(line[len("CLIENT "):])
+        figures, _, out = child_line(prefix, _CLIENT, [json.dumps(adapter["adapter_params"]), json.dumps(shape)],
+                                  "CLIENT", 300)
+        return {"error": out} if figures is None else json.loads(figures)
     except Exception as e:  # noqa: BLE001 - a failed measurement is a finding
         return {"error": f"{type(e).__name__}: {e}"}
 

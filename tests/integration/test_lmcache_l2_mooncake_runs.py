@@ -13,9 +13,6 @@ client's own figures; ``--between-runs keep`` leaves it as it is.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,7 +20,6 @@ pytest.importorskip("lmcache")
 
 from kvconnect.benchmarks import lmcache_l2 as bench  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 NBYTES = 64 * 1024
 
 _PUT_GET = r"""
@@ -47,13 +43,10 @@ def _put_get(prefix: list[str], params: dict, key: str, fill: int) -> tuple[int,
     """A client process that lends nothing (the object lands in the holder and outlives it):
     put ``NBYTES`` bytes of ``fill`` under ``key``, read the key back; (put rc, get rc, the
     distinct byte values read)."""
-    setup = {k: str(params[k]) for k in bench.MOONCAKE_KEYS if k in params}
-    setup.update(global_segment_size="0", local_buffer_size=str(16 << 20))
-    p = subprocess.run(prefix + [sys.executable, "-c", _PUT_GET, json.dumps(setup), key, str(fill), str(NBYTES)],
-                       env=bench._env(), capture_output=True, text=True, timeout=120, cwd=ROOT)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert p.returncode == 0 and line is not None, (p.stdout + p.stderr)[-3000:]
-    put, got, values = json.loads(line[len("RESULT "):])
+    result, rc, out = bench.child_line(prefix, _PUT_GET, [json.dumps(bench.lending_nothing(params)), key, str(fill),
+                                                          str(NBYTES)], "RESULT", 120)
+    assert rc == 0 and result is not None, out
+    put, got, values = json.loads(result)
     return put, got, values
 
 
