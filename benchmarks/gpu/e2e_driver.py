@@ -10,6 +10,8 @@ e2e_latency) and, for kvconnect stores, the store's read counters scraped from i
 Modes of waiting for the write-back to L3 (--wait):
   metrics:URL   kvconnect adapter's Prometheus endpoint: kvconnect_put_written_total grows by the pages
   files:DIR     SGLang's file backend: number of *.bin files grows by the pages
+  tree:DIR      LMCache's fs L2 adapter: number of files under DIR (any depth, but *.tmp) grows by the chunks
+  (--tokens-per-object: tokens per stored object, 64 for a HiCache page, 256 for an LMCache chunk)
   blocks:GLOB   SGLang's hf3fs backend (mock client): allocated bytes of its data files grow by the KV bytes
 
 Other commands:
@@ -105,6 +107,8 @@ class Driver:
             return int(scrape(arg).get("kvconnect_put_written", 0))
         if kind == "files":
             return len(glob.glob(os.path.join(arg, "*.bin")))
+        if kind == "tree":
+            return sum(1 for _, _, names in os.walk(arg) for f in names if not f.endswith(".tmp"))
         if kind == "blocks":
             return sum(os.stat(f).st_blocks * 512 for f in glob.glob(arg)) // max(1, self.a.page_bytes)
         return 0
@@ -133,7 +137,7 @@ class Driver:
         before = self.l3_progress()
         self.gen(f"{prefix}_1_cold", ids, n, seed)
         self.gen(f"{prefix}_2_gpu_hit", ids, n, seed)
-        pages = (n - 1) // PAGE
+        pages = (n - 1) // self.a.tokens_per_object
         # hf3fs ref stores K and V as separate objects: twice the objects of the page count
         want = pages * self.a.objects_per_page
         ok = self.wait_l3(before, want, self.a.wait_timeout * max(1.0, n / 8192))
@@ -182,6 +186,11 @@ def cmd_replay(a):
     d = Driver(a)
     with open(a.ids_from) as f:
         rows = [json.loads(line) for line in f if line.strip()]
+    # fresh prompts first: the first requests after a start pay one-time costs a replayed hit should not
+    for i in range(a.cold_first if rows else 0):
+        n = rows[0]["n"]
+        rnd = random.Random(f"cold-first-{a.label}-{i}")
+        d.gen(f"{n}_{a.label}_cold_first_{i + 1}", [rnd.randrange(1, a.vmax) for _ in range(n)], n, None)
     for r in rows:
         if time.time() > a.deadline - 15:
             d.emit({"event": "skip", "item": r["prefix"]})
@@ -209,7 +218,9 @@ def main():
         s.add_argument("--vmax", type=int, default=120000)
         if name == "run":
             s.add_argument("--plan", required=True, help="e.g. w8192,8192,16384")
-            s.add_argument("--wait", default="none", help="metrics:URL | files:DIR | blocks:GLOB")
+            s.add_argument("--wait", default="none", help="metrics:URL | files:DIR | tree:DIR | blocks:GLOB")
+            s.add_argument("--tokens-per-object", type=int, default=PAGE,
+                           help="tokens per object the wait counts (64: a HiCache page; 256: an LMCache chunk)")
             s.add_argument("--page-bytes", type=int, default=1, help="for blocks: bytes per stored object")
             s.add_argument("--objects-per-page", type=int, default=1)
             s.add_argument("--wait-timeout", type=float, default=30.0, help="seconds for 8k tokens")
@@ -218,6 +229,8 @@ def main():
         else:
             s.add_argument("--ids-from", required=True)
             s.add_argument("--label", required=True)
+            s.add_argument("--cold-first", type=int, default=0,
+                           help="send this many fresh prompts (of the first recorded length) before replaying")
     a = p.parse_args()
     (cmd_run if a.cmd == "run" else cmd_replay)(a)
 

@@ -6,6 +6,8 @@
 #   .gpuserve1/              PeerCache 0.8.4 (cp312)
 #   .gpuserve2/site2.tar.xz  the rest of SGLang's wheel set + sglang-router 0.3.2 (stripped), unpacked (~34 MiB)
 #   .gpumc/mc312.tar.xz      Mooncake 0.3.13 (non-CUDA build: host memory) trimmed, with libibverbs/librdmacm (~15 MiB)
+#   .gpulmc/site4.tar.xz     LMCache 0.5.6 and what it imports beyond the image and SGLang's set, unpacked
+#                            (lmcache_056_wheels.txt; ~33 MiB): run_e2e.sh install5, for the lmcache_* phases
 #   .gpuwheels-dl/           the downloads (not needed on the node)
 # No part is over ~55 MiB, for nodes that take files in small uploads.
 # The pins (sglang_0517_wheels.txt) are the wheels SGLang 0.5.17 needs beyond a CUDA torch 2.11 image.
@@ -56,4 +58,11 @@ python3 -m zipfile -e "$D"/mooncake_transfer_engine_non_cuda-*.whl "$D/mc"
   && cp -L /lib/x86_64-linux-gnu/{libibverbs.so.1,libnl-route-3.so.200,libnl-3.so.200,librdmacm.so.1} ibv/ \
   && tar cf - mooncake mooncake_transfer_engine_non_cuda.libs ibv ) | xz -9 -T0 > .gpumc/mc312.tar.xz
 
-du -sh .gpuwheels1 .gpuserve1 .gpuserve2 .gpumc
+# 4. LMCache (its server and SGLang's --enable-lmcache connector), unpacked like site2
+# shellcheck disable=SC2086
+$W $P -d "$D/lmc" -r "$G/lmcache_056_wheels.txt"
+rm -rf "$D/site4" && mkdir -p "$D/site4" .gpulmc
+for w in "$D"/lmc/*.whl; do python3 -m zipfile -e "$w" "$D/site4/"; done
+tar cf - -C "$D/site4" . | xz -6 -T0 > .gpulmc/site4.tar.xz
+
+du -sh .gpuwheels1 .gpuserve1 .gpuserve2 .gpumc .gpulmc

@@ -3,10 +3,12 @@
 # Runs on a GPU node (one GPU; two of one host for pd:*); benchmarks/gpu/README.md is the runbook.
 #   bash benchmarks/gpu/run_e2e.sh PHASE...        (phases run in the order given; -h: this text)
 # PHASE: diag | install1 | install2 | install3 (Mooncake) | install4 (CUDA Mooncake + the PD plugin's entry
-#        point, for pd:*) | stop | ARCH:STORE | ARCH:restart_STORE | ARCH:cross_STORE | pd:TRANSPORT
+#        point, for pd:*) | install5 (LMCache, for lmcache_*) | stop | ARCH:STORE | ARCH:restart_STORE |
+#        ARCH:cross_STORE | pd:TRANSPORT
 #   install1-4 install from a bundle of files (no network): install1 pip-installs $SGLANG_WHEELS/*.whl into
 #   $GPU_TMP/site1; install2 $SGLANG_WHEELS2/*.whl into site2 or, without that folder, unpacks $SITE2_TAR
-#   (prepare_serving.sh's bundle); install3 unpacks $MOONCAKE_TAR into site3, install4 $MOONCAKE_CUDA_TAR.
+#   (prepare_serving.sh's bundle); install3 unpacks $MOONCAKE_TAR into site3, install4 $MOONCAKE_CUDA_TAR,
+#   install5 $LMCACHE_TAR into site4 (first on PYTHONPATH) and records whether LMCache's CUDA ops load.
 #   Where SGLang and Mooncake are installed already, skip them: the store phases need only `python3 -m sglang`.
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
@@ -20,7 +22,12 @@
 #           lending the memory, SGLang lends none) | kvc_peer_rdma (kvconnect peer pool: each SGLang
 #           server lends its own memory, as in the peer-pool deployment guide, plus a memory-only `kvconnect peer serve`
 #           seed node; Transfer Engine over TCP)
-#   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit)
+#         lmcache_kvc_hf3fs | lmcache_fs: SGLang --enable-lmcache (no HiCache) in front of a standalone `lmcache server`
+#           (the LMCache deployment guide: MP mode, L1 of LMC_L1_GB in its memory) whose L2 is kvconnect's plugin over
+#           the hf3fs store + metadata service, or LMCache's own `fs` adapter; the flush step's hit is then LMCache's L1
+#           and restart_lmcache_* restarts SGLang AND the lmcache server (an empty L1), so its hits come from the L2
+#   restart_STORE: stop the server, launch it again, replay the prompts measured before (durable L3 hit); for
+#                  lmcache_* two cold prompts go first (the first request after a start pays one-time costs)
 #   cross_STORE:   two servers (ports 30000/30001) sharing one store; prompts prefilled on A, read on B
 #   pd:TRANSPORT   prefill server on GPU 0, decode server on GPU 1 (Llama-3-8B shape), pd_driver.py routes 8k-token
 #                  prompts at PD_LEVELS (default 1,8,32) concurrent requests; TRANSPORT mooncake_ref (SGLang's own
@@ -28,7 +35,7 @@
 #                  (kvconnect backend, KVCONNECT_PD_CONFIG transport direct over TCP / relay through the mooncake store)
 # Env: DEADLINE_S (default 570, from script start), PLAN (default w8192,8192,16384),
 #      HICACHE_LAYOUT (--hicache-mem-layout for every server; default: SGLang's),
-#      KVC_MC_SEGMENT (default 40gb), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES,
+#      KVC_MC_SEGMENT (default 40gb), LMC_L1_GB (default 8), LMC_ARGS (more `lmcache server` options), KVC_PEER_SEGMENT (per SGLang server, default 24gb), KVC_JOBS, KVC_ENTRIES,
 #      OUT (default /tmp/out: results.jsonl, diag.txt, logs.tgz, jitcache.tgz), GPU_TMP (default /tmp: where
 #      site1-3, sglogs, l3, the model configs and jitcache go), PORT_OFFSET (default 0, added to every port),
 #      SGLANG_SERVER_MODULE (default sglang.launch_server) -- the CPU tests run the script with a stand-in
@@ -36,6 +43,7 @@
 #      The bundle: BUNDLE_DIR (default: the current folder), SGLANG_WHEELS ($BUNDLE_DIR/.gpuwheels1),
 #      SGLANG_WHEELS2 ($BUNDLE_DIR/.gpuwheels2), SITE2_TAR ($BUNDLE_DIR/.gpuserve2/site2.tar.xz), MOONCAKE_TAR
 #      ($BUNDLE_DIR/.gpumc/mc312.tar.xz), MOONCAKE_CUDA_TAR ($BUNDLE_DIR/.gpumccuda/mccuda312.tar.xz),
+#      LMCACHE_TAR ($BUNDLE_DIR/.gpulmc/site4.tar.xz),
 #      JIT_CACHE ($BUNDLE_DIR/.gpujitcache/jitcache.tgz, optional: an earlier run's $OUT/jitcache.tgz).
 #      MOONCAKE_MASTER (default: install3's, else mooncake_master on PATH).
 #      The kvconnect it runs is this script's checkout (on PYTHONPATH).
@@ -48,6 +56,7 @@ BUNDLE=${BUNDLE_DIR:-.}
 SGLANG_WHEELS=${SGLANG_WHEELS:-$BUNDLE/.gpuwheels1} SGLANG_WHEELS2=${SGLANG_WHEELS2:-$BUNDLE/.gpuwheels2}
 SITE2_TAR=${SITE2_TAR:-$BUNDLE/.gpuserve2/site2.tar.xz} MOONCAKE_TAR=${MOONCAKE_TAR:-$BUNDLE/.gpumc/mc312.tar.xz}
 MOONCAKE_CUDA_TAR=${MOONCAKE_CUDA_TAR:-$BUNDLE/.gpumccuda/mccuda312.tar.xz}
+LMCACHE_TAR=${LMCACHE_TAR:-$BUNDLE/.gpulmc/site4.tar.xz}
 JIT_CACHE=${JIT_CACHE:-$BUNDLE/.gpujitcache/jitcache.tgz}
 B=$(cd "$(dirname "$0")" && pwd)    # the drivers, next to this script
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
@@ -57,10 +66,11 @@ L3=$TMPD/l3
 SGLANG_SERVER=${SGLANG_SERVER_MODULE:-sglang.launch_server}
 PO=${PORT_OFFSET:-0}
 P_SRV=$((30000 + PO)) P_MET=$((9400 + PO)) P_META=$((18000 + PO)) P_MC=$((50051 + PO)) P_MCM=$((9003 + PO))
-P_MCS=$((9310 + PO)) P_PEER=$((31998 + PO)) P_BOOT=$((8998 + PO))
+P_MCS=$((9310 + PO)) P_PEER=$((31998 + PO)) P_BOOT=$((8998 + PO)) P_LMC=$((5556 + PO)) P_LMH=$((9480 + PO))
 RES=$OUTD/results.jsonl
 PLAN=${PLAN:-w8192,8192,16384}
-export PYTHONPATH=$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO
+# site4 (LMCache, install5) first: LMCache pins opentelemetry-api <= 1.40, site2 carries SGLang's newer one
+export PYTHONPATH=$TMPD/site4:$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO
 # Mooncake's .so files need libibverbs.so.1 (install3 carries it for images that lack it); the CUDA build
 # (install4) also needs libcudart.so.12 and libmlx5.so.1, shipped in the same folder
 if [ -f "$TMPD/site3/ibv/libcudart.so.12" ] || ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
@@ -143,6 +153,7 @@ store_args() {  # store, port-suffix -> prints backend args (one per line)
     kvc_memory_legacy)  # SGLang's legacy (tensor) interface, layer-first host pool: the adapter's other path
       printf '%s\n' --hicache-mem-layout layer_first --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \
         "{$KVC_BASE,\"store\":\"memory\",\"capacity\":\"40gb\",\"metrics_port\":$((P_MET+k))}" ;;
+    lmcache_kvc_hf3fs|lmcache_fs) ;;   # no HiCache backend: launch gives --enable-lmcache instead
     *) say "unknown store $s"; return 1 ;;
   esac
 }
@@ -151,6 +162,9 @@ store_wait() {  # arch store port-suffix -> driver wait args
     file) echo "--wait files:$L3/file" ;;
     hf3fsref) echo "--wait blocks:$L3/hf3fsref/hicache* --page-bytes $(kv_half_page_bytes "$1") --objects-per-page 2" ;;
     kvc_*) echo "--wait metrics:http://127.0.0.1:$((P_MET+${3:-0}))/metrics --metrics http://127.0.0.1:$((P_MET+${3:-0}))/metrics" ;;
+    # LMCache stores 256-token chunks, each one object of its L2
+    lmcache_kvc_hf3fs) echo "--wait metrics:http://127.0.0.1:$P_MET/metrics --metrics http://127.0.0.1:$P_MET/metrics --tokens-per-object 256" ;;
+    lmcache_fs) echo "--wait tree:$L3/lmc_fs --tokens-per-object 256" ;;
   esac
 }
 
@@ -161,7 +175,11 @@ launch() {  # name arch port store [suffix]
   local memfrac=0.85 maxtok=65536
   [ "$arch" = llama ] && { memfrac=0.4; maxtok=65536; }
   local args=(); mapfile -t args < <(store_args "$store" "$k")
-  [ -n "${HICACHE_LAYOUT:-}" ] && args=(--hicache-mem-layout "$HICACHE_LAYOUT" "${args[@]}")
+  local cache=(--enable-hierarchical-cache --hicache-ratio 2 --hicache-write-policy write_through)
+  case $store in
+    lmcache_*) cache=(--enable-lmcache --lmcache-config-file "$L3/lmcache_mp.yaml") ;;
+    *) [ -n "${HICACHE_LAYOUT:-}" ] && args=(--hicache-mem-layout "$HICACHE_LAYOUT" "${args[@]}") ;;
+  esac
   local env=()
   [ "$store" = hf3fsref ] && env=("SGLANG_HICACHE_HF3FS_CONFIG_PATH=$L3/hf3fsref.json")
   say "launch $name: $arch store=$store port=$port"
@@ -170,8 +188,8 @@ launch() {  # name arch port store [suffix]
 try: os.setsid()
 except OSError: pass
 os.execvp(sys.argv[1], sys.argv[1:])' python3 -m "$SGLANG_SERVER" --model-path "$(model_dir "$arch")" --load-format dummy \
-    --skip-tokenizer-init --host 127.0.0.1 --port "$port" --page-size 64 --enable-hierarchical-cache --hicache-ratio 2 \
-    --hicache-write-policy write_through --mem-fraction-static "$memfrac" --max-total-tokens "$maxtok" --disable-cuda-graph \
+    --skip-tokenizer-init --host 127.0.0.1 --port "$port" --page-size 64 "${cache[@]}" \
+    --mem-fraction-static "$memfrac" --max-total-tokens "$maxtok" --disable-cuda-graph \
     --attention-backend triton --sampling-backend pytorch --grammar-backend none --log-level info \
     "${args[@]}" > "$LOGD/$name.log" 2>&1 < /dev/null &
   echo $! > "$LOGD/$name.pid"; echo "$name" >> "$LOGD/running"
@@ -263,6 +281,8 @@ store_services() {  # store: start what the store needs next to SGLang (all on 1
         -o protocol=tcp -o local_hostname=127.0.0.1 -o shared_segment=$shared --metrics-port "$P_MCS"
       wait_port "$P_MCS" 60 || { say "mooncake-store did not start"; tail -5 "$LOGD/mc_store.log"; return 1; }
       say "mooncake_master + store (${KVC_MC_SEGMENT:-40gb}, shared_segment=$shared) up" ;;
+    lmcache_kvc_hf3fs) meta_start && lmcache_start "$1" ;;
+    lmcache_fs) lmcache_start "$1" ;;
     kvc_peer_rdma)
       [ -f "$LOGD/svc_peer_seed.pid" ] && return 0
       rm -f "$LOGD/peer.ready"
@@ -273,6 +293,37 @@ store_services() {  # store: start what the store needs next to SGLang (all on 1
       say "peer seed node up" ;;
   esac
 }
+lmcache_adapter() {  # store -> the lmcache server's --l2-adapter JSON
+  case $1 in
+    lmcache_kvc_hf3fs) mkdir -p "$L3/lmc_kvc"
+      echo "{\"type\":\"plugin\",\"module_path\":\"kvconnect.connectors.engines.lmcache_l2\",\"class_name\":\"KVConnectL2Adapter\",\"adapter_params\":{\"store\":\"hf3fs\",\"file_path_prefix\":\"$L3/lmc_kvc/lmcache\",\"file_size\":\"32gb\",\"numjobs\":${KVC_JOBS:-16},\"entries\":${KVC_ENTRIES:-16},\"metadata_server_url\":\"http://127.0.0.1:$P_META\",\"metrics_port\":$P_MET}}" ;;
+    lmcache_fs) mkdir -p "$L3/lmc_fs"; echo "{\"type\":\"fs\",\"base_path\":\"$L3/lmc_fs\"}" ;;
+  esac
+}
+lmcache_start() {  # store: a standalone `lmcache server` (127.0.0.1) with that L2, and SGLang's MP config for it
+  [ -f "$LOGD/svc_lmcache.pid" ] && return 0
+  printf 'mp_host: 127.0.0.1\nmp_port: %s\n' "$P_LMC" > "$L3/lmcache_mp.yaml"
+  # shellcheck disable=SC2086
+  svc_start lmcache python3 -m lmcache.cli.main server --host 127.0.0.1 --port "$P_LMC" --chunk-size 256 \
+    --l1-size-gb "${LMC_L1_GB:-8}" --eviction-policy LRU --http-host 127.0.0.1 --http-port "$P_LMH" --disable-metrics \
+    --l2-adapter "$(lmcache_adapter "$1")" ${LMC_ARGS:-}
+  if python3 - "http://127.0.0.1:$P_LMH/status" 150 <<'PY'
+import json, sys, time, urllib.request
+end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    try:
+        with urllib.request.urlopen(sys.argv[1], timeout=3) as r:
+            if json.load(r).get("is_healthy"):
+                sys.exit(0)
+    except Exception:  # not listening yet
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+PY
+  then say "lmcache server up ($1, L1 ${LMC_L1_GB:-8} GB)"; return 0; fi
+  say "lmcache server did not become healthy"; tail -n 20 "$LOGD/lmcache.log" | cut -c1-300; return 1
+}
+lmcache_stop() { [ -f "$LOGD/svc_lmcache.pid" ] && kill -- "-$(cat "$LOGD/svc_lmcache.pid")" 2>/dev/null; rm -f "$LOGD/svc_lmcache.pid"; sleep 1; }
 meta_stop() { [ -f "$LOGD/meta.pid" ] && kill -- "-$(cat "$LOGD/meta.pid")" 2>/dev/null; rm -f "$LOGD/meta.pid"; }
 
 drive() {  # arch store tag port k extra...
@@ -312,6 +363,16 @@ phase_install4() {  # Mooncake CUDA build (registers GPU memory: PD) replaces in
   python3 -c 'from importlib.metadata import entry_points as e; assert "kvconnect" in [x.name for x in e(group="sglang.srt.plugins")]' \
     || { say "kvconnect entry point not found"; return 1; }
   say "installed mooncake (CUDA) + kvconnect entry point into $TMPD/site3 in $(( $(date +%s) - t ))s"
+}
+phase_install5() {  # LMCache 0.5.6 and what it needs beyond the image and SGLang's set, unpacked into site4
+  local t=$(date +%s); mkdir -p "$TMPD/site4"
+  tar xJf "$LMCACHE_TAR" -C "$TMPD/site4" || return 1
+  python3 -c 'import lmcache.cli.main, lmcache.v1.multiprocess.server, lmcache.integration.sglang.multi_process_adapter' \
+    || { say "lmcache import failed"; return 1; }
+  # LMCache's compiled CUDA ops (built against some torch): whether they load against this image's torch
+  echo "lmcache.cuda_ops: $(python3 -c 'import torch, lmcache.cuda_ops as c; print("loads", c.__file__, "with torch",
+    torch.__version__)' 2>&1 | tail -n 1)" | tee -a "$OUTD/diag.txt"
+  say "installed lmcache into $TMPD/site4 in $(( $(date +%s) - t ))s"
 }
 phase_stop() { stop_all; meta_stop; svc_stop_all; }
 
@@ -357,7 +418,8 @@ run_pd() {  # transport
 run_store() {  # arch store
   local arch=$1 store=$2
   need 150 "$arch:$store" || return 1
-  stop_all; meta_stop; svc_stop_all; rm -rf "$L3/file" "$L3/hf3fsref" "$L3/kvc" "$L3/meta"; mkdir -p "$L3/file"
+  stop_all; meta_stop; svc_stop_all; rm -rf "$L3/file" "$L3/hf3fsref" "$L3/kvc" "$L3/meta" "$L3/lmc_kvc" "$L3/lmc_fs"
+  mkdir -p "$L3/file"
   store_services "$store" || return 1   # they outlive the server: the restart phase finds the pages
   launch "${arch}_$store" "$arch" "$P_SRV" "$store" || return 1
   wait_up "${arch}_$store" "$P_SRV" "$(( $(left) - 60 ))" || return 1
@@ -368,12 +430,19 @@ run_restart() {  # arch store: relaunch with the store's data kept, replay recor
   local arch=$1 store=$2
   need 110 "$arch:restart_$store" || return 1
   stop_all
+  local m="" label=L3_after_restart warm=0
+  case $store in
+    kvc_*) m="--metrics http://127.0.0.1:$P_MET/metrics" ;;
+    lmcache_*)  # both restarted: LMCache's L1 starts empty, the prompts' chunks come from its L2
+      lmcache_stop; store_services "$store" || return 1; label=L2_after_restart; warm=2
+      [ "$store" = lmcache_kvc_hf3fs ] && m="--metrics http://127.0.0.1:$P_MET/metrics" ;;
+  esac
   launch "${arch}_${store}_restart" "$arch" "$P_SRV" "$store" || return 1
   wait_up "${arch}_${store}_restart" "$P_SRV" "$(( $(left) - 40 ))" || return 1
-  local m=""; case $store in kvc_*) m="--metrics http://127.0.0.1:$P_MET/metrics";; esac
   # shellcheck disable=SC2086
   python3 "$B/e2e_driver.py" replay --url "http://127.0.0.1:$P_SRV" --out "$RES" --tag "${arch}:restart_${store}" \
-    --ids-from "$L3/prompts_${arch}_$store.jsonl" --label L3_after_restart --deadline $(( T0 + DEADLINE_S - 15 )) $m
+    --ids-from "$L3/prompts_${arch}_$store.jsonl" --label "$label" --cold-first "$warm" \
+    --deadline $(( T0 + DEADLINE_S - 15 )) $m
 }
 run_cross() {  # arch store: A prefills, B (another server process) hits through the shared store
   local arch=$1 store=$2

@@ -9,8 +9,12 @@ Ratios (issue's names):
                                       L3, so the cold TTFT is the median over every store's runs of that
                                       model and length (one run's cold can be a fresh machine's slow first)
   <store>_<model>_<len>_vs_file       file-backend L3-hit TTFT / this store's L3-hit TTFT (higher is better)
+  <store>_<model>_<len>_l2_restart_over_cold  LMCache in front (lmcache_* stores): TTFT of a prompt served from
+                                      LMCache's L2 after SGLang and the lmcache server both restarted / cold TTFT
+  lmcache_kvc_hf3fs_<model>_<len>_l2_restart_vs_lmcache_fs  the same TTFT, LMCache's fs L2 / kvconnect's plugin
 An L3 hit counts only if SGLang reports the prompt's pages as loaded from storage
-(``cached_tokens_details.storage``); otherwise it is listed under ``not_from_storage``.
+(``cached_tokens_details.storage``; for lmcache_* stores, the cached tokens not found on the GPU);
+otherwise it is listed under ``not_from_storage``.
 Files are given oldest first: a later file's figures replace an earlier one's for the same
 model, length, store and phase (a re-run after a change supersedes the old measurement).
 Correctness: every generation of one prompt (same model shape, length and seed: dummy weights are
@@ -32,15 +36,20 @@ from kvconnect.benchmarks.harness import BenchResult  # noqa: E402
 
 MODELS = {"qwen3": "qwen3-32b", "llama": "llama-8b"}
 PHASES = {"1_cold": "cold", "2_gpu_hit": "gpu_hit", "3_L3_hit": "l3_hit", "4_gpu_hit_again": "gpu_hit_again",
-          "L3_after_restart": "l3_after_restart", "L3_cross_instance": "l3_cross_instance"}
+          "L3_after_restart": "l3_after_restart", "L3_cross_instance": "l3_cross_instance",
+          "L2_after_restart": "l2_after_restart"}
+LOADED_PHASES = ("l3", "l2_")   # phases whose prompt should come from the store
 
 
 def ttft(rec):
     return (rec.get("meta") or {}).get("e2e_latency") or rec.get("e2e_client_s")
 
 
-def storage_tokens(rec):
-    d = (rec.get("meta") or {}).get("cached_tokens_details") or {}
+def storage_tokens(rec, store=""):
+    meta = rec.get("meta") or {}
+    d = meta.get("cached_tokens_details") or {}
+    if "lmcache_" in store:  # SGLang's LMCache path loads through its own connector, not HiCache's tiers
+        return (meta.get("cached_tokens") or 0) - (d.get("device") or 0)
     return d.get("storage") or 0
 
 
@@ -48,6 +57,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="results.jsonl files from run_e2e.sh")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_e2e.json"))
+    p.add_argument("--machine", default="NVIDIA H200 (one; two of one host for the PD phases), SGLang 0.5.17 wheels, "
+                                        "dummy weights", help="what ran it, for the JSON's params")
     a = p.parse_args(argv)
     recs = []
     for i, f in enumerate(a.results):
@@ -60,7 +71,8 @@ def main(argv=None):
     for r in recs:
         if r.get("event") == "gen" and r.get("output_ids") and ":" in r.get("tag", ""):
             det = (r.get("meta") or {}).get("cached_tokens_details") or {}
-            src = "storage" if det.get("storage") else "device" if det.get("device") else "computed"
+            store = r["tag"].split(":", 1)[1]
+            src = "storage" if storage_tokens(r, store) > 0 else "device" if det.get("device") else "computed"
             outputs[(r["tag"].split(":")[0], r["n"], r["seed"])][tuple(r["output_ids"])].append(
                 f"{r['tag']}/{r['label']}/{src}")
     mismatches = {"|".join(map(str, k)): {str(list(o)): w for o, w in v.items()}
@@ -89,14 +101,15 @@ def main(argv=None):
         n, _, phase = r["label"].partition("_")
         if phase.startswith("r") and "_" in phase:
             phase = phase.split("_", 1)[1]
-        phase = PHASES.get(phase, phase)
+        before, cold_first, i = phase.partition("_cold_first_")
+        phase = f"cold_after_restart_{i}" if cold_first else PHASES.get(phase, phase)
         if phase.endswith("_gpu_hit"):
             continue
         t = ttft(r)
         if t is None:
             continue
-        if phase.startswith("l3"):
-            st = storage_tokens(r)
+        if phase.startswith(LOADED_PHASES):
+            st = storage_tokens(r, store)
             storage[(model, n, store, phase)].append(st)
             if st < int(n) // 2:  # mostly recomputed: not an L3 hit
                 fig[model][n][store][phase + "_not_from_storage"].append((r["_src"], t))
@@ -111,7 +124,7 @@ def main(argv=None):
                     d[ph] = [t for i, t in vals if i == last]
     res = BenchResult("gpu_e2e")
     res.params = {"sources": a.results, "ttft": "server-side e2e_latency, max_new_tokens=1",
-                  "machine": "NVIDIA H200 (one; two of one host for the PD phases), SGLang 0.5.17 wheels, dummy weights"}
+                  "machine": a.machine}
     out = {m: {n: {s: {ph: {"values_s": v, "median_s": statistics.median(v)} for ph, v in d.items()}
                    for s, d in by_store.items()} for n, by_store in by_n.items()} for m, by_n in fig.items()}
     res.figures = {"ttft": out,
@@ -130,6 +143,19 @@ def main(argv=None):
                     res.ratios.append({"metric": f"{store}_{model}_{n}_l3_over_cold", "ours": l, "reference": c,
                                        "ratio": round(l / c, 4), "lower_is_better": True,
                                        "reference_system": f"cold prefill, median of {len(cold)} runs (all stores)"})
+                l2r = d.get("l2_after_restart")
+                if cold and l2r:
+                    c, l = statistics.median(cold), statistics.median(l2r)
+                    res.ratios.append({"metric": f"{store}_{model}_{n}_l2_restart_over_cold", "ours": l, "reference": c,
+                                       "ratio": round(l / c, 4), "lower_is_better": True,
+                                       "reference_system": f"cold prefill, median of {len(cold)} runs (all stores)"})
+                fs_l2r = by_store.get("lmcache_fs", {}).get("l2_after_restart")
+                if store == "lmcache_kvc_hf3fs" and l2r and fs_l2r:
+                    f, o = statistics.median(fs_l2r), statistics.median(l2r)
+                    res.ratios.append({"metric": f"{store}_{model}_{n}_l2_restart_vs_lmcache_fs", "ours": o,
+                                       "reference": f, "ratio": round(f / o, 4),
+                                       "reference_system": "LMCache's fs L2 adapter, same phases",
+                                       "note": "TTFT: ratio = reference / ours, higher is better"})
                 if l3 and file_l3 and store != "file":
                     fl, ol = statistics.median(file_l3), statistics.median(l3)
                     res.ratios.append({"metric": f"{store}_{model}_{n}_vs_file", "ours": ol, "reference": fl,
