@@ -8,11 +8,14 @@ own knobs can also come from ``$KVC_STANDIN_ARGS``:
 
     python -m kvconnect.connectors.testing.launch_server --port P [--page-size 64] \\
         [--hicache-storage-backend B --hicache-storage-backend-extra-config JSON] \\
+        [--enable-lmcache --lmcache-config-file YAML] \\
         [--disaggregation-mode prefill|decode --disaggregation-bootstrap-port P]
 
 Mocked: the model, the GPU, SGLang's scheduler and, in PD mode, its KV transfer. Real, in HiCache mode: SGLang's storage factory and host KV pool
 (``StorageBackendFactory.create_backend`` + ``register_mem_pool_host``), so ``file`` is SGLang's own
 file backend and ``dynamic`` loads kvconnect's adapter with its store and ``/metrics`` endpoint.
+Real, in LMCache mode: the standalone ``lmcache server`` and LMCache's client protocol (its engine
+client, the one ``lmcache bench server`` uses, with CPU KV tensors shared over POSIX SHM).
 
 HiCache mode: a prompt's full pages (all but its last token, as SGLang caches them) are keyed by
 chained hashes. Leading pages in the "GPU" radix cache are device hits, the next ones found in L3
@@ -21,6 +24,16 @@ derived from the page key) and written back to L3 after the response, on a write
 SGLang's write-through does; ``POST /flush_cache`` answers 400 while write-backs are in flight.
 The output token is a digest of every page's bytes, so a torn or wrong page read from L3 changes
 it. Prefill time is simulated per computed token.
+
+LMCache mode (``--enable-lmcache``, instead of an L3 backend; SGLang's ``LMCRadixCache``): the YAML
+names the server (``mp_host``, ``tcp://`` optional, and ``mp_port``). After the "GPU" prefix, a
+prompt's tokens but the last, in full LMCache chunks, are LOOKUPed; the hit chunks from the one
+holding the GPU prefix's end on are RETRIEVEd into the shared KV and their checksums compared with
+those of what they should hold (bytes derived from each chunk's chained key): a chunk that arrived
+wrong is logged and its pages hold other bytes, so the output changes. The
+chunks LMCache lacked are STOREd after the response on the writer thread (``/flush_cache`` answers
+400 until then; a flush clears the "GPU" only). ``cached_tokens_details`` reports LMCache's tokens as
+``host``, with ``storage_backend`` ``lmcache``. An unreachable server makes requests misses, not errors.
 
 PD mode: the prefill server keeps each request's page digests under its ``bootstrap_room`` on its
 bootstrap port (a room is used once); the decode server fetches them from
@@ -61,6 +74,8 @@ def page_keys(ids: list[int], page: int) -> list[str]:
 class HiCacheEngine:
     """GPU radix cache (an LRU of page keys) + SGLang host pool + an optional L3 backend."""
 
+    hit_tier = "storage"  # where meta_info counts the pages L3 gave
+
     def __init__(self, a: argparse.Namespace):
         from kvconnect.connectors.testing.sglang import make_cpu_host_pool
 
@@ -79,7 +94,7 @@ class HiCacheEngine:
         self.writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="write-back")
         self.pending = 0
         self.backend = None
-        self.backend_name = None
+        self.backend_name: Optional[str] = None
         self.zero_copy = False
         if a.hicache_storage_backend:
             self.attach(a.hicache_storage_backend, json.loads(a.hicache_storage_backend_extra_config or "{}"))
@@ -107,25 +122,38 @@ class HiCacheEngine:
             with self.pool_lock:
                 self.host.free(idx)
 
-    def _write_back(self, keys: list[str]) -> None:
+    def _store(self, keys: Any) -> None:
         import torch
 
+        with self.pool_lock:
+            idx = self.host.alloc(len(keys) * self.page)
+        dtype = self.host.get_dummy_flat_data_page().dtype
+        try:
+            for i, k in enumerate(keys):
+                raw = torch.frombuffer(bytearray(self.expected(k)), dtype=torch.uint8).view(dtype)
+                self.host.set_from_flat_data_page(int(idx[i * self.page]), raw)
+            write_from_host(self.host, self.backend, self.zero_copy, keys, idx, self.page)
+        finally:
+            with self.pool_lock:
+                self.host.free(idx)
+
+    def _write_back(self, job: Any) -> None:
         try:
             time.sleep(self.write_back_delay_s)
-            with self.pool_lock:
-                idx = self.host.alloc(len(keys) * self.page)
-            dtype = self.host.get_dummy_flat_data_page().dtype
-            try:
-                for i, k in enumerate(keys):
-                    raw = torch.frombuffer(bytearray(self.expected(k)), dtype=torch.uint8).view(dtype)
-                    self.host.set_from_flat_data_page(int(idx[i * self.page]), raw)
-                write_from_host(self.host, self.backend, self.zero_copy, keys, idx, self.page)
-            finally:
-                with self.pool_lock:
-                    self.host.free(idx)
+            self._store(job)
         finally:
             with self.lock:
                 self.pending -= 1
+
+    def _fetch(self, ids: list[int], keys: list[str], dev: int) -> tuple[list[bytes], Any]:
+        """The pages after the device prefix that L3 has, read into host pool pages, and the
+        write-back job for the rest (None: nothing to write)."""
+        rest = keys[dev:]
+        if self.backend is None or not rest:
+            return [], None
+        found = int(self.backend.batch_exists(rest))
+        loaded = self._read(rest[:found]) if found else []
+        return loaded, rest[len(loaded):] or None
 
     def prefill(self, ids: list[int]) -> tuple[dict, bytes]:
         keys = page_keys(ids, self.page)
@@ -135,26 +163,22 @@ class HiCacheEngine:
                 self.device.move_to_end(keys[dev])
                 dev += 1
             pages = [self.device[k] for k in keys[:dev]]
-            rest = keys[dev:]
-            loaded: list[bytes] = []
-            if self.backend is not None and rest:
-                found = int(self.backend.batch_exists(rest))
-                if found:
-                    loaded = self._read(rest[:found])
+            loaded, job = self._fetch(ids, keys, dev)
             pages += loaded
-            computed = rest[len(loaded):]
-            pages += [self.expected(k) for k in computed]
+            pages += [self.expected(k) for k in keys[dev + len(loaded):]]
             for k, b in zip(keys, pages):
                 self.device[k] = b
                 self.device.move_to_end(k)
             while len(self.device) > self.device_pages:
                 self.device.popitem(last=False)
-            if self.backend is not None and computed:
+            if job is not None:
                 self.pending += 1
-                self.writer.submit(self._write_back, computed)
+                self.writer.submit(self._write_back, job)
         time.sleep(self.us_per_token * 1e-6 * (len(ids) - (dev + len(loaded)) * self.page))
         digest = hashlib.sha256(b"".join(pages) + json.dumps(ids[len(keys) * self.page:]).encode()).digest()
-        return {"device": dev * self.page, "host": 0, "storage": len(loaded) * self.page}, digest
+        counts = {"device": dev * self.page, "host": 0, "storage": 0}
+        counts[self.hit_tier] = len(loaded) * self.page
+        return counts, digest
 
     def flush(self) -> Optional[str]:
         with self.lock:
@@ -167,6 +191,180 @@ class HiCacheEngine:
         self.writer.shutdown(wait=True)
         if self.backend is not None and hasattr(self.backend, "close"):
             self.backend.close()
+
+
+def lmcache_endpoint(config_file: str) -> Any:
+    """The ``lmcache server`` an ``--lmcache-config-file`` names: ``mp_host`` (``tcp://`` optional)
+    and ``mp_port`` (defaults: ``lmcache server``'s own)."""
+    import yaml
+
+    from kvconnect.connectors.testing.lmcache import Endpoint
+
+    cfg: dict = {}
+    if config_file:
+        with open(config_file) as f:
+            cfg = yaml.safe_load(f) or {}
+    host = str(cfg.get("mp_host", "127.0.0.1")).removeprefix("tcp://")
+    return Endpoint(f"tcp://{host}:{int(cfg.get('mp_port', 5555))}", http_url="")  # no HTTP API needed
+
+
+class LMCacheTier:
+    """A standalone ``lmcache server`` reached through LMCache's engine client, as SGLang's
+    ``LMCRadixCache`` reaches it. Connects in the background: while the first attempt runs a request
+    waits for it at most ``CONNECT_WAIT_S``; later ones (after a failure) cost requests nothing, and a
+    server that dies while connected costs one request one RPC timeout (10 s). Meanwhile requests miss."""
+
+    SHAPE = "(2,1024,16,1,16):float16:2"  # 2 layers, 16384 tokens in blocks of 16: 32 KiB per 256-token chunk
+    CONNECT_WAIT_S = 3.0
+    RETRY_S = 2.0
+
+    def __init__(self, endpoint: Any):
+        os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+        self.endpoint = endpoint
+        self.client: Any = None
+        self.lock = threading.Lock()  # LMCache's client: one operation at a time
+        self.connecting: Optional[threading.Thread] = None
+        self.next_try = 0.0
+        self._connect_async()
+        self.first_connect = self.connecting
+
+    def _connect_async(self) -> None:
+        if (self.connecting is None or not self.connecting.is_alive()) and time.monotonic() >= self.next_try:
+            self.connecting = threading.Thread(target=self._connect, daemon=True, name="lmcache-connect")
+            self.connecting.start()
+
+    def _connect(self) -> None:
+        from kvconnect.connectors.testing.lmcache import EngineClient
+
+        try:
+            self.client = EngineClient(self.endpoint, shape=self.SHAPE)
+            print(f"lmcache: connected to {self.endpoint.rpc_url}", flush=True)
+        except Exception as e:  # noqa: BLE001 - unreachable: requests recompute
+            self.next_try = time.monotonic() + self.RETRY_S
+            print(f"lmcache: cannot connect to {self.endpoint.rpc_url}: {e}", flush=True)
+
+    def _ready(self) -> Any:
+        if self.client is None:
+            self._connect_async()
+            if self.first_connect is not None and self.connecting is self.first_connect:
+                self.first_connect.join(self.CONNECT_WAIT_S)  # a server started with us may be coming up
+        return self.client
+
+    def _drop(self, why: Any) -> None:
+        client, self.client = self.client, None
+        print(f"lmcache: {why}; reconnecting", flush=True)
+        if client is not None:  # its close waits on RPCs a dead server never answers
+            threading.Thread(target=client.close, daemon=True).start()
+
+    @staticmethod
+    def chunk_bytes(key: str, layer: int, nbytes: int) -> bytes:
+        """What one layer of a chunk should hold: bytes derived from the chunk's chained key."""
+        return hashlib.shake_256(f"{key}/{layer}".encode()).digest(nbytes)
+
+    def _fill(self, client: Any, req: Any, first: int, last: int, zero: bool = False) -> None:
+        """Chunks ``first``..``last - 1`` of ``req``'s KV: their expected bytes, or zeros."""
+        import torch
+
+        keys = _chained_page_keys(list(req.token_ids), req.chunk_size)
+        for c in range(first, last):
+            for layer, view in enumerate(client.chunk_views(req, c)):
+                if zero:
+                    view.zero_()
+                    continue
+                raw = self.chunk_bytes(keys[c], layer, view.numel() * view.element_size())
+                view.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(view.dtype).view(view.shape))
+
+    def load(self, ids: list[int], start: int) -> Optional[tuple[int, int, list[tuple[int, int]]]]:
+        """LOOKUP ``ids``; RETRIEVE the hit chunks from the one holding token ``start`` on (SGLang
+        aligns its load down to a chunk) and check what arrived against the expected bytes.
+        (hit tokens, tokens LMCache keys, token ranges of chunks that arrived wrong), or None if
+        LMCache is unreachable."""
+        with self.lock:
+            client = self._ready()
+            req = client.request_for(ids, "load") if client is not None else None
+            if req is None:
+                return None
+            try:
+                res = client.client.lookup(req)
+                if not res.succeeded:
+                    raise RuntimeError(f"LOOKUP {res.error}")
+                first, hit, bad = start // req.chunk_size, res.hit_chunks, []
+                if hit > first:
+                    span = (first * req.chunk_size, (hit - first) * req.chunk_size)
+                    self._fill(client, req, first, hit)
+                    want = client.kv_checksums(req, *span)
+                    self._fill(client, req, first, hit, zero=True)  # what is there next came from the server
+                    got = client.client.retrieve(req, *span)
+                    if got is None or not got.succeeded:
+                        raise RuntimeError(f"RETRIEVE failed: {got}")
+                    sums = client.kv_checksums(req, *span)
+                    bad = [((first + i) * req.chunk_size, (first + i + 1) * req.chunk_size)
+                           for i in range(hit - first) if want[i] != sums[i]]
+                    if bad:
+                        print(f"lmcache: token ranges {bad} arrived wrong (checksums {sums}, expected {want})",
+                              flush=True)
+                client.client.end_session(req)
+                return hit * req.chunk_size, req.num_full_tokens, bad
+            except Exception as e:  # noqa: BLE001 - any failure is a miss, as SGLang recomputes
+                self._drop(e)
+                return None
+
+    def store(self, ids: list[int], start: int) -> None:
+        """STORE the chunks of ``ids`` from token ``start`` on (those LMCache did not have)."""
+        with self.lock:
+            client = self._ready()
+            req = client.request_for(ids, "store") if client is not None else None
+            if req is None or start >= req.num_full_tokens:
+                return
+            try:
+                self._fill(client, req, start // req.chunk_size, req.total_chunks)
+                res = client.client.store(req, start, req.num_full_tokens - start)
+                client.client.end_session(req)
+                if res is None or not res.succeeded:
+                    print(f"lmcache: STORE failed: {res}", flush=True)
+            except Exception as e:  # noqa: BLE001 - a lost write-back, as in SGLang
+                self._drop(e)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+
+
+class LMCacheEngine(HiCacheEngine):
+    """SGLang with ``--enable-lmcache`` (``LMCRadixCache``): the GPU radix cache, then a standalone
+    ``lmcache server`` for what is not on the GPU; SGLang reports LMCache's tokens as host hits."""
+
+    hit_tier = "host"
+
+    def __init__(self, a: argparse.Namespace):
+        super().__init__(a)
+        self.tier = LMCacheTier(lmcache_endpoint(a.lmcache_config_file))
+        self.backend_name = "lmcache"
+
+    def _fetch(self, ids: list[int], keys: list[str], dev: int) -> tuple[list[bytes], Any]:
+        """Pages LMCache gives after the device prefix (a page of a chunk that arrived wrong holds
+        other bytes) and the tokens from which to STORE afterwards."""
+        if dev == len(keys):
+            return [], None
+        got = self.tier.load(ids[:-1], dev * self.page)  # the last token is always computed
+        if got is None:
+            return [], None
+        hit, full, bad = got
+        loaded = []
+        for i in range(dev, min(hit // self.page, len(keys))):
+            torn = any(s < (i + 1) * self.page and i * self.page < e for s, e in bad)
+            loaded.append(page_bytes(keys[i] + "/torn", self.page_nbytes) if torn else self.expected(keys[i]))
+        return loaded, ((ids[:-1], hit) if hit < full else None)
+
+    def _store(self, job: Any) -> None:
+        """``job``: (tokens, the first one LMCache lacked)."""
+        self.tier.store(*job)
+
+    def close(self) -> None:
+        super().close()
+        self.tier.close()
 
 
 class PrefillRole:
@@ -241,7 +439,7 @@ def make_app(a: argparse.Namespace, engine: Any) -> Any:
         meta: dict[str, Any] = {"id": uuid.uuid4().hex, "prompt_tokens": len(ids)}
         if mode == "null":
             counts, digest = await asyncio.to_thread(engine.prefill, ids)
-            cached = counts["device"] + counts["storage"]
+            cached = counts["device"] + counts["host"] + counts["storage"]
             meta["cached_tokens"] = cached
             # SGLang reports no details for a request that hit nothing
             meta["cached_tokens_details"] = ({**counts, "storage_backend": engine.backend_name} if cached else None)
@@ -312,6 +510,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--hicache-storage-backend", default="")
     p.add_argument("--hicache-storage-backend-extra-config", default="")
     p.add_argument("--hicache-mem-layout", default="page_first")
+    p.add_argument("--enable-lmcache", action="store_true", help="L3: a standalone lmcache server (MP mode)")
+    p.add_argument("--lmcache-config-file", default="", help="YAML with mp_host, mp_port")
     p.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"))
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)
     p.add_argument("--disaggregation-transfer-backend", default="mooncake")
@@ -328,7 +528,8 @@ async def serve(a: argparse.Namespace) -> None:
     from aiohttp import web
 
     if a.disaggregation_mode == "null":
-        engine: Any = HiCacheEngine(a)  # in the main thread: SGLang's hf3fs backend installs signal handlers
+        # in the main thread: SGLang's hf3fs backend installs signal handlers
+        engine: Any = (LMCacheEngine if a.enable_lmcache else HiCacheEngine)(a)
     elif a.disaggregation_mode == "prefill":
         engine = PrefillRole(a)
     else:
@@ -359,7 +560,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     # the stand-in's own knobs for a server started by a script that only passes SGLang's flags
     argv += shlex.split(os.environ.get("KVC_STANDIN_ARGS", ""))
-    a, _ignored = parser().parse_known_args(argv)
+    p = parser()
+    a, _ignored = p.parse_known_args(argv)
+    if a.enable_lmcache and a.hicache_storage_backend:
+        p.error("--enable-lmcache and --hicache-storage-backend exclude each other: LMCache is the L3 tier")
     asyncio.run(serve(a))
 
 

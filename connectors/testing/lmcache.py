@@ -20,6 +20,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 from kvconnect.connectors.testing.processes import child_env, free_port
 
@@ -105,25 +106,68 @@ class Server:
         return self.proc.returncode
 
 
+class Endpoint(NamedTuple):
+    """Where an ``lmcache server`` answers: its request socket and its HTTP API."""
+
+    rpc_url: str
+    http_url: str
+
+
 class EngineClient:
     """LMCache's own engine-side client (``lmcache bench server``'s), CPU KV tensors shared
     with the server over POSIX SHM: LOOKUP, STORE, RETRIEVE, END_SESSION."""
 
     SHAPE = "(2,64,16,2,64):float16:4"  # 4 layers, 64 blocks of 16 tokens: 512 KiB per 256-token chunk
 
-    def __init__(self, server: Server, num_tokens: int = 512):
+    def __init__(self, server: Server | Endpoint, num_tokens: int = 512, shape: str = SHAPE):
+        """``server``: a ``Server`` or the ``Endpoint`` of one started elsewhere."""
         from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
         from lmcache.cli.commands.bench.server_bench.config import BenchConfig
 
         cfg = BenchConfig(rpc_url=server.rpc_url, http_url=server.http_url, mode="cpu",
                           transfer_mode="lmcache_driven", tp_size=1, use_mla=False, num_tokens=num_tokens,
-                          kvcache_shape_spec=self.SHAPE, num_blocks=64, block_size=16)
+                          kvcache_shape_spec=shape, num_blocks=64, block_size=16)
         self.client = ServerBenchClient(cfg, log=lambda msg: None)
         self.client.start()
 
     def request(self, seq: int, tag: str):
         return self.client.create_request(seq, request_id=f"req-{seq}-{tag}-{time.monotonic_ns()}",
                                           request_kind=tag)
+
+    @property
+    def chunk_size(self) -> int:
+        return self.client._chunk_size
+
+    def request_for(self, token_ids: list[int], tag: str):
+        """A request for the full chunks of ``token_ids`` that fit the KV tensors (LMCache keys
+        them by these tokens, like an engine's prompt), in blocks from 0; None if not one chunk."""
+        from lmcache.cli.commands.bench.server_bench.client import RequestContext
+
+        c = self.client
+        n = min(len(token_ids), c._num_blocks * c._block_size) // c._chunk_size * c._chunk_size
+        if n == 0:
+            return None
+        return RequestContext(sequence_id=0, request_id=f"req-{tag}-{time.monotonic_ns()}", request_kind=tag,
+                              token_ids=tuple(token_ids[:n]), num_full_tokens=n, total_chunks=n // c._chunk_size,
+                              chunk_size=c._chunk_size, block_offset=0, num_blocks=n // c._block_size)
+
+    def kv_checksums(self, req, start: int, count: int) -> list[str]:
+        """One digest per chunk of ``req``'s KV from token ``start`` on, hashed here, over the
+        memory the server writes (what ``compute_checksums`` does in engine-driven mode; in this
+        mode it asks the server's HTTP API, which an engine's MP config does not name)."""
+        from lmcache.cli.commands.bench.server_bench.helpers import _compute_client_checksums
+
+        c = self.client
+        (worker,) = c._workers
+        return _compute_client_checksums(list(worker.kv_caches.values()), req.block_offset + start // c._block_size,
+                                         count // c._block_size, c._block_size, c._chunk_size)
+
+    def chunk_views(self, req, chunk: int) -> list:
+        """Each layer's KV (shared with the server) of ``req``'s ``chunk``-th chunk."""
+        c = self.client
+        per_chunk = c._chunk_size // c._block_size
+        (worker,) = c._workers
+        return [t.narrow(1, req.block_offset + chunk * per_chunk, per_chunk) for t in worker.kv_caches.values()]
 
     def store_sequence(self, seq: int) -> list[str]:
         """Cold path: lookup (must miss), checksum the KV, STORE it; returns the checksums."""
