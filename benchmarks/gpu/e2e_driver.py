@@ -188,9 +188,9 @@ def cmd_replay(a):
         rows = [json.loads(line) for line in f if line.strip()]
     # fresh prompts first: the first requests after a start pay one-time costs a replayed hit should not
     for i in range(a.cold_first if rows else 0):
-        n = rows[0]["n"]
-        rnd = random.Random(f"cold-first-{a.label}-{i}")
-        d.gen(f"{n}_{a.label}_cold_first_{i + 1}", [rnd.randrange(1, a.vmax) for _ in range(n)], n, None)
+        n, seed = rows[0]["n"], -1 - i   # negative: no recorded prompt's seed
+        rnd = random.Random(seed)
+        d.gen(f"{n}_{a.label}_cold_first_{i + 1}", [rnd.randrange(1, a.vmax) for _ in range(n)], n, seed)
     for r in rows:
         if time.time() > a.deadline - 15:
             d.emit({"event": "skip", "item": r["prefix"]})

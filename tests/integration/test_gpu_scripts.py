@@ -9,6 +9,10 @@ hf3fs store and metadata service, ``kvconnect bench serve`` with sglang_router, 
 path a script would put under /tmp goes to a scratch folder (``GPU_TMP``) and every port is offset
 to a free range (``PORT_OFFSET`` / ``--port-base``).
 
+``run_e2e.sh``'s ``lmcache_*`` phases start a real ``lmcache server`` 0.5.6 (kvconnect's plugin over
+hf3fs, or LMCache's ``fs`` adapter); the stand-in drives it with LMCache's own engine client, CPU KV in
+place of SGLang's CUDA connector.
+
 Not run here: ``prepare_serving.sh`` (it downloads wheels from PyPI; covered by ``bash -n`` and
 shellcheck), the phases that need Mooncake's master binary or a CUDA Mooncake build (``kvc_mooncake*``
 stores, ``pd:kvc_mooncake``) and SGLang's ``hf3fsref`` phase through the script (its page size is the
@@ -414,6 +418,21 @@ def _expected_e2e_ratios(rows: list[dict]) -> dict[str, float]:
 E2E_PORTS = [30000, 30001, 9400, 9401, 18000, 8998, 50051, 9003, 9310, 31998]
 
 
+def run_e2e_phases(tmp_path: Path, ports: list[int], seed: int, phases: list[str], timeout: int,
+                   **env: str) -> tuple[str, Path, Path]:
+    """``run_e2e.sh PHASES`` with the stand-in server on free ports; every phase must report ok.
+    Returns the log, the script's GPU_TMP and its OUT."""
+    gtmp, out, cwd = tmp_path / "t", tmp_path / "out", tmp_path / "checkout"
+    cwd.mkdir()
+    env = script_env(tmp_path, GPU_TMP=str(gtmp), OUT=str(out), PORT_OFFSET=str(free_offset(ports, seed)),
+                     SGLANG_SERVER_MODULE=STANDIN, DEADLINE_S="500", KVC_STANDIN_ARGS="--us-per-token 50", **env)
+    p = run(["bash", str(GPU / "run_e2e.sh"), *phases], env, cwd, timeout)
+    log = p.stdout + p.stderr
+    for ph in phases:
+        assert f"=== phase {ph} ok" in log, log[-4000:]
+    return log, gtmp, out
+
+
 @pytest.mark.timeout(360)
 def test_run_e2e_store_restart_cross_and_pd_phases(tmp_path):
     """``run_e2e.sh llama:file llama:kvc_hf3fs llama:restart_kvc_hf3fs llama:cross_kvc_hf3fs pd:mooncake_ref
@@ -423,17 +442,9 @@ def test_run_e2e_store_restart_cross_and_pd_phases(tmp_path):
     its bootstrap port, whatever the transport). Real: the script, e2e_driver.py (run and replay, waits
     on ``files:`` and the adapter's ``/metrics``), pd_driver.py, kvconnect's hf3fs store and metadata
     service (the restart and the second server read the first one's pages), summarize.py on the result."""
-    off = free_offset(E2E_PORTS, 2)
-    gtmp, out, cwd = tmp_path / "t", tmp_path / "out", tmp_path / "checkout"
-    cwd.mkdir()
     phases = ["llama:file", "llama:kvc_hf3fs", "llama:restart_kvc_hf3fs", "llama:cross_kvc_hf3fs",
               "pd:mooncake_ref", "pd:kvc_peer_rdma", "stop"]
-    env = script_env(tmp_path, GPU_TMP=str(gtmp), OUT=str(out), PORT_OFFSET=str(off), SGLANG_SERVER_MODULE=STANDIN,
-                     PLAN="w256,512,1024", PD_LEVELS="1,3", DEADLINE_S="500", KVC_STANDIN_ARGS="--us-per-token 50")
-    p = run(["bash", str(GPU / "run_e2e.sh"), *phases], env, cwd, 330)
-    log = p.stdout + p.stderr
-    for ph in phases:
-        assert f"=== phase {ph} ok" in log, log[-4000:]
+    log, gtmp, out = run_e2e_phases(tmp_path, E2E_PORTS, 2, phases, 330, PLAN="w256,512,1024", PD_LEVELS="1,3")
     assert (gtmp / "sglogs" / "phases_done").read_text().split() == phases
     # everything the script started is gone: servers, the metadata service
     pids = [int(f.read_text()) for f in (gtmp / "sglogs").glob("*.pid")] + [int(x) for x in re.findall(
@@ -519,11 +530,93 @@ def test_run_e2e_store_restart_cross_and_pd_phases(tmp_path):
         assert {f"./{s}.log" for s in servers} | {"./meta.log"} <= set(t.getnames())
 
 
+LMCACHE_PORTS = [30000, 9400, 18000, 5556, 9480]
+
+
+@pytest.mark.timeout(300)
+def test_run_e2e_lmcache_in_front_phases(tmp_path):
+    """``run_e2e.sh llama:lmcache_kvc_hf3fs llama:restart_lmcache_kvc_hf3fs llama:lmcache_fs
+    llama:restart_lmcache_fs stop``: SGLang with ``--enable-lmcache`` in front of a standalone ``lmcache
+    server`` whose L2 is kvconnect's plugin over hf3fs (+ metadata service) or LMCache's own ``fs``
+    adapter; the restart phases restart both, so their hits come from the L2. Mocked: the GPU and
+    SGLang's server (the stand-in in its LMCache mode: LMCache's own engine client with CPU KV instead of
+    SGLang's CUDA connector). Real: the script, e2e_driver.py (waits on the plugin's ``/metrics`` and on
+    the fs adapter's files), ``lmcache server`` 0.5.6 with both L2s, kvconnect's hf3fs store and
+    metadata service, summarize.py on the result."""
+    phases = ["llama:lmcache_kvc_hf3fs", "llama:restart_lmcache_kvc_hf3fs", "llama:lmcache_fs",
+              "llama:restart_lmcache_fs", "stop"]
+    log, gtmp, out = run_e2e_phases(tmp_path, LMCACHE_PORTS, 5, phases, 280, PLAN="w512,512,1024", LMC_L1_GB="0.25")
+    assert log.count("lmcache server up (lmcache_kvc_hf3fs") == 2 and log.count("lmcache server up (lmcache_fs") == 2
+    pids = [int(f.read_text()) for f in (gtmp / "sglogs").glob("*.pid")]
+    assert pids and not [x for x in pids if alive(x)]
+
+    rows = rows_of(out / "results.jsonl")
+    gens = [r for r in rows if r["event"] == "gen"]
+    by_tag: dict[str, list] = {}
+    for r in gens:
+        assert r["status"] == 200 and r["meta"]["prompt_tokens"] == r["n"], r
+        by_tag.setdefault(r["tag"], []).append(r)
+    for store in ("lmcache_kvc_hf3fs", "lmcache_fs"):
+        first, again = by_tag[f"llama:{store}"], by_tag[f"llama:restart_{store}"]
+        # warm-up + (cold, GPU hit, LMCache hit after the flush, GPU hit) per prompt; after the restart two
+        # fresh prompts, then each recorded prompt from the L2 and once more from the GPU
+        assert [r["label"] for r in first] == ["warmup_512_1_cold"] + [
+            f"{n}_r1_{x}" for n in (512, 1024) for x in ("1_cold", "2_gpu_hit", "3_L3_hit", "4_gpu_hit_again")], first
+        assert [r["label"] for r in again] == ["512_L2_after_restart_cold_first_1", "512_L2_after_restart_cold_first_2",
+                                               "512_L2_after_restart", "512_L2_after_restart_gpu_hit",
+                                               "1024_L2_after_restart", "1024_L2_after_restart_gpu_hit"]
+        for r in first + again:
+            d = r["meta"]["cached_tokens_details"]
+            if "cold" in r["label"]:
+                assert r["meta"]["cached_tokens"] == 0 and d is None, r
+            elif r["label"].endswith(("_3_L3_hit", "_L2_after_restart")):
+                # LMCache's whole chunks of the cached tokens (all but the last), none on the "GPU"
+                assert d["device"] == 0 and d["host"] == (r["n"] - 1) // 256 * 256 > 0, r
+            else:
+                assert d["device"] > 0, r
+        outputs: dict[int, set] = {}
+        for r in first + again:
+            if "cold_first" not in r["label"] and not r["label"].startswith("warmup"):
+                outputs.setdefault(r["n"], set()).add(tuple(r["output_ids"]))
+        assert sorted(outputs) == [512, 1024] and all(len(v) == 1 for v in outputs.values()), outputs
+    # the driver saw the L2 hold each prompt's chunks before flushing: the plugin's put counter, fs's files
+    waits = [r for r in rows if r["event"] == "wait_l3"]
+    assert [(w["tag"], w["want_new"]) for w in waits] == [("llama:lmcache_kvc_hf3fs", 1), ("llama:lmcache_kvc_hf3fs", 3),
+                                                          ("llama:lmcache_fs", 1), ("llama:lmcache_fs", 3)]
+    assert all(w["ok"] for w in waits), waits
+    # the plugin's read counters: nothing read from the store while LMCache's L1 held the prompt, the
+    # prompt's chunks after the restart emptied it
+    bd = {(b["tag"], b["label"]): b for b in rows if b["event"] == "l3_breakdown"}
+    assert {k: v["store_get_bytes"] for k, v in bd.items() if k[0] == "llama:lmcache_kvc_hf3fs"} == {
+        ("llama:lmcache_kvc_hf3fs", "512_r1_3_L3_hit"): 0, ("llama:lmcache_kvc_hf3fs", "1024_r1_3_L3_hit"): 0}
+    restarted = [v for k, v in bd.items() if k[0] == "llama:restart_lmcache_kvc_hf3fs"]
+    assert len(restarted) == 2 and all(v["store_get_bytes"] > 0 for v in restarted), restarted
+
+    p = subprocess.run([sys.executable, str(GPU / "summarize.py"), str(out / "results.jsonl"), "--out",
+                        str(tmp_path / "gpu_lmcache.json"), "--machine", "CPU stand-in"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((tmp_path / "gpu_lmcache.json").read_text())
+    got = {r["metric"]: r for r in doc["ratios"]}
+    cold = {n: statistics.median(r["meta"]["e2e_latency"] for r in gens if r["label"] == f"{n}_r1_1_cold")
+            for n in (512, 1024)}
+    for n in (512, 1024):
+        l2 = {s: statistics.median(r["meta"]["e2e_latency"] for r in by_tag[f"llama:restart_{s}"]
+                                   if r["label"] == f"{n}_L2_after_restart") for s in ("lmcache_kvc_hf3fs", "lmcache_fs")}
+        for s, v in l2.items():
+            assert got[f"{s}_llama-8b_{n}_l2_restart_over_cold"]["ratio"] == round(v / cold[n], 4)
+        assert got[f"lmcache_kvc_hf3fs_llama-8b_{n}_l2_restart_vs_lmcache_fs"]["ratio"] == round(
+            l2["lmcache_fs"] / l2["lmcache_kvc_hf3fs"], 4)
+    assert doc["params"]["machine"] == "CPU stand-in" and doc["figures"]["output_check"]["mismatches"] == {}
+    with tarfile.open(out / "logs.tgz") as t:
+        assert {"./lmcache.log", "./meta.log", "./llama_lmcache_fs_restart.log"} <= set(t.getnames())
+
+
 @pytest.mark.timeout(240)
 def test_install_phases_unpack_the_carried_folders(tmp_path):
     """The install phases of ``run_serving.sh`` (install1, install2) and ``run_e2e.sh`` (diag,
-    install1-4) on synthetic carried folders: tiny wheels, tar.xz archives with a fake ``mooncake``
-    package and ``mooncake_master``, a JIT cache tarball. Mocked: the wheels' and archives' contents and
+    install1-5) on synthetic carried folders: tiny wheels, tar.xz archives with a fake ``mooncake``
+    package and ``mooncake_master`` or a stand-in for LMCache's bundle, a JIT cache tarball. Mocked: the wheels' and archives' contents and
     ``nvidia-smi``. Real: the scripts, pip (--no-index --target), xz/tar, the import checks (the fake
     mooncake modules shadow the installed ones through the scripts' PYTHONPATH) and the entry point of
     the dist-info install4 writes."""
@@ -539,6 +632,7 @@ def test_install_phases_unpack_the_carried_folders(tmp_path):
     make_tar(cwd / ".gpumccuda" / "mccuda312.tar.xz", {**mooncake, "mooncake/store.py": b"KIND = 'cuda'\n",
                                                        "ibv/libcudart.so.12": b"\x7fELF"})
     make_tar(cwd / ".gpujitcache" / "jitcache.tgz", {"jitcache/triton/kernel.bin": b"cubin"}, mode="w:gz")
+    make_tar(cwd / ".gpulmc" / "site4.tar.xz", {"./lmcfake.py": b"VALUE = 45\n"})
 
     s_tmp, s_out = tmp_path / "serving_tmp", tmp_path / "serving_out"
     env = script_env(tmp_path, GPU_TMP=str(s_tmp), OUT=str(s_out), WRITE_PROBE_MB="8")
@@ -585,13 +679,22 @@ def test_install_phases_unpack_the_carried_folders(tmp_path):
     assert [(e.name, e.value) for e in eps] == [("kvconnect", "kvconnect.connectors.engines.sglang_pd_plugin:register")]
     assert callable(eps[0].load())
     assert (e_tmp / "jitcache" / "triton" / "kernel.bin").read_bytes() == b"cubin"
+    # install5 (on its own: LMCache imports Mooncake's engine where one is installed, and these fake ones
+    # have none): LMCache's bundle in site4, first on the path, and whether its CUDA ops load in diag.txt
+    l_tmp, l_out = tmp_path / "lmc_tmp", tmp_path / "lmc_out"
+    p = run(["bash", str(GPU / "run_e2e.sh"), "install5"], script_env(tmp_path, GPU_TMP=str(l_tmp), OUT=str(l_out)),
+            cwd, 200)
+    log = p.stdout + p.stderr
+    assert "=== phase install5 ok" in log and "installed lmcache into" in log, log
+    assert (l_tmp / "site4" / "lmcfake.py").read_text() == "VALUE = 45\n"
+    assert "lmcache.cuda_ops" in (l_out / "diag.txt").read_text()
 
 
 def test_every_script_prints_its_usage_and_its_env():
     """``-h`` on every shell script prints the header (its phases and the environment it reads) and
     exits 0; run_serving.sh and run_e2e.sh with no phase print it too and fail. Nothing mocked."""
     for name, words in {"run_serving.sh": ("install1", "BUNDLE_DIR", "SERVE_ARGS", "DEADLINE_S"),
-                        "run_e2e.sh": ("install4", "BUNDLE_DIR", "MOONCAKE_CUDA_TAR", "PLAN"),
+                        "run_e2e.sh": ("install5", "BUNDLE_DIR", "LMCACHE_TAR", "LMC_L1_GB", "PLAN"),
                         "prepare_serving.sh": ("BUNDLE_DIR", ".gpuwheels1"),
                         "run_vllm.sh": ("VLLM_SPEC", "VLLM_VENV")}.items():
         p = subprocess.run(["bash", str(GPU / name), "-h"], capture_output=True, text=True, timeout=30)
