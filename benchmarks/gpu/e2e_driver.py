@@ -14,6 +14,10 @@ Modes of waiting for the write-back to L3 (--wait):
   (--tokens-per-object: tokens per stored object, 64 for a HiCache page, 256 for an LMCache chunk)
   blocks:GLOB   SGLang's hf3fs backend (mock client): allocated bytes of its data files grow by the KV bytes
 
+--lmcache-log PATH (lmcache_* stores): after each request, the lines the ``lmcache server`` logged for it
+become an ``lmcache_breakdown`` event: its L2 -> L1 prefetch (keys found in L1 and in L2, milliseconds)
+and its L1 -> GPU retrieve (tokens, seconds), so an LMCache hit's TTFT can be split.
+
 Other commands:
   e2e_driver.py probe --url B --ids-from R --label L   replay a prompt recorded in R (cross-instance hit)
 """
@@ -52,10 +56,37 @@ def scrape(url):
     return out
 
 
+PREFETCH = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\) "
+                      r"in ([0-9.]+) ms")
+RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([0-9.]+) seconds")
+
+
+class LMCacheLog:
+    """What an ``lmcache server`` log gained since the last look: its prefetch and retrieve lines."""
+
+    def __init__(self, path):
+        self.path = path
+        self.offset = os.path.getsize(path) if path and os.path.exists(path) else 0
+
+    def new(self):
+        if not self.path or not os.path.exists(self.path):
+            return None
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            text = f.read().decode(errors="replace")
+            self.offset = f.tell()
+        pre = [m.groups() for m in PREFETCH.finditer(text)]
+        ret = [m.groups() for m in RETRIEVED.finditer(text)]
+        return {"prefetch_ms": [float(p[4]) for p in pre], "prefetch_keys_l1": sum(int(p[2]) for p in pre),
+                "prefetch_keys_l2": sum(int(p[3]) for p in pre),
+                "retrieved_tokens": sum(int(r[0]) for r in ret), "retrieve_s": [float(r[1]) for r in ret]}
+
+
 class Driver:
     def __init__(self, a):
         self.a = a
         self.base = a.url.rstrip("/")
+        self.lmcache_log = LMCacheLog(a.lmcache_log)
 
     def emit(self, obj):
         obj.setdefault("wall", round(time.time(), 3))
@@ -79,12 +110,21 @@ class Driver:
                    "e2e_client_s": round(dt, 4), "meta": keep, "output_ids": res.get("output_ids")}
             rec.update(extra or {})
             self.emit(rec)
+            self.emit_lmcache(label)
             return rec
         except urllib.error.HTTPError as e:
             self.emit({"event": "gen", "label": label, "n": n, "status": e.code, "error": e.read().decode()[:1000]})
         except Exception as e:  # noqa: BLE001
             self.emit({"event": "gen", "label": label, "n": n, "error": f"{type(e).__name__}: {e}"})
         return None
+
+    def emit_lmcache(self, label):
+        if not self.a.lmcache_log:
+            return
+        time.sleep(0.2)  # the server logs a retrieve after answering it
+        got = self.lmcache_log.new()
+        if got is not None:
+            self.emit({"event": "lmcache_breakdown", "label": label, **got})
 
     def flush(self):
         # SGLang answers 400 while write-backs are still in flight: retry for up to ~40 s
@@ -215,6 +255,7 @@ def main():
         s.add_argument("--tag", required=True, help="store/model/phase tag kept on every line")
         s.add_argument("--deadline", type=float, required=True, help="epoch seconds")
         s.add_argument("--metrics", default="", help="kvconnect /metrics URL for the L3 time breakdown")
+        s.add_argument("--lmcache-log", default="", help="the lmcache server's log, for its per-request breakdown")
         s.add_argument("--vmax", type=int, default=120000)
         if name == "run":
             s.add_argument("--plan", required=True, help="e.g. w8192,8192,16384")

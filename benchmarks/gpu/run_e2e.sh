@@ -8,7 +8,8 @@
 #   install1-4 install from a bundle of files (no network): install1 pip-installs $SGLANG_WHEELS/*.whl into
 #   $GPU_TMP/site1; install2 $SGLANG_WHEELS2/*.whl into site2 or, without that folder, unpacks $SITE2_TAR
 #   (prepare_serving.sh's bundle); install3 unpacks $MOONCAKE_TAR into site3, install4 $MOONCAKE_CUDA_TAR,
-#   install5 $LMCACHE_TAR into site4 (first on PYTHONPATH) and records whether LMCache's CUDA ops load.
+#   install5 $LMCACHE_TAR into site4 (first on PYTHONPATH) and records whether LMCache's CUDA ops load; where
+#   they do not and $LMCACHE_SDIST is there, it builds them against the node's torch (build_lmcache_cuda_ops.py).
 #   Where SGLang and Mooncake are installed already, skip them: the store phases need only `python3 -m sglang`.
 #   ARCH  qwen3 (Qwen3-32B shape) | llama (Llama-3-8B shape)
 #   STORE file (SGLang built-in, reference) | hf3fsref (SGLang built-in hf3fs, mock client, reference)
@@ -43,7 +44,7 @@
 #      The bundle: BUNDLE_DIR (default: the current folder), SGLANG_WHEELS ($BUNDLE_DIR/.gpuwheels1),
 #      SGLANG_WHEELS2 ($BUNDLE_DIR/.gpuwheels2), SITE2_TAR ($BUNDLE_DIR/.gpuserve2/site2.tar.xz), MOONCAKE_TAR
 #      ($BUNDLE_DIR/.gpumc/mc312.tar.xz), MOONCAKE_CUDA_TAR ($BUNDLE_DIR/.gpumccuda/mccuda312.tar.xz),
-#      LMCACHE_TAR ($BUNDLE_DIR/.gpulmc/site4.tar.xz),
+#      LMCACHE_TAR ($BUNDLE_DIR/.gpulmc/site4.tar.xz), LMCACHE_SDIST ($BUNDLE_DIR/.gpulmcsrc/lmcache-0.5.6.tar.gz),
 #      JIT_CACHE ($BUNDLE_DIR/.gpujitcache/jitcache.tgz, optional: an earlier run's $OUT/jitcache.tgz).
 #      MOONCAKE_MASTER (default: install3's, else mooncake_master on PATH).
 #      The kvconnect it runs is this script's checkout (on PYTHONPATH).
@@ -56,7 +57,7 @@ BUNDLE=${BUNDLE_DIR:-.}
 SGLANG_WHEELS=${SGLANG_WHEELS:-$BUNDLE/.gpuwheels1} SGLANG_WHEELS2=${SGLANG_WHEELS2:-$BUNDLE/.gpuwheels2}
 SITE2_TAR=${SITE2_TAR:-$BUNDLE/.gpuserve2/site2.tar.xz} MOONCAKE_TAR=${MOONCAKE_TAR:-$BUNDLE/.gpumc/mc312.tar.xz}
 MOONCAKE_CUDA_TAR=${MOONCAKE_CUDA_TAR:-$BUNDLE/.gpumccuda/mccuda312.tar.xz}
-LMCACHE_TAR=${LMCACHE_TAR:-$BUNDLE/.gpulmc/site4.tar.xz}
+LMCACHE_TAR=${LMCACHE_TAR:-$BUNDLE/.gpulmc/site4.tar.xz} LMCACHE_SDIST=${LMCACHE_SDIST:-$BUNDLE/.gpulmcsrc/lmcache-0.5.6.tar.gz}
 JIT_CACHE=${JIT_CACHE:-$BUNDLE/.gpujitcache/jitcache.tgz}
 B=$(cd "$(dirname "$0")" && pwd)    # the drivers, next to this script
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
@@ -163,8 +164,8 @@ store_wait() {  # arch store port-suffix -> driver wait args
     hf3fsref) echo "--wait blocks:$L3/hf3fsref/hicache* --page-bytes $(kv_half_page_bytes "$1") --objects-per-page 2" ;;
     kvc_*) echo "--wait metrics:http://127.0.0.1:$((P_MET+${3:-0}))/metrics --metrics http://127.0.0.1:$((P_MET+${3:-0}))/metrics" ;;
     # LMCache stores 256-token chunks, each one object of its L2
-    lmcache_kvc_hf3fs) echo "--wait metrics:http://127.0.0.1:$P_MET/metrics --metrics http://127.0.0.1:$P_MET/metrics --tokens-per-object 256" ;;
-    lmcache_fs) echo "--wait tree:$L3/lmc_fs --tokens-per-object 256" ;;
+    lmcache_kvc_hf3fs) echo "--wait metrics:http://127.0.0.1:$P_MET/metrics --metrics http://127.0.0.1:$P_MET/metrics --tokens-per-object 256 --lmcache-log $LOGD/lmcache.log" ;;
+    lmcache_fs) echo "--wait tree:$L3/lmc_fs --tokens-per-object 256 --lmcache-log $LOGD/lmcache.log" ;;
   esac
 }
 
@@ -244,7 +245,7 @@ os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' python3 -m kvconnect hf3fs-me
 svc_start() {  # name cmd...: a detached service process, logs in $LOGD/name.log
   local name=$1; shift
   python3 -c 'import os, sys
-os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" > "$LOGD/$name.log" 2>&1 < /dev/null &
+os.setsid(); os.execvp(sys.argv[1], sys.argv[1:])' "$@" >> "$LOGD/$name.log" 2>&1 < /dev/null &   # a restart appends
   echo $! > "$LOGD/svc_$name.pid"
 }
 svc_stop_all() {
@@ -369,9 +370,14 @@ phase_install5() {  # LMCache 0.5.6 and what it needs beyond the image and SGLan
   tar xJf "$LMCACHE_TAR" -C "$TMPD/site4" || return 1
   python3 -c 'import lmcache.cli.main, lmcache.v1.multiprocess.server, lmcache.integration.sglang.multi_process_adapter' \
     || { say "lmcache import failed"; return 1; }
-  # LMCache's compiled CUDA ops (built against some torch): whether they load against this image's torch
-  echo "lmcache.cuda_ops: $(python3 -c 'import torch, lmcache.cuda_ops as c; print("loads", c.__file__, "with torch",
-    torch.__version__)' 2>&1 | tail -n 1)" | tee -a "$OUTD/diag.txt"
+  # LMCache's compiled CUDA ops (the wheel's are built against another torch): whether they load against this
+  # image's torch; where they do not and LMCache's source archive came along, build them here (nvcc)
+  local probe='import torch, lmcache.cuda_ops as c; print("loads", c.__file__, "with torch", torch.__version__)'
+  echo "lmcache.cuda_ops: $(python3 -c "$probe" 2>&1 | tail -n 1)" | tee -a "$OUTD/diag.txt"
+  if ! python3 -c "$probe" >/dev/null 2>&1 && [ -f "$LMCACHE_SDIST" ]; then
+    python3 "$B/build_lmcache_cuda_ops.py" --sdist "$LMCACHE_SDIST" --site "$TMPD/site4" 2>&1 | tail -n 5 \
+      | tee -a "$OUTD/diag.txt"
+  fi
   say "installed lmcache into $TMPD/site4 in $(( $(date +%s) - t ))s"
 }
 phase_stop() { stop_all; meta_stop; svc_stop_all; }
@@ -434,8 +440,8 @@ run_restart() {  # arch store: relaunch with the store's data kept, replay recor
   case $store in
     kvc_*) m="--metrics http://127.0.0.1:$P_MET/metrics" ;;
     lmcache_*)  # both restarted: LMCache's L1 starts empty, the prompts' chunks come from its L2
-      lmcache_stop; store_services "$store" || return 1; label=L2_after_restart; warm=2
-      [ "$store" = lmcache_kvc_hf3fs ] && m="--metrics http://127.0.0.1:$P_MET/metrics" ;;
+      lmcache_stop; store_services "$store" || return 1; label=L2_after_restart; warm=2 m="--lmcache-log $LOGD/lmcache.log"
+      [ "$store" = lmcache_kvc_hf3fs ] && m="$m --metrics http://127.0.0.1:$P_MET/metrics" ;;
   esac
   launch "${arch}_${store}_restart" "$arch" "$P_SRV" "$store" || return 1
   wait_up "${arch}_${store}_restart" "$P_SRV" "$(( $(left) - 40 ))" || return 1

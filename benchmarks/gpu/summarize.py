@@ -82,6 +82,7 @@ def main(argv=None):
     fig = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
     storage = defaultdict(list)
     breakdown = defaultdict(list)
+    lmcache_breakdown = defaultdict(list)
     for r in recs:
         tag = r.get("tag", "")
         if ":" not in tag:
@@ -95,6 +96,9 @@ def main(argv=None):
         store = store.removesuffix("_A").removesuffix("_Bwarm").removesuffix("_B")
         if r.get("event") == "l3_breakdown":
             breakdown[(model, store, r["label"])].append(r)
+            continue
+        if r.get("event") == "lmcache_breakdown":  # the lmcache server's own log of the request
+            lmcache_breakdown[(model, store, r["label"])].append(r)
             continue
         if r.get("event") != "gen" or "error" in r or r["label"].startswith("warmup"):
             continue
@@ -130,6 +134,7 @@ def main(argv=None):
     res.figures = {"ttft": out,
                    "storage_tokens": {"|".join(k): v for k, v in storage.items()},
                    "l3_breakdown": {"|".join(k): v for k, v in breakdown.items()},
+                   "lmcache_breakdown": {"|".join(k): v for k, v in lmcache_breakdown.items()},
                    "output_check": {"prompts": len(outputs), "l3_generations_checked": checked_l3,
                                     "mismatches": mismatches}}
     for model, by_n in fig.items():

@@ -168,6 +168,14 @@ def make_tar(path: Path, files: dict[str, bytes], mode: str = "w:xz", executable
     return path
 
 
+def fake_lmcache_sdist(path: Path) -> Path:
+    """A tar.gz with empty files named as LMCache 0.5.6's CUDA sources (build_lmcache_cuda_ops.SOURCES)."""
+    tree = ast.parse((GPU / "build_lmcache_cuda_ops.py").read_text())
+    sources = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", "") == "SOURCES")
+    return make_tar(path, {f"lmcache-0.5.6/csrc/cuda/{s}": b"" for s in sources}, mode="w:gz")
+
+
 def run(cmd, env, cwd, timeout) -> subprocess.CompletedProcess:
     p = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
     return p
@@ -591,6 +599,18 @@ def test_run_e2e_lmcache_in_front_phases(tmp_path):
         ("llama:lmcache_kvc_hf3fs", "512_r1_3_L3_hit"): 0, ("llama:lmcache_kvc_hf3fs", "1024_r1_3_L3_hit"): 0}
     restarted = [v for k, v in bd.items() if k[0] == "llama:restart_lmcache_kvc_hf3fs"]
     assert len(restarted) == 2 and all(v["store_get_bytes"] > 0 for v in restarted), restarted
+    # the lmcache server's own account of each hit (its log): the chunks came from L1 after the flush, from
+    # the L2 after the restart, and were retrieved into the engine's KV
+    lm = {(b["tag"], b["label"]): b for b in rows if b["event"] == "lmcache_breakdown"}
+    for r in gens:
+        b, chunks = lm[(r["tag"], r["label"])], (r["n"] - 1) // 256
+        if r["label"].endswith("_3_L3_hit"):
+            assert (b["prefetch_keys_l1"], b["prefetch_keys_l2"], b["retrieved_tokens"]) == (chunks, 0, chunks * 256), b
+        elif r["label"].endswith("_L2_after_restart"):
+            assert (b["prefetch_keys_l1"], b["prefetch_keys_l2"], b["retrieved_tokens"]) == (0, chunks, chunks * 256), b
+            assert len(b["prefetch_ms"]) == len(b["retrieve_s"]) == 1, b
+        elif "cold" in r["label"]:
+            assert b["retrieved_tokens"] == 0 and b["prefetch_keys_l2"] == 0, b
 
     p = subprocess.run([sys.executable, str(GPU / "summarize.py"), str(out / "results.jsonl"), "--out",
                         str(tmp_path / "gpu_lmcache.json"), "--machine", "CPU stand-in"],
@@ -633,6 +653,7 @@ def test_install_phases_unpack_the_carried_folders(tmp_path):
                                                        "ibv/libcudart.so.12": b"\x7fELF"})
     make_tar(cwd / ".gpujitcache" / "jitcache.tgz", {"jitcache/triton/kernel.bin": b"cubin"}, mode="w:gz")
     make_tar(cwd / ".gpulmc" / "site4.tar.xz", {"./lmcfake.py": b"VALUE = 45\n"})
+    fake_lmcache_sdist(cwd / ".gpulmcsrc" / "lmcache-0.5.6.tar.gz")
 
     s_tmp, s_out = tmp_path / "serving_tmp", tmp_path / "serving_out"
     env = script_env(tmp_path, GPU_TMP=str(s_tmp), OUT=str(s_out), WRITE_PROBE_MB="8")
@@ -687,7 +708,27 @@ def test_install_phases_unpack_the_carried_folders(tmp_path):
     log = p.stdout + p.stderr
     assert "=== phase install5 ok" in log and "installed lmcache into" in log, log
     assert (l_tmp / "site4" / "lmcfake.py").read_text() == "VALUE = 45\n"
-    assert "lmcache.cuda_ops" in (l_out / "diag.txt").read_text()
+    diag = (l_out / "diag.txt").read_text()
+    # the wheel's CUDA ops cannot load here, so install5 tried to build them from the source archive, and
+    # the build says why it cannot (no CUDA on this machine)
+    assert "lmcache.cuda_ops: ImportError" in diag and re.search(
+        r"build_lmcache_cuda_ops: (nvcc not found|torch .* sees no CUDA GPU)", diag), diag
+
+
+def test_build_lmcache_cuda_ops_says_why_it_cannot_build(tmp_path):
+    """build_lmcache_cuda_ops.py refuses with exit status 2 and the reason: a missing archive, one without
+    LMCache's sources or with some missing, and on this machine (no GPU) the missing nvcc or CUDA. Mocked:
+    the archives' contents (empty files with LMCache 0.5.6's names)."""
+    full = fake_lmcache_sdist(tmp_path / "full.tar.gz")
+    part = make_tar(tmp_path / "part.tar.gz", {"lmcache-0.5.6/csrc/cuda/pybind.cpp": b""}, mode="w:gz")
+    other = make_tar(tmp_path / "other.tar.gz", {"other-1.0/setup.py": b""}, mode="w:gz")
+    script = [sys.executable, str(GPU / "build_lmcache_cuda_ops.py")]
+    for args, reason in ((["--sdist", str(tmp_path / "nope.tar.gz")], "no such file"),
+                         (["--sdist", str(other)], "no csrc/ folder"),
+                         (["--sdist", str(part)], "csrc/cuda lacks mem_kernels.cu, mp_mem_kernels.cu"),
+                         (["--sdist", str(full)], r"nvcc not found|sees no CUDA GPU")):
+        p = subprocess.run(script + args, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and re.search(reason, p.stderr), (args, p.stderr)
 
 
 def test_every_script_prints_its_usage_and_its_env():
@@ -703,7 +744,7 @@ def test_every_script_prints_its_usage_and_its_env():
     for name in ("run_serving.sh", "run_e2e.sh"):
         p = subprocess.run(["bash", str(GPU / name)], capture_output=True, text=True, timeout=30)
         assert p.returncode != 0 and "Env" in p.stdout, name
-    for name in ("e2e_driver.py", "pd_driver.py", "summarize.py", "slim_sglang_kernel.py"):
+    for name in ("e2e_driver.py", "pd_driver.py", "summarize.py", "slim_sglang_kernel.py", "build_lmcache_cuda_ops.py"):
         p = subprocess.run([sys.executable, str(GPU / name), "--help"], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and p.stdout.strip(), name
 
