@@ -134,9 +134,10 @@ def main(argv=None):
     res.figures = {"ttft": out,
                    "storage_tokens": {"|".join(k): v for k, v in storage.items()},
                    "l3_breakdown": {"|".join(k): v for k, v in breakdown.items()},
-                   "lmcache_breakdown": {"|".join(k): v for k, v in lmcache_breakdown.items()},
                    "output_check": {"prompts": len(outputs), "l3_generations_checked": checked_l3,
                                     "mismatches": mismatches}}
+    if lmcache_breakdown:
+        res.figures["lmcache_breakdown"] = {"|".join(k): v for k, v in lmcache_breakdown.items()}
     for model, by_n in fig.items():
         for n, by_store in by_n.items():
             file_l3 = by_store.get("file", {}).get("l3_hit")
