@@ -16,7 +16,8 @@ An L3 hit counts only if SGLang reports the prompt's pages as loaded from storag
 (``cached_tokens_details.storage``; for lmcache_* stores, the cached tokens not found on the GPU);
 otherwise it is listed under ``not_from_storage``.
 Files are given oldest first: a later file's figures replace an earlier one's for the same
-model, length, store and phase (a re-run after a change supersedes the old measurement).
+model, length, store and phase (a re-run after a change supersedes the old measurement); with
+--pool the files are repeats of one configuration and every file's figures count.
 Correctness: every generation of one prompt (same model shape, length and seed: dummy weights are
 deterministic) must produce the same output token, whether its KV was computed, found on the GPU or
 loaded from L3; wrong KV bytes change the logits. Mismatches are listed and make the exit status 1.
@@ -57,6 +58,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="results.jsonl files from run_e2e.sh")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/gpu_e2e.json"))
+    p.add_argument("--pool", action="store_true", help="the files are repeats: keep every file's figures")
     p.add_argument("--machine", default="NVIDIA H200 (one; two of one host for the PD phases), SGLang 0.5.17 wheels, "
                                         "dummy weights", help="what ran it, for the JSON's params")
     a = p.parse_args(argv)
@@ -125,7 +127,7 @@ def main(argv=None):
             for d in by_store.values():
                 for ph, vals in d.items():
                     last = max(i for i, _ in vals)
-                    d[ph] = [t for i, t in vals if i == last]
+                    d[ph] = [t for i, t in vals if a.pool or i == last]
     res = BenchResult("gpu_e2e")
     res.params = {"sources": a.results, "ttft": "server-side e2e_latency, max_new_tokens=1",
                   "machine": a.machine}

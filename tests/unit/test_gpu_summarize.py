@@ -198,3 +198,41 @@ def test_synthetic_runs_latest_file_wins_and_ratios(tmp_path):
     assert "MISMATCH llama|1024|11" in printed
     assert doc["figures"]["pd_output_check"]["mismatches"] == {
         "1000": {"kvc_peer_rdma": [5, 6], "mooncake_ref": [5, 6], "kvc_mooncake": [5, 9]}}
+
+
+LMCACHE_RUNS = {kind: sorted((ROOT / "benchmarks" / "results" / "runs" / "gpu-lmcache" / kind).glob("2026-*.jsonl"))
+                for kind in ("built-ops", "wheel-ops")}
+
+
+def test_lmcache_runs_reproduce_the_published_results(tmp_path):
+    """LMCache in front of SGLang: the committed runs give the committed gpu_lmcache.json (the repeats with
+    LMCache's CUDA ops built on the node, pooled with --pool) and gpu_lmcache_wheel_ops.json (as the wheel
+    ships), and their restart ratios are the medians of every file's rows, computed here."""
+    for kind, published, pool in (("built-ops", "gpu_lmcache.json", ["--pool"]),
+                                  ("wheel-ops", "gpu_lmcache_wheel_ops.json", [])):
+        files = LMCACHE_RUNS[kind]
+        assert files, kind
+        want = json.loads((ROOT / "benchmarks" / "results" / published).read_text())
+        p = subprocess.run([sys.executable, str(SUMMARIZE), *map(str, (f.relative_to(ROOT) for f in files)), *pool,
+                            "--machine", want["params"]["machine"], "--out", str(tmp_path / published)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        doc = json.loads((tmp_path / published).read_text())
+        assert doc["figures"] == want["figures"] and doc["ratios"] == want["ratios"]
+        rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+        ttft = defaultdict(list)
+        for r in rows:
+            if r.get("event") == "gen" and not r["label"].startswith("warmup"):
+                store = r["tag"].split(":")[1].removeprefix("restart_")
+                if re.search(r"_r\d+_1_cold$", r["label"]):
+                    ttft["cold"].append(r["meta"]["e2e_latency"])
+                elif r["label"].endswith("_L2_after_restart"):
+                    assert r["meta"]["cached_tokens"] == 7936, r   # 31 LMCache chunks of the 8,128 cached tokens
+                    ttft[store].append(r["meta"]["e2e_latency"])
+        got = {r["metric"]: r["ratio"] for r in doc["ratios"]}
+        cold = statistics.median(ttft["cold"])
+        for store in ("lmcache_kvc_hf3fs", "lmcache_fs"):
+            assert len(ttft[store]) == 3 * len(files) if pool else len(ttft[store]) == 2
+            assert got[f"{store}_llama-8b_8192_l2_restart_over_cold"] == round(statistics.median(ttft[store]) / cold, 4)
+        assert got["lmcache_kvc_hf3fs_llama-8b_8192_l2_restart_vs_lmcache_fs"] == round(
+            statistics.median(ttft["lmcache_fs"]) / statistics.median(ttft["lmcache_kvc_hf3fs"]), 4)
