@@ -8,6 +8,8 @@
 #   .gpumc/mc312.tar.xz      Mooncake 0.3.13 (non-CUDA build: host memory) trimmed, with libibverbs/librdmacm (~15 MiB)
 #   .gpulmc/site4.tar.xz     LMCache 0.5.6 and what it imports beyond the image and SGLang's set, unpacked
 #                            (lmcache_056_wheels.txt; ~33 MiB): run_e2e.sh install5, for the lmcache_* phases
+#   .gpulmcsrc/lmcache-0.5.6.tar.gz  LMCache's source archive (~9 MiB): install5 builds its CUDA ops from it
+#                            against the node's torch, where the wheel's do not load (build_lmcache_cuda_ops.py)
 #   .gpuwheels-dl/           the downloads (not needed on the node)
 # No part is over ~55 MiB, for nodes that take files in small uploads.
 # The pins (sglang_0517_wheels.txt) are the wheels SGLang 0.5.17 needs beyond a CUDA torch 2.11 image.
@@ -64,5 +66,13 @@ $W $P -d "$D/lmc" -r "$G/lmcache_056_wheels.txt"
 rm -rf "$D/site4" && mkdir -p "$D/site4" .gpulmc
 for w in "$D"/lmc/*.whl; do python3 -m zipfile -e "$w" "$D/site4/"; done
 tar cf - -C "$D/site4" . | xz -6 -T0 > .gpulmc/site4.tar.xz
+mkdir -p .gpulmcsrc && ( cd .gpulmcsrc && python3 - lmcache 0.5.6 <<'PY'
+import re, sys, urllib.request as u   # the sdist from PyPI's simple index (pip would try to build it)
+name, ver = sys.argv[1], sys.argv[2]
+page = u.urlopen(f"https://pypi.org/simple/{name}/", timeout=60).read().decode()
+url = next(m for m in re.findall(r'href="([^"]+)"', page) if f"/{name}-{ver}.tar.gz" in m)
+u.urlretrieve(url.split("#")[0], f"{name}-{ver}.tar.gz")
+PY
+)
 
-du -sh .gpuwheels1 .gpuserve1 .gpuserve2 .gpumc .gpulmc
+du -sh .gpuwheels1 .gpuserve1 .gpuserve2 .gpumc .gpulmc .gpulmcsrc
