@@ -26,13 +26,15 @@ from kvconnect.connectors.peer_rdma.segment import (HASH_CHUNK, Slot, checksum_a
 class Reader:
     """The node's reads, and the locations it learned (``location_cache_ttl``)."""
 
-    # Same-host copies: every page copied, then every page hashed, each pass on the copy threads.
-    # True: each chunk of a page hashed right after it is copied, while in cache (one pass over
-    # memory). On a 16-core serving node the one pass ran at 0.63x the two (``kvconnect bench
-    # l3_floor --stores peer_shm``, 1 GiB: 10.1 against 16.1 GiB/s), on a 2-core host at 1.27x;
-    # kept for the benchmark, which times both alternating.
-    fused_same_host = False
-    fused_chunk_bytes = HASH_CHUNK  # bytes copied then hashed per step of the one pass
+    # Same-host copies: True copies a page 1 MiB at a time and hashes each step while it is in
+    # cache (one pass over memory); False copies every page, then hashes every page (two passes).
+    # 1 GiB on a 16-core H100 node, one pass over two alternating (l3_floor_peer_chunks_8k.json,
+    # ``kvconnect bench l3_floor --tokens 8192 --peer-chunks 64k,256k,1m,4m``): 1 MiB steps 1.20x
+    # (23.7 against 19.8 GiB/s), 4 MiB 1.11x, 256 KiB 0.73x (0.63x in an earlier run, which made
+    # two passes the default until then), 64 KiB 0.22x. The benchmark still times both. A page's
+    # checksum does not depend on the step (a streaming xxh3-64 of its bytes in order).
+    fused_same_host = True
+    fused_chunk_bytes = HASH_CHUNK  # 1 << 20: bytes copied then hashed per step of the one pass
 
     def __init__(self, node):  # the PeerNode this is part of
         self.node = node

@@ -481,10 +481,11 @@ else:
             misses it ("corrupt"), never a torn page or the other key's bytes."""
             import ctypes
 
-            from kvconnect.connectors.peer_rdma import segment
+            from kvconnect.connectors.peer_rdma.reads import Reader
             from kvconnect.connectors.testing.conformance import race
 
-            monkeypatch.setattr(segment, "HASH_CHUNK", 4096)
+            assert Reader.fused_same_host  # the default: one pass, copying and hashing per step
+            monkeypatch.setattr(Reader, "fused_chunk_bytes", 4096)
 
             def body(store, holder):
                 keys = self.keys(8)

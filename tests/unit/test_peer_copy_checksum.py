@@ -13,12 +13,13 @@ import xxhash
 from kvconnect.connectors import buffers
 from kvconnect.connectors.buffers import HostBuffer, buffer_address
 from kvconnect.connectors.peer_rdma import segment
-from kvconnect.connectors.peer_rdma.segment import checksum_page, copy_checksum_pages
+from kvconnect.connectors.peer_rdma.reads import Reader
+from kvconnect.connectors.peer_rdma.segment import checksum_page, checksum_pages, copy_checksum_pages
 from kvconnect.connectors.testing.conformance import race
 
 
 @pytest.mark.parametrize("threads", ["1", "4"])
-@pytest.mark.parametrize("chunk", [4096, 1000, 512 << 10])
+@pytest.mark.parametrize("chunk", [4096, 1000, 64 << 10, 512 << 10, 1 << 20, 4 << 20])
 def test_fused_digest_equals_the_one_shot_digest_and_the_bytes_are_copied(monkeypatch, threads, chunk):
     monkeypatch.setenv(buffers.COPY_THREADS_ENV, threads)
     monkeypatch.setattr(buffers, "_copy_pool", None)
@@ -39,6 +40,28 @@ def test_fused_digest_equals_the_one_shot_digest_and_the_bytes_are_copied(monkey
         assert b"".join(ctypes.string_at(a, n) for a, n in p) == s
         assert r[:32] == bytes(32) and r[32 + pb:] == bytes(32)  # nothing written outside the page
         assert checksum_page(p) == xxhash.xxh3_64_intdigest(s)
+
+
+def test_reads_take_one_pass_of_1_mib_steps_by_default_and_every_step_gives_the_published_digest(monkeypatch):
+    """Same-host reads copy and hash in one pass, 1 MiB per step, unless told otherwise; the
+    digest of a page is the same whatever the step, the default's included, and equals the two
+    passes' (``checksum_pages`` of the landed bytes), so changing the step never turns a hit
+    into a miss."""
+    monkeypatch.setenv(buffers.COPY_THREADS_ENV, "2")
+    monkeypatch.setattr(buffers, "_copy_pool", None)
+    assert Reader.fused_same_host and Reader.fused_chunk_bytes == segment.HASH_CHUNK == 1 << 20
+    n, pb = 3, (3 << 20) + 5  # not a multiple of any step
+    own = [os.urandom(pb) for _ in range(n)]
+    src = HostBuffer(n, pb)
+    for i in range(n):
+        src.fill(i, own[i])
+    published = [xxhash.xxh3_64_intdigest(b) for b in own]
+    for chunk in (None, 64 << 10, 256 << 10, 1 << 20, 4 << 20):
+        dst = HostBuffer(n, pb)
+        srcs, pages = [src.address + i * pb for i in range(n)], [dst.page(i) for i in range(n)]
+        sums = copy_checksum_pages(srcs, pages) if chunk is None else copy_checksum_pages(srcs, pages, chunk)
+        assert sums == published == checksum_pages(pages), chunk
+        assert [dst.read(i) for i in range(n)] == own
 
 
 def test_a_page_rewritten_during_the_copy_is_a_miss_never_torn(monkeypatch):
