@@ -14,6 +14,7 @@
 * ``netns``: network namespaces, one loopback-only (``Netns``) or several on a bridge
   (``Bridge``), for multi-host tests on one machine and for fencing Mooncake processes;
 * ``processes``: how child processes import kvconnect, stop, and are waited for;
+* ``standin``: the CPU stand-in for ``sglang.launch_server`` as a test process, free port ranges;
 * ``mooncake``: a real ``mooncake_master`` cluster in a namespace, and the pytest pieces
   that run a test module inside one;
 * ``hf3fs``: the HF3FS metadata service as a process;

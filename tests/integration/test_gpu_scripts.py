@@ -32,7 +32,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,10 +44,13 @@ from pathlib import Path
 import pytest
 
 from kvconnect.connectors.testing.processes import child_env, stop, wait_for
+from kvconnect.connectors.testing.standin import MODULE as STANDIN
+from kvconnect.connectors.testing.standin import cached, free_offset
+from kvconnect.connectors.testing.standin import post_ok as _post_ok
+from kvconnect.connectors.testing.standin import start as _standin
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
-STANDIN = "kvconnect.connectors.testing.launch_server"
 PAGE = 64                              # run_e2e.sh's --page-size
 PAGE_BYTES = PAGE * 2 * 2 * 2 * 8 * 2  # the stand-in's page: 2 layers, K and V, 2 heads of 8, bfloat16
 SCRIPTS = {"prepare_serving.sh", "run_e2e.sh", "run_serving.sh", "run_vllm.sh"}
@@ -76,27 +78,6 @@ def script_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env["PATH"] = f"{shims(tmp_path)}:{env['PATH']}"
     env.update(extra)
     return env
-
-
-def free_offset(ports: list[int], seed: int) -> int:
-    """An offset that makes every one of ``ports`` free on 127.0.0.1 (below 65536)."""
-    rnd = random.Random(seed * 7919 + os.getpid())
-    for _ in range(200):
-        off = rnd.randrange(1000, 65535 - max(ports), 10)
-        socks = []
-        try:
-            for p in ports:
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("127.0.0.1", p + off))
-                socks.append(s)
-            return off
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 def alive(pid: int) -> bool:
@@ -130,11 +111,6 @@ def descendants(root: int) -> dict[int, str]:
 
 def rows_of(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def cached(n: int) -> int:
-    """Tokens SGLang caches of an n-token prompt: full pages of all tokens but the last."""
-    return (n - 1) // PAGE * PAGE
 
 
 def make_wheel(folder: Path, name: str, version: str, files: dict[str, bytes], tag: str = "py3-none-any") -> Path:
@@ -255,23 +231,6 @@ def test_slim_sglang_kernel_drops_the_optional_extensions(tmp_path):
 
 # -- the drivers against stand-in servers ----------------------------------------------------------------
 
-def _standin(tmp_path: Path, port: int, *args: str, env: dict | None = None) -> subprocess.Popen:
-    log = open(tmp_path / f"standin-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", STANDIN, "--port", str(port), "--page-size", str(PAGE), *args],
-                            stdout=log, stderr=subprocess.STDOUT, env=child_env(env or {}),
-                            start_new_session=True)
-
-    def up():
-        assert proc.poll() is None, (tmp_path / f"standin-{port}.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-    assert wait_for(up, 120, 0.3), "stand-in server did not come up"
-    return proc
-
-
 @pytest.mark.timeout(240)
 def test_e2e_driver_waits_flushes_and_replays_against_sglang_hf3fs(tmp_path):
     """``e2e_driver.py run`` and ``replay`` against the stand-in server with SGLang's own hf3fs backend
@@ -356,14 +315,6 @@ def test_e2e_driver_waits_flushes_and_replays_against_sglang_hf3fs(tmp_path):
     # every page went to the hf3fs file as two 4 KiB objects (K and V)
     pages = sum(cached(n) // PAGE for n in (256, 512, 1024, 2048))
     assert sum(f.stat().st_blocks * 512 for f in data.glob("hicache*")) == pages * PAGE_BYTES
-
-
-def _post_ok(req) -> bool:
-    try:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 def test_pd_driver_records_failed_requests_and_goes_on(tmp_path):

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvconnect.connectors.testing.processes import free_port, stop, wait_for
-from tests.integration.test_gpu_scripts import _post_ok, _standin, cached, free_offset
+from kvconnect.connectors.testing.standin import cached, free_offset
+from kvconnect.connectors.testing.standin import post_ok as _post_ok
+from kvconnect.connectors.testing.standin import start as _standin
 
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.base",
                     reason="needs lmcache (pip install \"kvconnect[lmcache]\")")
