@@ -16,10 +16,10 @@ lmcache, no nvcc, no CUDA torch).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
-import importlib.util
 import sys
 import sysconfig
 import tarfile

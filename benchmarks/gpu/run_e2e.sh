@@ -372,9 +372,11 @@ phase_install5() {  # LMCache 0.5.6 and what it needs beyond the image and SGLan
     || { say "lmcache import failed"; return 1; }
   # LMCache's compiled CUDA ops (the wheel's are built against another torch): whether they load against this
   # image's torch; where they do not and LMCache's source archive came along, build them here (nvcc)
-  local probe='import torch, lmcache.cuda_ops as c; print("loads", c.__file__, "with torch", torch.__version__)'
-  echo "lmcache.cuda_ops: $(python3 -c "$probe" 2>&1 | tail -n 1)" | tee -a "$OUTD/diag.txt"
-  if ! python3 -c "$probe" >/dev/null 2>&1 && [ -f "$LMCACHE_SDIST" ]; then
+  local ops ok=0
+  ops=$(python3 -c 'import torch, lmcache.cuda_ops as c; print("loads", c.__file__, "with torch", torch.__version__)' 2>&1) \
+    || ok=$?
+  echo "lmcache.cuda_ops: $(tail -n 1 <<< "$ops")" | tee -a "$OUTD/diag.txt"
+  if [ "$ok" != 0 ] && [ -f "$LMCACHE_SDIST" ]; then
     python3 "$B/build_lmcache_cuda_ops.py" --sdist "$LMCACHE_SDIST" --site "$TMPD/site4" 2>&1 | tail -n 5 \
       | tee -a "$OUTD/diag.txt"
   fi

@@ -145,18 +145,13 @@ def main(argv=None):
             file_l3 = by_store.get("file", {}).get("l3_hit")
             cold = [t for d in by_store.values() for t in d.get("cold", [])]
             for store, d in by_store.items():
-                l3 = d.get("l3_hit")
-                if cold and l3:
-                    c, l = statistics.median(cold), statistics.median(l3)
-                    res.ratios.append({"metric": f"{store}_{model}_{n}_l3_over_cold", "ours": l, "reference": c,
-                                       "ratio": round(l / c, 4), "lower_is_better": True,
-                                       "reference_system": f"cold prefill, median of {len(cold)} runs (all stores)"})
-                l2r = d.get("l2_after_restart")
-                if cold and l2r:
-                    c, l = statistics.median(cold), statistics.median(l2r)
-                    res.ratios.append({"metric": f"{store}_{model}_{n}_l2_restart_over_cold", "ours": l, "reference": c,
-                                       "ratio": round(l / c, 4), "lower_is_better": True,
-                                       "reference_system": f"cold prefill, median of {len(cold)} runs (all stores)"})
+                l3, l2r = d.get("l3_hit"), d.get("l2_after_restart")
+                for hits, what in ((l3, "l3"), (l2r, "l2_restart")):
+                    if cold and hits:
+                        c, l = statistics.median(cold), statistics.median(hits)
+                        res.ratios.append({"metric": f"{store}_{model}_{n}_{what}_over_cold", "ours": l, "reference": c,
+                                           "ratio": round(l / c, 4), "lower_is_better": True,
+                                           "reference_system": f"cold prefill, median of {len(cold)} runs (all stores)"})
                 fs_l2r = by_store.get("lmcache_fs", {}).get("l2_after_restart")
                 if store == "lmcache_kvc_hf3fs" and l2r and fs_l2r:
                     f, o = statistics.median(fs_l2r), statistics.median(l2r)
