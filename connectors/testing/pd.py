@@ -556,7 +556,9 @@ def node_env(pd_config: dict | None, extra_path: str | None, **env: str) -> dict
     if pd_config is not None:
         out["KVCONNECT_PD_CONFIG"] = json.dumps(pd_config)
     out.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "2")
-    out.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "2")
+    # three misses, not two: a prefill starved for two 3 s health timeouts on a loaded 2-core machine
+    # must not be declared dead (decode would fail the next wave's rooms); a killed one refuses at once
+    out.setdefault("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "3")
     out.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
     out.setdefault("SGLANG_HOST_IP", "127.0.0.1")  # the namespace has only loopback
     out.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -617,6 +619,17 @@ class Pair:
         if res.get("error"):
             raise AssertionError(f"{role} failed: {res['error']}\n{res.get('traceback', '')}\n{self.tail(role)}")
         return res
+
+    def progress(self, role: str) -> str:
+        """Each finished wave's room statuses from ``role``'s partial result, for a failure message."""
+        try:
+            with open(self.specs[role]["result"]) as f:
+                res = json.load(f)
+        except (OSError, ValueError):
+            return f"{role}: no result yet"
+        waves = [{k: v.get("status") if isinstance(v, dict) else v for k, v in w.items()}
+                 for w in res.get("waves", [])]
+        return f"{role}: error={res.get('error')!r} waves={waves}"
 
     def tail(self, role: str, n: int = 4000) -> str:
         try:
