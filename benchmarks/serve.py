@@ -7,11 +7,17 @@ Runs on a GPU node with SGLang, sglang-router and the stores installed (see docs
     kvconnect bench serve --pairs w1:l2_only,w1:kvc_hf3fs,w3:l2_only,w3:kvc_hf3fs --deadline-s 1200
     kvconnect bench serve --report RUN_DIR [RUN_DIR...]       # rebuild serving.json + serving.png from raw runs
     kvconnect bench serve --pd --workloads w1,w2              # 1P1D on GPUs 0 and 1, every PD transfer backend
+    kvconnect bench serve --configs l2_only,lmcache_kvc_hf3fs,lmcache_fs   # LMCache in front of SGLang
 
 Each (workload, configuration) pair is measured on the same servers: L3 backends are switched at run
 time through SGLang's admin API. Writes ``<out>/runs.jsonl`` and ``<out>/requests.jsonl.gz`` while it
 runs, then ``benchmarks/results/serving.json`` (figures, ``ratios``, targets) and ``serving.png`` (TTFT
 CDF, throughput).
+
+``lmcache_kvc_hf3fs`` / ``lmcache_fs`` (named with ``--configs``, not in the default run): every
+server launched with ``--enable-lmcache`` instead of HiCache, all clients of one ``lmcache server``
+(``--lmcache-l1-gb``) whose L2 is kvconnect's plugin over hf3fs, or LMCache's ``fs``; they run last,
+each launching its servers once for all workloads, and are compared with each other.
 
 ``--pd``: the SGLang PD guide's 1P1D instead of HiCache servers: a prefill server on the first GPU,
 a decode server on the second, ``sglang_router --pd-disaggregation`` in front, the transfer backend
@@ -30,7 +36,7 @@ import time
 from pathlib import Path
 
 from .serving import report, workloads
-from .serving.configs import (BASELINE, CONFIGS, HICACHE_NAMES, PD_BASELINE, PD_CONFIGS, PD_REFERENCE,
+from .serving.configs import (BASELINE, CONFIGS, HICACHE_NAMES, LMCACHE_CONFIGS, PD_BASELINE, PD_CONFIGS, PD_REFERENCE,
                               by_information, default_ports, parse_names)
 from .serving.run import Plan, ServerSpec, execute
 
@@ -93,7 +99,10 @@ def plan_pairs(a: argparse.Namespace, loads: dict) -> list:
         return [(loads[w], c) for c in names for w in chosen]
     names = parse_names(a.configs) if a.configs else list(HICACHE_NAMES)
     names = [BASELINE] + [n for n in names if n != BASELINE]   # the baseline first: the output reference
-    return [(loads[w], c) for w in chosen for c in names]
+    # LMCache in front: its servers are launched for each configuration, so those run last,
+    # configuration by configuration (one launch for all workloads)
+    return [(loads[w], c) for w in chosen for c in names if c not in LMCACHE_CONFIGS] + \
+        [(loads[w], c) for c in names if c in LMCACHE_CONFIGS for w in chosen]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -142,6 +151,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--l3-file-size", default="32gb", help="size of the hf3fs files (kvconnect's and SGLang's)")
     s.add_argument("--write-behind", default="0", help="kvconnect configurations: the adapter's write_behind, a "
                    "staging buffer per server for L3 writes (e.g. 4gb; default 0: write through, as the guides deploy)")
+    s.add_argument("--lmcache-l1-gb", type=float, default=8.0,
+                   help="lmcache_* configurations: the lmcache server's L1 (host memory, GB; default 8)")
     s.add_argument("--port-base", type=int, default=0, help="offset added to every port")
     s.add_argument("--workdir", default="/tmp/kvconnect-serve", help="logs, model, store data")
     s.add_argument("--out", default=None, help="raw results of this run: runs.jsonl, requests.jsonl.gz "
@@ -216,7 +227,7 @@ def main(argv=None) -> int:
                 deadline=time.time() + limit_s if limit_s != float("inf") else 0.0, l3_bytes_per_server=l3_per_server,
                 l3_file_bytes=parse_size(l3_file), write_behind="64mb" if a.quick else a.write_behind,
                 load_fraction=a.load_fraction, capacity_requests=a.capacity_requests, resume=a.resume,
-                pd_decode_delay_s=a.pd_decode_delay_s,
+                pd_decode_delay_s=a.pd_decode_delay_s, lmcache_l1_gb=0.25 if a.quick else a.lmcache_l1_gb,
                 **({"baseline": a.pd_baseline, "reference": PD_REFERENCE} if a.pd else {}))
     where = f"PD 1P1D on GPUs {gpus[0]} (prefill) and {gpus[1]} (decode)" if a.pd else f"{a.servers} servers"
     print(f"[serve] {len(pairs)} pairs on {where}: " + ", ".join(f"{w.name}:{c}" for w, c in pairs), flush=True)

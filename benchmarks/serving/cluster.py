@@ -239,6 +239,15 @@ class DelayProxy:
         self.proc.stop(grace_s=5)
 
 
+def lmcache_healthy(http_port: int) -> bool:
+    """An ``lmcache server``'s HTTP API says ``is_healthy`` (its L1 and L2 adapters are up)."""
+    status, text = http("GET", f"http://127.0.0.1:{http_port}/status", timeout=3)
+    try:
+        return status == 200 and bool(json.loads(text).get("is_healthy"))
+    except ValueError:
+        return False
+
+
 def mooncake_master_binary() -> str:
     found = shutil.which("mooncake_master")
     if found:
@@ -259,9 +268,12 @@ def mooncake_master_binary() -> str:
 class Services:
     """The stores' side processes, started by name and stopped together."""
 
-    def __init__(self, workdir: Path, ports: dict, mooncake_segment: int = 32 << 30):
+    def __init__(self, workdir: Path, ports: dict, mooncake_segment: int = 32 << 30, lmcache_l1_gb: float = 8.0,
+                 l3_file_bytes: int = 32 << 30):
         self.workdir, self.ports = Path(workdir), ports
         self.mooncake_segment = mooncake_segment  # bytes the standalone Mooncake store process lends
+        self.lmcache_l1_gb = lmcache_l1_gb        # the lmcache server's L1
+        self.l3_file_bytes = l3_file_bytes        # kvconnect's hf3fs file behind the lmcache server
         self.log_dir = self.workdir / "logs"
         self.running: dict[str, Process] = {}
 
@@ -305,8 +317,29 @@ class Services:
                                "--bind-host", "127.0.0.1", "--local-hostname", "127.0.0.1", "--protocol", "tcp",
                                "--global-segment-size", "1gb", "--ready-file", ready],
                         lambda: ready.exists() and ready.stat().st_size > 0)
+        elif name in ("lmcache_kvc_hf3fs", "lmcache_fs"):
+            self._start(name, [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1",
+                               "--port", p["lmcache_mp"], "--chunk-size", "256", "--l1-size-gb", self.lmcache_l1_gb,
+                               "--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", p["lmcache_http"],
+                               "--disable-metrics", "--l2-adapter", json.dumps(self.lmcache_l2(name))],
+                        lambda: lmcache_healthy(p["lmcache_http"]), timeout_s=180,
+                        env={"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"})
         else:
             raise ValueError(f"unknown service {name!r}")
+
+    def lmcache_l2(self, name: str) -> dict:
+        """The ``--l2-adapter`` of the lmcache server ``name``: kvconnect's plugin over the hf3fs
+        store (files shared through the metadata service, which the configuration also starts), or
+        LMCache's own ``fs``."""
+        if name == "lmcache_fs":
+            return {"type": "fs", "base_path": str(self.data("lmcache_fs"))}
+        self.start("kvc_meta")
+        return {"type": "plugin", "module_path": "kvconnect.connectors.engines.lmcache_l2",
+                "class_name": "KVConnectL2Adapter",
+                "adapter_params": {"store": "hf3fs", "file_path_prefix": str(self.data("lmcache_kvc") / "lmcache"),
+                                   "file_size": self.l3_file_bytes, "numjobs": 16, "entries": 16,
+                                   "metadata_server_url": f"http://127.0.0.1:{self.ports['kvc_meta']}",
+                                   "metrics_port": self.ports["lmcache_kvc_metrics"]}}
 
     def stop_all(self) -> None:
         for name in reversed(list(self.running)):

@@ -44,6 +44,14 @@ class Setup:
         """
         return Path(self.workdir) / "sglang_hf3fs.json"
 
+    @property
+    def lmcache_mp_config(self) -> Path:
+        """The ``--lmcache-config-file`` of SGLang --enable-lmcache: where its lmcache server listens."""
+        return Path(self.workdir) / "lmcache_mp.yaml"
+
+    def write_lmcache_mp_config(self) -> None:
+        self.lmcache_mp_config.write_text(f"mp_host: 127.0.0.1\nmp_port: {self.ports['lmcache_mp']}\n")
+
     def write_hf3fs_ref_config(self) -> None:
         import json
 
@@ -82,6 +90,12 @@ class Config:
     prepare: Callable[[Setup], None] = lambda s: None
     counterpart: Optional[str] = None          # kvconnect: the alternative it replaces (run next to it)
     pd: Optional[PD] = None                    # a PD deployment instead of HiCache servers
+
+    @property
+    def services_live_with_servers(self) -> bool:
+        """Its services start before the servers and stop with them (a PD relay's store, which the
+        servers open at launch; the lmcache server SGLang --enable-lmcache connects to), not per pair."""
+        return self.pd is not None or self.profile == "lmcache"
 
 
 def _kvc(store: str, **options) -> Callable[[Setup, int], dict]:
@@ -161,6 +175,30 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
 ]}
 
 
+# -- LMCache in front of SGLang (``--configs lmcache_kvc_hf3fs,lmcache_fs``) -----------------------
+# SGLang --enable-lmcache (no HiCache) on every server, all of them clients of one standalone
+# ``lmcache server`` (LMCache's MP mode: one server per node), whose L2 is the configuration. The
+# lmcache server is one of the configuration's services; it starts before the SGLang servers and
+# lives as long as them (``Config.services_live_with_servers``).
+LMCACHE_SERVICES = {"lmcache_kvc_hf3fs", "lmcache_fs"}   # Services.start: an lmcache server with that L2
+
+
+def _lmcache_plugin_metrics(s: Setup, i: int) -> Optional[str]:
+    # one lmcache server for all SGLang servers: its plugin's counters are scraped once, under server 0
+    return f"http://127.0.0.1:{s.ports['lmcache_kvc_metrics']}/metrics" if i == 0 else None
+
+
+LMCACHE_CONFIGS: dict[str, Config] = {c.name: c for c in [
+    Config("lmcache_fs", "lmcache_anchor", "SGLang --enable-lmcache, one lmcache server for every SGLang server, "
+           "LMCache's own fs L2 (files)", profile="lmcache", services=("lmcache_fs",)),
+    Config("lmcache_kvc_hf3fs", "lmcache_kvconnect", "SGLang --enable-lmcache, one lmcache server for every SGLang "
+           "server, kvconnect's L2 plugin over the hf3fs store + kvconnect metadata service", profile="lmcache",
+           services=("kvc_meta", "lmcache_kvc_hf3fs"), metrics_url=_lmcache_plugin_metrics,
+           counterpart="lmcache_fs"),
+]}
+CONFIGS.update(LMCACHE_CONFIGS)   # named with --configs; the default run (HiCache stores) leaves them out
+
+
 
 # -- PD disaggregation (``kvconnect bench serve --pd``) -------------------------------------------
 # Both Transfer Engine data planes over TCP (no RDMA NIC is assumed), SGLang's as kvconnect's.
@@ -217,7 +255,7 @@ PD_CONFIGS: dict[str, Config] = {c.name: c for c in [
 ]}
 # each *_late next to its plane: the same servers, only the router and proxy are restarted between them
 CONFIGS.update(PD_CONFIGS)   # one table for run.py; the default (non-PD) run leaves these out
-HICACHE_NAMES = [n for n in CONFIGS if n not in PD_CONFIGS]
+HICACHE_NAMES = [n for n in CONFIGS if n not in PD_CONFIGS and n not in LMCACHE_CONFIGS]
 
 
 def pd_refusal(cfg: Config, setup: Setup, kv_device: str) -> Optional[str]:
@@ -253,7 +291,7 @@ def by_information(pairs: list) -> list:
     names = [c for _, c in pairs]
     tiers: list = [[c for c in names if c == BASELINE]]
     for c in dict.fromkeys(names):
-        if CONFIGS[c].kind == "kvconnect":
+        if CONFIGS[c].kind in ("kvconnect", "lmcache_kvconnect"):
             tiers.append([c] + ([CONFIGS[c].counterpart] if CONFIGS[c].counterpart in names else []))
     rank: dict = {}
     for t, tier in enumerate(tiers):
@@ -279,6 +317,7 @@ def default_ports(base: int = 0) -> dict:
     """Fixed loopback ports (offset by ``base`` to run two benchmarks on one host)."""
     p = {"server": 30000, "router": 31000, "kvc_meta": 18000, "mini_3fs_meta": 18010, "mooncake_master": 50051,
          "mooncake_metrics": 9003, "mooncake_store_metrics": 9310, "peer_seed": 31998, "kvc_metrics": 9400,
-         "peercache_discovery": 32998, "peercache_metrics": 31900, "pd_bootstrap": 8998, "pd_proxy": 31100}
+         "peercache_discovery": 32998, "peercache_metrics": 31900, "pd_bootstrap": 8998, "pd_proxy": 31100,
+         "lmcache_mp": 18020, "lmcache_http": 18021, "lmcache_kvc_metrics": 9390}
     return {k: v + base for k, v in p.items()}
 

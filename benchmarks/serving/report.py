@@ -86,6 +86,11 @@ def _caveats(run_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def _ours(config: str) -> bool:
+    """A kvconnect configuration: an L3 for HiCache, or the L2 of an lmcache server in front of SGLang."""
+    return bool(CONFIGS.get(config)) and CONFIGS[config].kind in ("kvconnect", "lmcache_kvconnect")
+
+
 def _row(metric, ours, reference, ratio, reference_system, lower_is_better=False) -> dict:
     return {"metric": metric, "ours": round(ours, 4), "reference": round(reference, 4), "ratio": round(ratio, 4),
             "reference_system": reference_system, "lower_is_better": lower_is_better}
@@ -105,6 +110,13 @@ def ratios(figures: dict) -> list[dict]:
                                     f[f"{m}_s"] / base[f"{m}_s"], BASELINE, lower_is_better=True))
                 out.append(_row(f"{w}_{c}_input_tps_over_baseline", f["input_tps"], base["input_tps"],
                                 f["input_tps"] / base["input_tps"], BASELINE))
+            if CONFIGS.get(c) and CONFIGS[c].kind == "lmcache_kvconnect" and CONFIGS[c].counterpart in by_cfg:
+                a = CONFIGS[c].counterpart   # LMCache in front: kvconnect's L2 against LMCache's own
+                fa = by_cfg[a]
+                for m in ("ttft_p50", "ttft_p99"):
+                    out.append(_row(f"{w}_{c}_{m}_vs_{a}", f[f"{m}_s"], fa[f"{m}_s"], fa[f"{m}_s"] / f[f"{m}_s"], a))
+                out.append(_row(f"{w}_{c}_input_tps_vs_{a}", f["input_tps"], fa["input_tps"],
+                                f["input_tps"] / fa["input_tps"], a))
             if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect":
                 for a in anchors:
                     fa = by_cfg[a]
@@ -174,7 +186,7 @@ def targets(figures: dict, rows: list[dict], bounds_: Optional[dict] = None, l3:
                 path[fastest].get("l3_over_recomputed"), L3_OVER_RECOMPUTED, "<=")
     for w, by_cfg in figures.items():
         for c, f in by_cfg.items():
-            if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect":
+            if _ours(c):
                 add(f"{w}: {c} failed requests", f["failed"], 0, "<=")
                 if f.get("probe_mismatches") is not None:
                     add(f"{w}: {c} output mismatches on the sample", f["probe_mismatches"], 0, "<=")
@@ -449,7 +461,7 @@ def plot(run_dirs: list[Path], doc: dict, out_png: Path) -> Optional[Path]:
             v = sorted(ttfts[w].get(c, []))
             if not v:
                 continue
-            style = "-" if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect" else "--"
+            style = "-" if _ours(c) else "--"
             ax.plot(v, [(i + 1) / len(v) for i in range(len(v))], style, label=c, linewidth=1.6)
         ax.set_xscale("log")
         ax.set_xlabel("TTFT (s, log)")
@@ -458,7 +470,7 @@ def plot(run_dirs: list[Path], doc: dict, out_png: Path) -> Optional[Path]:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
         tps = [doc["figures"][w][c]["input_tps"] for c in names]
-        colors = ["#2a7" if CONFIGS.get(c) and CONFIGS[c].kind == "kvconnect" else
+        colors = ["#2a7" if _ours(c) else
                   "#888" if c == BASELINE or (CONFIGS.get(c) and CONFIGS[c].kind == "reference") else "#c74"
                   for c in names]
         bx.barh(names, tps, color=colors)

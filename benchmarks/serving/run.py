@@ -53,7 +53,7 @@ class ServerSpec:
     server_module: str = "sglang.launch_server"
     kv_device: str = "cuda"                    # where the servers' KV lives (the PD relay's capability check)
 
-    def args(self, profile: str) -> list[str]:
+    def args(self, profile: str, lmcache_config: Optional[Path] = None) -> list[str]:
         a = ["--page-size", str(self.page_size), "--mem-fraction-static", str(self.mem_fraction),
              "--max-total-tokens", str(self.max_total_tokens), "--disable-cuda-graph",
              "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
@@ -63,8 +63,10 @@ class ServerSpec:
         if profile == "hicache":
             a += ["--enable-hierarchical-cache", "--hicache-ratio", str(self.hicache_ratio),
                   "--hicache-write-policy", "write_through"]
+        elif profile == "lmcache":   # LMCache is the tier below the GPU (SGLang's LMCRadixCache), no HiCache
+            a += ["--enable-lmcache", "--lmcache-config-file", str(lmcache_config)]
         elif profile not in ("plain", "pd"):   # pd: Cluster adds each role's --disaggregation-* arguments
-            raise ValueError(f"server profile {profile!r}: accepted values are hicache, plain, pd")
+            raise ValueError(f"server profile {profile!r}: accepted values are hicache, lmcache, plain, pd")
         return a + list(self.extra_args)
 
 
@@ -88,6 +90,7 @@ class Plan:
     baseline: str = BASELINE                   # the capacity probe runs on its servers
     reference: str = BASELINE                  # the pair whose probe outputs the others must equal
     pd_decode_delay_s: float = 2.0             # PD configurations with late=True: decode's request this late
+    lmcache_l1_gb: float = 8.0                 # lmcache_* configurations: the lmcache server's L1 (host memory)
 
 
 class Cluster:
@@ -101,7 +104,8 @@ class Cluster:
         self.launched_once = False
         self.pd: Optional[PD] = None
         self.proxy: Optional[DelayProxy] = None
-        self.services: Optional[Services] = None   # PD: the relay store's services live as long as the servers
+        self.services: Optional[Services] = None
+        self.bound: tuple = ()   # services that live as long as the servers (PD relay store, lmcache server)
 
     def env(self, i: int) -> dict:
         spec = self.plan.spec
@@ -120,8 +124,10 @@ class Cluster:
         return [self.router.url] if self.pd else [s.url for s in self.servers]
 
     def ensure(self, profile: str, pd: Optional[PD] = None, services: tuple = ()) -> None:
-        key = (profile, pd.key(self.setup) if pd else None)
-        if (self.profile, self.pd.key(self.setup) if self.pd else None) == key and \
+        """Servers of ``profile`` (relaunched unless they run already); ``services``: those started
+        before them that live as long as them (``Config.services_live_with_servers``)."""
+        key = (profile, pd.key(self.setup) if pd else None, tuple(services))
+        if (self.profile, self.pd.key(self.setup) if self.pd else None, self.bound) == key and \
                 all(s.proc.alive() for s in self.servers):
             if pd and pd.late != self.pd.late:   # same servers; only the router (and proxy) change
                 self._stop_router()
@@ -129,13 +135,17 @@ class Cluster:
                 self._start_pd_router()
             return
         self.stop()
+        self.bound = tuple(services)
+        for name in services:   # the relay opens its store, SGLang connects to its lmcache server, at launch
+            self.services.start(name)
         if pd is not None:
-            for name in services:   # the relay opens its store when the servers start
-                self.services.start(name)
             self._launch_pd(profile, pd)
             return
         spec, log_dir = self.plan.spec, Path(self.setup.workdir) / "logs"
-        self.servers = [SGLangServer(i, self.plan.ports["server"] + i, self.model_dir, spec.args(profile), log_dir,
+        if profile == "lmcache":
+            self.setup.write_lmcache_mp_config()
+        args = spec.args(profile, self.setup.lmcache_mp_config)
+        self.servers = [SGLangServer(i, self.plan.ports["server"] + i, self.model_dir, args, log_dir,
                                      self.env(i), module=spec.server_module) for i in range(spec.servers)]
         t0 = time.time()
         print(f"[serve] launching {spec.servers} SGLang servers ({profile}) ...", flush=True)
@@ -254,9 +264,9 @@ class Cluster:
         self._stop_router()
         for s in self.servers:
             s.stop()
-        if self.pd is not None and self.services is not None:
+        if self.bound and self.services is not None:
             self.services.stop_all()
-        self.servers, self.profile, self.pd = [], None, None
+        self.servers, self.profile, self.pd, self.bound = [], None, None, ()
 
 
 def scrape(url: Optional[str]) -> dict:
@@ -290,7 +300,7 @@ def since(after: dict, before: Optional[dict]) -> dict:
 def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Config, plan: Plan,
              reference: dict, capacity: float = 0.0) -> tuple[dict, list]:
     setup = cluster.setup
-    cluster.ensure(cfg.profile, cfg.pd, cfg.services)
+    cluster.ensure(cfg.profile, cfg.pd, cfg.services if cfg.services_live_with_servers else ())
     record = {"workload": workload.name, "config": cfg.name, "kind": cfg.kind, "description": cfg.description,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     attached = []
@@ -310,7 +320,8 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
                 refusals += s.attach(cfg.backend, extra, prefetch_policy=policy)
                 attached.append(s)
         # a PD relay's store lives as long as its servers: this pair's figures are the difference
-        before = {s.index: scrape(cfg.metrics_url(setup, s.index)) for s in cluster.servers} if cfg.pd else {}
+        before = {s.index: scrape(cfg.metrics_url(setup, s.index)) for s in cluster.servers} \
+            if cfg.services_live_with_servers else {}
         results, wall = client.run(cluster.router.url, workload, desc=f"{workload.name}/{cfg.name}",
                                    timeout_s=plan.request_timeout_s)
         record["summary"] = client.summarize(results, wall)
@@ -333,6 +344,7 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
         record["probe"] = {
             "prompts": len(probes), "ok": sum(p.ok for p in probes),
             "storage_tokens": sum(p.cached_from.get("storage", 0) for p in probes),
+            "host_tokens": sum(p.cached_from.get("host", 0) for p in probes),   # lmcache_*: LMCache's hits
             "outputs": [p.output for p in probes],
         }
         ref = reference.get(workload.name)
@@ -356,7 +368,7 @@ def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Conf
             except Exception as e:  # noqa: BLE001
                 record.setdefault("cleanup_errors", []).append(str(e)[:300])
         record["admin_refusals"] = refusals
-        if cfg.pd is None:   # a PD deployment's services stop with its servers (Cluster.stop)
+        if not cfg.services_live_with_servers:   # those stop with the servers (Cluster.stop)
             services.stop_all()
         record["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S")
 
@@ -381,7 +393,7 @@ def measure_capacity(cluster: Cluster, workload: Workload, plan: Plan) -> dict:
     recomputes a little more than steady state would, so this errs low: the pairs then run further
     below capacity, never above it."""
     base = CONFIGS[plan.baseline]
-    cluster.ensure(base.profile, base.pd, base.services)
+    cluster.ensure(base.profile, base.pd, base.services if base.services_live_with_servers else ())
     for s in cluster.servers:
         s.flush()
     sample = workloads.capacity_sample(workload, plan.capacity_requests)
@@ -434,7 +446,8 @@ def execute(plan: Plan) -> list[dict]:
     # the Mooncake store process lends what the peer pools lend in all (every server's share), so
     # the shared stores compare at one capacity
     services = Services(plan.workdir, plan.ports,
-                        mooncake_segment=plan.spec.servers * parse_size(plan.l3_bytes_per_server))
+                        mooncake_segment=plan.spec.servers * parse_size(plan.l3_bytes_per_server),
+                        lmcache_l1_gb=plan.lmcache_l1_gb, l3_file_bytes=plan.l3_file_bytes)
     cluster = Cluster(plan, setup, model_dir)
     cluster.services = services
     runs_path, reqs_path = plan.out / "runs.jsonl", plan.out / "requests.jsonl.gz"

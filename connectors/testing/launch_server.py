@@ -237,7 +237,8 @@ class LMCacheTier:
         from kvconnect.connectors.testing.lmcache import EngineClient
 
         try:
-            self.client = EngineClient(self.endpoint, shape=self.SHAPE)
+            # one engine instance per server process, as SGLang's: servers sharing one lmcache server
+            self.client = EngineClient(self.endpoint, shape=self.SHAPE, instance_id=os.getpid())
             print(f"lmcache: connected to {self.endpoint.rpc_url}", flush=True)
         except Exception as e:  # noqa: BLE001 - unreachable: requests recompute
             self.next_try = time.monotonic() + self.RETRY_S

@@ -119,8 +119,12 @@ class EngineClient:
 
     SHAPE = "(2,64,16,2,64):float16:4"  # 4 layers, 64 blocks of 16 tokens: 512 KiB per 256-token chunk
 
-    def __init__(self, server: Server | Endpoint, num_tokens: int = 512, shape: str = SHAPE):
-        """``server``: a ``Server`` or the ``Endpoint`` of one started elsewhere."""
+    def __init__(self, server: Server | Endpoint, num_tokens: int = 512, shape: str = SHAPE,
+                 instance_id: int | None = None):
+        """``server``: a ``Server`` or the ``Endpoint`` of one started elsewhere. ``instance_id``: the
+        engine instance it registers its KV as (LMCache's bench client always takes 1000, so two
+        processes on one server would replace each other's KV buffers: give each its own)."""
+        from lmcache.cli.commands.bench.server_bench import helpers
         from lmcache.cli.commands.bench.server_bench.client import ServerBenchClient
         from lmcache.cli.commands.bench.server_bench.config import BenchConfig
 
@@ -128,7 +132,13 @@ class EngineClient:
                           transfer_mode="lmcache_driven", tp_size=1, use_mla=False, num_tokens=num_tokens,
                           kvcache_shape_spec=shape, num_blocks=64, block_size=16)
         self.client = ServerBenchClient(cfg, log=lambda msg: None)
-        self.client.start()
+        base = helpers._INSTANCE_ID_BASE
+        if instance_id is not None:  # start() reads the module's base (+ rank) when it registers
+            helpers._INSTANCE_ID_BASE = instance_id
+        try:
+            self.client.start()
+        finally:
+            helpers._INSTANCE_ID_BASE = base
 
     def request(self, seq: int, tag: str):
         return self.client.create_request(seq, request_id=f"req-{seq}-{tag}-{time.monotonic_ns()}",

@@ -16,6 +16,12 @@ page key) and written through to the store. The generated tokens are a digest of
 so a wrong or torn page read from the store changes the output, as wrong KV does on a GPU. Prefill
 time is simulated per computed token, so hits shorten TTFT.
 
+LMCache mode (``--enable-lmcache --lmcache-config-file YAML``, instead of HiCache, as SGLang's
+``LMCRadixCache``): after the "GPU" prefix, the prompt's chunks are looked up and retrieved from a
+real standalone ``lmcache server`` through LMCache's engine client (``launch_server.LMCacheTier``,
+bytes checked per chunk) and reported as host hits; the chunks it lacked are stored after the
+response on a writer thread, and ``/flush_cache`` is refused until those stores are done.
+
 PD mode (``--disaggregation-mode prefill|decode``, as ``sglang_router --pd-disaggregation`` drives a
 1P1D pair): real SGLang 0.5.23 PD classes under the transfer backend named by
 ``--disaggregation-transfer-backend`` (kvconnect's, with ``KVCONNECT_PD_CONFIG``, or SGLang's own),
@@ -63,6 +69,22 @@ class Engine:
         self.idle_lag_s = a.idle_lag_s
         self.busy_until = 0.0          # monotonic time before which the "scheduler" is not fully idle
         self.refusals = 0
+        self.lmcache = None            # --enable-lmcache: the lmcache server, below the "GPU" cache
+        self.stores_pending = 0        # LMCache STOREs queued after responses (a flush waits for them)
+        if a.enable_lmcache:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from kvconnect.connectors.testing.launch_server import LMCacheTier, lmcache_endpoint
+
+            self.lmcache = LMCacheTier(lmcache_endpoint(a.lmcache_config_file))
+            self.lmcache_writer = ThreadPoolExecutor(1, thread_name_prefix="lmcache-store")
+
+    def flush_refusal(self) -> str:
+        """Why a flush is refused now ("" if it is not): a request in flight, SGLang's idle lag, or an
+        LMCache STORE of an answered request not yet done (its chunks would be missing afterwards)."""
+        if self.stores_pending:
+            return "Cache not flushed because there are pending requests.\n"
+        return "Cache not flushed because there are pending requests.\n" if self.not_idle("flush") else ""
 
     def not_idle(self, action: str) -> str:
         """SGLang's refusal text while a request runs or the last one ended under ``idle_lag_s`` ago."""
@@ -105,7 +127,12 @@ class Engine:
                 dev += 1
             pages = [self.device[k] for k in keys[:dev]]
             rest = keys[dev:]
-            stored = 0
+            stored = host = 0
+            if self.lmcache is not None and rest:
+                loaded = self._lmcache_load(ids, keys, dev)
+                pages += loaded
+                host = len(loaded)
+                rest = keys[dev + host:]
             if self.backend is not None and rest:
                 stored = int(self.backend.batch_exists(rest))
             if stored:
@@ -132,9 +159,33 @@ class Engine:
             while len(self.device) > self.device_pages:
                 self.device.popitem(last=False)
         digest = hashlib.sha256(b"".join(pages) + json.dumps(ids[len(keys) * self.page:]).encode()).digest()
-        counts = {"device": dev * self.page, "host": 0, "storage": stored * self.page}
-        time.sleep(self.us_per_token * 1e-6 * (len(ids) - (dev + stored) * self.page))
+        counts = {"device": dev * self.page, "host": host * self.page, "storage": stored * self.page}
+        time.sleep(self.us_per_token * 1e-6 * (len(ids) - (dev + host + stored) * self.page))
         return counts, digest
+
+    def _lmcache_load(self, ids: list[int], keys: list[str], dev: int) -> list[bytes]:
+        """Pages after the "GPU" prefix that the lmcache server holds (SGLang reports them as host
+        hits); a page of a chunk that arrived wrong holds other bytes, so the output changes. The
+        chunks it lacked are STOREd after the response, on one writer thread."""
+        got = self.lmcache.load(ids[:-1], dev * self.page)   # the last token is always computed
+        if got is None:
+            return []
+        hit, full, bad = got
+        loaded = []
+        for i in range(dev, min(hit // self.page, len(keys))):
+            torn = any(s < (i + 1) * self.page and i * self.page < e for s, e in bad)
+            loaded.append(page_bytes(keys[i] + "/torn", self.page_nbytes) if torn else self.expected(keys[i]))
+        if hit < full:
+            self.stores_pending += 1
+            self.lmcache_writer.submit(self._lmcache_store, ids[:-1], hit)
+        return loaded
+
+    def _lmcache_store(self, ids: list[int], start: int) -> None:
+        try:
+            self.lmcache.store(ids, start)
+        finally:
+            with self.lock:
+                self.stores_pending -= 1
 
 
 class PDRole:
@@ -308,8 +359,9 @@ def make_app(engine: Engine, admin_key: str, pd: "PDRole | None" = None) -> web.
     async def flush(request):
         if not authorized(request):
             return web.Response(status=401)
-        if engine.not_idle("flush"):
-            return web.Response(status=400, text="Cache not flushed because there are pending requests.\n")
+        refusal = engine.flush_refusal()
+        if refusal:
+            return web.Response(status=400, text=refusal)
         with engine.lock:
             engine.device.clear()
         return web.Response(text="Cache flushed.\n")
@@ -394,6 +446,8 @@ def main() -> None:
     p.add_argument("--us-per-token", type=float, default=50.0, help="simulated prefill time per computed token")
     p.add_argument("--idle-lag-s", type=float, default=0.5,
                    help="attach/detach/flush refused this long after the last response (SGLang's idle lag)")
+    p.add_argument("--enable-lmcache", action="store_true", help="a standalone lmcache server below the GPU cache")
+    p.add_argument("--lmcache-config-file", default="", help="YAML with mp_host, mp_port")
     p.add_argument("--disaggregation-mode", default="null", choices=["null", "prefill", "decode"])
     p.add_argument("--disaggregation-transfer-backend", default="mooncake")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998)

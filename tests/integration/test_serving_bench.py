@@ -227,3 +227,52 @@ def test_serve_pd_behind_the_real_router(tmp_path, capsys):
         assert 0.5 < io["get"]["bytes"] / (figs[c]["input_tokens"] * 128) < 1.5, io
         assert cost["store_s_per_request"] > 0 and "over" not in cost    # no direct plane ran here
     assert not list((tmp_path / "work" / "data").glob("pd_hf3fs/*"))   # the relay's files went with its services
+
+
+
+@pytest.mark.timeout(600)  # one HiCache launch, two LMCache launches, two lmcache servers: ~150 s on 2 cores
+def test_serve_lmcache_in_front_of_sglang(tmp_path, capsys):
+    """``lmcache_kvc_hf3fs`` / ``lmcache_fs``: the stand-in servers launched with ``--enable-lmcache``
+    (mocked: the model and SGLang's LMCRadixCache, as in the test above), all clients of one real
+    ``lmcache server`` whose L2 is kvconnect's real plugin over the hf3fs store and metadata service,
+    or LMCache's own ``fs``. The servers and the lmcache server are launched once per configuration
+    for all its workloads, after the HiCache pairs (whatever order ``--pairs`` gave); prompts come
+    back from LMCache byte-checked (outputs equal the baseline's), and the plugin wrote the chunks
+    LMCache stored into the hf3fs file."""
+    pytest.importorskip("lmcache.v1.multiprocess.server")
+    from kvconnect.benchmarks.serving.configs import CONFIGS, HICACHE_NAMES
+
+    assert "lmcache_kvc_hf3fs" not in HICACHE_NAMES   # named with --configs, not in the default run
+    assert CONFIGS["lmcache_kvc_hf3fs"].counterpart == "lmcache_fs"
+    out, results = tmp_path / "out", tmp_path / "results"
+    rc = serve.main(["--quick", "--server-module", "kvconnect.connectors.testing.serving_engine", "--workdir",
+                     str(tmp_path / "work"), "--out", str(out), "--results-dir", str(results), "--port-base", "1700",
+                     "--configs", "l2_only,lmcache_kvc_hf3fs,lmcache_fs", "--workloads", "w1,w2"])
+    assert rc == 0, capsys.readouterr().out[-3000:]
+    rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    order = [(r["workload"], r["config"]) for r in rows if "event" not in r]
+    assert order == [("w1", "l2_only"), ("w2", "l2_only"), ("w1", "lmcache_kvc_hf3fs"), ("w2", "lmcache_kvc_hf3fs"),
+                     ("w1", "lmcache_fs"), ("w2", "lmcache_fs")]
+    pairs = {(r["workload"], r["config"]): r for r in rows if "event" not in r}
+    for key, r in pairs.items():
+        s = r["summary"]
+        assert s["failed"] == 0 and s["ok"] == s["requests"] > 0, (key, s["errors"])
+        assert r["probe"]["ok"] == r["probe"]["prompts"] > 0
+        if key[1] != "l2_only":
+            assert r["probe"]["mismatches"] == 0, key            # LMCache's chunks arrived byte-exact
+            assert r["probe"]["storage_tokens"] == 0 and "extra_config" not in r, key   # no HiCache backend
+        if key[0] == "w1" and key[1] != "l2_only":   # (the quick W2's prompts are under one 256-token chunk)
+            assert r["probe"]["host_tokens"] > 0, key            # after a flush, the prompts came from LMCache
+    assert pairs[("w1", "lmcache_kvc_hf3fs")]["summary"]["cached_from"]["host"] > 0
+    # kvconnect's plugin (one lmcache server, scraped under server 0) wrote LMCache's chunks to the store
+    put = {k: v for k, v in pairs[("w1", "lmcache_kvc_hf3fs")]["store_metrics"]["0"].items()
+           if k.startswith("kvconnect_put_bytes")}
+    assert put and sum(put.values()) > 0, pairs[("w1", "lmcache_kvc_hf3fs")]["store_metrics"]
+    assert pairs[("w1", "lmcache_kvc_hf3fs")]["store_metrics"]["1"] == {}
+    printed = capsys.readouterr().out
+    assert printed.count("launching 2 SGLang servers (lmcache)") == 2
+    doc = json.loads((results / "serving.json").read_text())
+    names = {r["metric"] for r in doc["ratios"]}
+    assert {"w1_lmcache_kvc_hf3fs_ttft_p50_vs_lmcache_fs", "w2_lmcache_kvc_hf3fs_input_tps_vs_lmcache_fs",
+            "w1_lmcache_kvc_hf3fs_ttft_p50_over_baseline"} <= names
+    assert not any("lmcache" in t["target"] and "vs sglang" in t["target"] for t in doc["targets"])
