@@ -133,6 +133,10 @@ def test_standin_lmcache_chunk_that_arrives_wrong_changes_the_output(tmp_path, m
         cfg.write_text(f"mp_host: 127.0.0.1\nmp_port: {server.port}\n")
         engine = LMCacheEngine(parser().parse_args(["--enable-lmcache", "--lmcache-config-file", str(cfg),
                                                     "--page-size", "64", "--us-per-token", "0"]))
+        # connected before the first prompt: a request waits at most CONNECT_WAIT_S (3 s) for the
+        # first connection, which a loaded machine can exceed; this test is about the bytes
+        engine.tier.first_connect.join(60)
+        assert engine.tier.client is not None, "the stand-in did not connect to the lmcache server"
         rnd = random.Random(11)
         right, wrong = ([rnd.randrange(1, 120000) for _ in range(600)] for _ in range(2))
         truth = LMCacheTier.chunk_bytes
