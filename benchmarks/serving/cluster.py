@@ -321,25 +321,25 @@ class Services:
             self._start(name, [sys.executable, "-m", "lmcache.cli.main", "server", "--host", "127.0.0.1",
                                "--port", p["lmcache_mp"], "--chunk-size", "256", "--l1-size-gb", self.lmcache_l1_gb,
                                "--eviction-policy", "LRU", "--http-host", "127.0.0.1", "--http-port", p["lmcache_http"],
-                               "--disable-metrics", "--l2-adapter", json.dumps(self.lmcache_l2(name))],
+                               "--disable-metrics", "--l2-adapter", self.lmcache_l2(name)],
                         lambda: lmcache_healthy(p["lmcache_http"]), timeout_s=180,
                         env={"LMCACHE_TRACK_USAGE": "false", "LMCACHE_DISABLE_BANNER": "1"})
         else:
             raise ValueError(f"unknown service {name!r}")
 
-    def lmcache_l2(self, name: str) -> dict:
-        """The ``--l2-adapter`` of the lmcache server ``name``: kvconnect's plugin over the hf3fs
+    def lmcache_l2(self, name: str) -> str:
+        """The ``--l2-adapter`` JSON of the lmcache server ``name``: kvconnect's plugin over the hf3fs
         store (files shared through the metadata service, which the configuration also starts), or
         LMCache's own ``fs``."""
+        from kvconnect.connectors.testing.lmcache import plugin_json
+
         if name == "lmcache_fs":
-            return {"type": "fs", "base_path": str(self.data("lmcache_fs"))}
+            return json.dumps({"type": "fs", "base_path": str(self.data("lmcache_fs"))})
         self.start("kvc_meta")
-        return {"type": "plugin", "module_path": "kvconnect.connectors.engines.lmcache_l2",
-                "class_name": "KVConnectL2Adapter",
-                "adapter_params": {"store": "hf3fs", "file_path_prefix": str(self.data("lmcache_kvc") / "lmcache"),
-                                   "file_size": self.l3_file_bytes, "numjobs": 16, "entries": 16,
-                                   "metadata_server_url": f"http://127.0.0.1:{self.ports['kvc_meta']}",
-                                   "metrics_port": self.ports["lmcache_kvc_metrics"]}}
+        return plugin_json({"store": "hf3fs", "file_path_prefix": str(self.data("lmcache_kvc") / "lmcache"),
+                            "file_size": self.l3_file_bytes, "numjobs": 16, "entries": 16,
+                            "metadata_server_url": f"http://127.0.0.1:{self.ports['kvc_meta']}",
+                            "metrics_port": self.ports["lmcache_kvc_metrics"]})
 
     def stop_all(self) -> None:
         for name in reversed(list(self.running)):

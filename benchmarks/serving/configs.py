@@ -97,6 +97,11 @@ class Config:
         servers open at launch; the lmcache server SGLang --enable-lmcache connects to), not per pair."""
         return self.pd is not None or self.profile == "lmcache"
 
+    @property
+    def launch_services(self) -> tuple:
+        """The services ``Cluster.ensure`` starts with the servers (the others start per pair)."""
+        return self.services if self.services_live_with_servers else ()
+
 
 def _kvc(store: str, **options) -> Callable[[Setup, int], dict]:
     def build(s: Setup, i: int) -> dict:
@@ -180,7 +185,6 @@ CONFIGS: dict[str, Config] = {c.name: c for c in [
 # ``lmcache server`` (LMCache's MP mode: one server per node), whose L2 is the configuration. The
 # lmcache server is one of the configuration's services; it starts before the SGLang servers and
 # lives as long as them (``Config.services_live_with_servers``).
-LMCACHE_SERVICES = {"lmcache_kvc_hf3fs", "lmcache_fs"}   # Services.start: an lmcache server with that L2
 
 
 def _lmcache_plugin_metrics(s: Setup, i: int) -> Optional[str]:

@@ -142,8 +142,6 @@ class Cluster:
             self._launch_pd(profile, pd)
             return
         spec, log_dir = self.plan.spec, Path(self.setup.workdir) / "logs"
-        if profile == "lmcache":
-            self.setup.write_lmcache_mp_config()
         args = spec.args(profile, self.setup.lmcache_mp_config)
         self.servers = [SGLangServer(i, self.plan.ports["server"] + i, self.model_dir, args, log_dir,
                                      self.env(i), module=spec.server_module) for i in range(spec.servers)]
@@ -300,7 +298,7 @@ def since(after: dict, before: Optional[dict]) -> dict:
 def run_pair(cluster: Cluster, services: Services, workload: Workload, cfg: Config, plan: Plan,
              reference: dict, capacity: float = 0.0) -> tuple[dict, list]:
     setup = cluster.setup
-    cluster.ensure(cfg.profile, cfg.pd, cfg.services if cfg.services_live_with_servers else ())
+    cluster.ensure(cfg.profile, cfg.pd, cfg.launch_services)
     record = {"workload": workload.name, "config": cfg.name, "kind": cfg.kind, "description": cfg.description,
               "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     attached = []
@@ -393,7 +391,7 @@ def measure_capacity(cluster: Cluster, workload: Workload, plan: Plan) -> dict:
     recomputes a little more than steady state would, so this errs low: the pairs then run further
     below capacity, never above it."""
     base = CONFIGS[plan.baseline]
-    cluster.ensure(base.profile, base.pd, base.services if base.services_live_with_servers else ())
+    cluster.ensure(base.profile, base.pd, base.launch_services)
     for s in cluster.servers:
         s.flush()
     sample = workloads.capacity_sample(workload, plan.capacity_requests)
@@ -441,6 +439,7 @@ def execute(plan: Plan) -> list[dict]:
     setup = Setup(plan.workdir, plan.ports, plan.spec.servers, plan.l3_bytes_per_server, plan.l3_file_bytes,
                   plan.write_behind)
     setup.write_hf3fs_ref_config()
+    setup.write_lmcache_mp_config()
     model_dir = Path(plan.spec.model_path) if plan.spec.model_path else \
         write_model_dir(Path(plan.workdir) / f"model-{plan.spec.shape}", plan.spec.shape)
     # the Mooncake store process lends what the peer pools lend in all (every server's share), so

@@ -82,9 +82,8 @@ class Engine:
     def flush_refusal(self) -> str:
         """Why a flush is refused now ("" if it is not): a request in flight, SGLang's idle lag, or an
         LMCache STORE of an answered request not yet done (its chunks would be missing afterwards)."""
-        if self.stores_pending:
-            return "Cache not flushed because there are pending requests.\n"
-        return "Cache not flushed because there are pending requests.\n" if self.not_idle("flush") else ""
+        busy = self.stores_pending or self.not_idle("flush")
+        return "Cache not flushed because there are pending requests.\n" if busy else ""
 
     def not_idle(self, action: str) -> str:
         """SGLang's refusal text while a request runs or the last one ended under ``idle_lag_s`` ago."""
