@@ -53,12 +53,6 @@ T0=$(date +%s)
 case "${1:-}" in -h|--help|"") sed -n '2,/^set -u$/p' "$0" | sed '$d' | cut -c3-; [ -n "${1:-}" ]; exit $? ;; esac
 DEADLINE_S=${DEADLINE_S:-570}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)   # the checkout this script is in: its kvconnect is the one run
-BUNDLE=${BUNDLE_DIR:-.}
-SGLANG_WHEELS=${SGLANG_WHEELS:-$BUNDLE/.gpuwheels1} SGLANG_WHEELS2=${SGLANG_WHEELS2:-$BUNDLE/.gpuwheels2}
-SITE2_TAR=${SITE2_TAR:-$BUNDLE/.gpuserve2/site2.tar.xz} MOONCAKE_TAR=${MOONCAKE_TAR:-$BUNDLE/.gpumc/mc312.tar.xz}
-MOONCAKE_CUDA_TAR=${MOONCAKE_CUDA_TAR:-$BUNDLE/.gpumccuda/mccuda312.tar.xz}
-LMCACHE_TAR=${LMCACHE_TAR:-$BUNDLE/.gpulmc/site4.tar.xz} LMCACHE_SDIST=${LMCACHE_SDIST:-$BUNDLE/.gpulmcsrc/lmcache-0.5.6.tar.gz}
-JIT_CACHE=${JIT_CACHE:-$BUNDLE/.gpujitcache/jitcache.tgz}
 B=$(cd "$(dirname "$0")" && pwd)    # the drivers, next to this script
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 TMPD=${GPU_TMP:-/tmp}
@@ -70,20 +64,9 @@ P_SRV=$((30000 + PO)) P_MET=$((9400 + PO)) P_META=$((18000 + PO)) P_MC=$((50051 
 P_MCS=$((9310 + PO)) P_PEER=$((31998 + PO)) P_BOOT=$((8998 + PO)) P_LMC=$((5556 + PO)) P_LMH=$((9480 + PO))
 RES=$OUTD/results.jsonl
 PLAN=${PLAN:-w8192,8192,16384}
-# site4 (LMCache, install5) first: LMCache pins opentelemetry-api <= 1.40, site2 carries SGLang's newer one
-export PYTHONPATH=$TMPD/site4:$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO
-# Mooncake's .so files need libibverbs.so.1 (install3 carries it for images that lack it); the CUDA build
-# (install4) also needs libcudart.so.12 and libmlx5.so.1, shipped in the same folder
-if [ -f "$TMPD/site3/ibv/libcudart.so.12" ] || ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 '; then
-  export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-fi
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
-export LMCACHE_TRACK_USAGE=false
-export TVM_FFI_CACHE_DIR=$TMPD/jitcache/tvm-ffi TRITON_CACHE_DIR=$TMPD/jitcache/triton FLASHINFER_WORKSPACE_BASE=$TMPD/jitcache
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo
+# shellcheck source=benchmarks/gpu/bundle.sh
+. "$B/bundle.sh"   # the bundle's paths, the environment (site1-4 on PYTHONPATH), the install steps
 export SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=$L3/file
-command -v nvcc >/dev/null 2>&1 || export PATH=$PATH:/usr/local/cuda/bin
-[ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 && export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
 
 el() { echo $(( $(date +%s) - T0 )); }
 say() { echo "[$(el)s] $*"; }
@@ -117,11 +100,6 @@ JSON
 # bytes of one page's K (or V) object: layers * 64 tokens * 8 kv heads * 128 dims * 2 bytes
 kv_half_page_bytes() { if [ "$1" = qwen3 ]; then echo $((64*64*8*128*2)); else echo $((32*64*8*128*2)); fi; }
 
-load_jitcache() {
-  if [ ! -d "$TMPD/jitcache" ] && [ -f "$JIT_CACHE" ]; then
-    tar xzf "$JIT_CACHE" -C "$TMPD" && say "restored $TMPD/jitcache"
-  fi
-}
 
 # -- the stores ------------------------------------------------------------------------------------------
 KVC_BASE='"backend_name":"kvconnect","module_path":"kvconnect.connectors.engines.sglang_hicache","class_name":"KVConnectStorage"'
@@ -336,52 +314,25 @@ drive() {  # arch store tag port k extra...
 
 # -- phases ----------------------------------------------------------------------------------------------
 phase_diag() { { nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv; python3 -V; free -g | head -2; df -h /tmp | tail -1; nproc; } 2>&1 | tee "$OUTD/diag.txt"; }
-pipi() {
-  local t=$(date +%s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -5
-  say "installed $(ls "$1"/*.whl | wc -l) wheels from ${1#./} into $2 in $(( $(date +%s) - t ))s"
-}
-phase_install1() { pipi "$SGLANG_WHEELS" "$TMPD/site1"; load_jitcache; }
+phase_install1() { install_wheels "$TMPD/site1" "$SGLANG_WHEELS"; load_jitcache; }
 phase_install2() {
-  if [ -d "$SGLANG_WHEELS2" ] || [ ! -f "$SITE2_TAR" ]; then pipi "$SGLANG_WHEELS2" "$TMPD/site2"
-  else mkdir -p "$TMPD/site2" && xz -dc "$SITE2_TAR" | tar xf - -C "$TMPD/site2" && say "unpacked $SITE2_TAR into $TMPD/site2"; fi
-  load_jitcache; find "$TMPD/site1" "$TMPD/site2" -exec touch -h -d 2000-01-01 {} + 2>/dev/null; return 0; }
-phase_install3() {  # Mooncake (non-CUDA wheel, cp312) unpacked: mooncake/, its .libs, libibverbs for bare images
-  local t=$(date +%s); mkdir -p "$TMPD/site3"
-  tar xJf "$MOONCAKE_TAR" -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
-  python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake import failed"; return 1; }
-  say "installed mooncake into $TMPD/site3 in $(( $(date +%s) - t ))s"
-}
+  if [ -d "$SGLANG_WHEELS2" ] || [ ! -f "$SITE2_TAR" ]; then install_wheels "$TMPD/site2" "$SGLANG_WHEELS2"
+  else unpack_site2; fi
+  load_jitcache; date_back_sites; }
+phase_install3() { install_mooncake "$MOONCAKE_TAR"; }  # the non-CUDA wheel (cp312)
 phase_install4() {  # Mooncake CUDA build (registers GPU memory: PD) replaces install3's; kvconnect's PD plugin
   # is found through an entry point, so give the repository on PYTHONPATH a dist-info that declares it
-  local t=$(date +%s); rm -rf "$TMPD/site3"; mkdir -p "$TMPD/site3"
-  tar xJf "$MOONCAKE_CUDA_TAR" -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
-  export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  rm -rf "$TMPD/site3"
+  export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}   # its libcudart and libmlx5 too
+  install_mooncake "$MOONCAKE_CUDA_TAR" || return 1
   local d=$TMPD/site3/kvconnect-0.0.0+gpu.dist-info; mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: kvconnect\nVersion: 0.0.0+gpu\n' > "$d/METADATA"
   printf '[sglang.srt.plugins]\nkvconnect = kvconnect.connectors.engines.sglang_pd_plugin:register\n' > "$d/entry_points.txt"
-  python3 -c 'import mooncake.store, mooncake.engine' || { say "mooncake (CUDA) import failed"; return 1; }
   python3 -c 'from importlib.metadata import entry_points as e; assert "kvconnect" in [x.name for x in e(group="sglang.srt.plugins")]' \
     || { say "kvconnect entry point not found"; return 1; }
-  say "installed mooncake (CUDA) + kvconnect entry point into $TMPD/site3 in $(( $(date +%s) - t ))s"
+  say "declared kvconnect's sglang.srt.plugins entry point in $d"
 }
-phase_install5() {  # LMCache 0.5.6 and what it needs beyond the image and SGLang's set, unpacked into site4
-  local t=$(date +%s); mkdir -p "$TMPD/site4"
-  tar xJf "$LMCACHE_TAR" -C "$TMPD/site4" || return 1
-  python3 -c 'import lmcache.cli.main, lmcache.v1.multiprocess.server, lmcache.integration.sglang.multi_process_adapter' \
-    || { say "lmcache import failed"; return 1; }
-  # LMCache's compiled CUDA ops (the wheel's are built against another torch): whether they load against this
-  # image's torch; where they do not and LMCache's source archive came along, build them here (nvcc)
-  local ops ok=0
-  ops=$(python3 -c 'import torch, lmcache.cuda_ops as c; print("loads", c.__file__, "with torch", torch.__version__)' 2>&1) \
-    || ok=$?
-  echo "lmcache.cuda_ops: $(tail -n 1 <<< "$ops")" | tee -a "$OUTD/diag.txt"
-  if [ "$ok" != 0 ] && [ -f "$LMCACHE_SDIST" ]; then
-    python3 "$B/build_lmcache_cuda_ops.py" --sdist "$LMCACHE_SDIST" --site "$TMPD/site4" 2>&1 | tail -n 5 \
-      | tee -a "$OUTD/diag.txt"
-  fi
-  say "installed lmcache into $TMPD/site4 in $(( $(date +%s) - t ))s"
-}
+phase_install5() { install_lmcache; }
 phase_stop() { stop_all; meta_stop; svc_stop_all; }
 
 launch_pd() {  # name mode gpu port backend: one PD half of the Llama-3-8B shape

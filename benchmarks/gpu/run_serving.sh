@@ -8,6 +8,8 @@
 #   install2   the rest of SGLang's wheel set + sglang-router ($SITE2_TAR) into $GPU_TMP/site2, Mooncake
 #              ($MOONCAKE_TAR, with libibverbs/librdmacm) into $GPU_TMP/site3, an earlier run's JIT cache
 #              ($JIT_CACHE, optional) into $GPU_TMP/jitcache
+#   install5   LMCache 0.5.6 ($LMCACHE_TAR) into $GPU_TMP/site4, for the lmcache_* configurations; where its
+#              CUDA ops do not load against the node's torch, builds them from $LMCACHE_SDIST (diag.txt says which)
 #   start      start `kvconnect bench serve $SERVE_ARGS` detached from this shell (it outlives it); it
 #              writes into $SERVE_DIR/out
 #   wait       wait until the benchmark ends or DEADLINE_S seconds after this script started, printing its
@@ -17,8 +19,9 @@
 #   BUNDLE_DIR (the current folder): where prepare_serving.sh's folders are; SGLANG_WHEELS
 #   ($BUNDLE_DIR/.gpuwheels1), EXTRA_WHEELS ($BUNDLE_DIR/.gpuserve1), SITE2_TAR
 #   ($BUNDLE_DIR/.gpuserve2/site2.tar.xz), MOONCAKE_TAR ($BUNDLE_DIR/.gpumc/mc312.tar.xz), JIT_CACHE
-#   ($BUNDLE_DIR/.gpujitcache/jitcache.tgz; every wait/stop leaves $OUT/jitcache.tgz to reuse)
-#   SERVE_ARGS (none): `kvconnect bench serve` options; DEADLINE_S (570); OUT (/tmp/out); GPU_TMP (/tmp: site1-3
+#   ($BUNDLE_DIR/.gpujitcache/jitcache.tgz; every wait/stop leaves $OUT/jitcache.tgz to reuse), LMCACHE_TAR
+#   ($BUNDLE_DIR/.gpulmc/site4.tar.xz), LMCACHE_SDIST ($BUNDLE_DIR/.gpulmcsrc/lmcache-0.5.6.tar.gz)
+#   SERVE_ARGS (none): `kvconnect bench serve` options; DEADLINE_S (570); OUT (/tmp/out); GPU_TMP (/tmp: site1-4
 #   and jitcache go there); SERVE_DIR ($GPU_TMP/serve); WRITE_PROBE_MB (2048: install1's write probe per
 #   medium); STOP_GRACE_S (15: how long stop lets the benchmark stop its servers before killing what is left)
 # The kvconnect it runs is this script's checkout (on PYTHONPATH). benchmarks/gpu/README.md: the runbook.
@@ -27,28 +30,16 @@ T0=$(date +%s)
 case "${1:-}" in -h|--help|"") sed -n '2,/^set -u$/p' "$0" | sed '$d' | cut -c3-; [ -n "${1:-}" ]; exit $? ;; esac
 DEADLINE_S=${DEADLINE_S:-570}
 REPO=$(cd "$(dirname "$0")/../.." && pwd)   # the checkout this script is in: its kvconnect is the one run
-BUNDLE=${BUNDLE_DIR:-.}
-SGLANG_WHEELS=${SGLANG_WHEELS:-$BUNDLE/.gpuwheels1} EXTRA_WHEELS=${EXTRA_WHEELS:-$BUNDLE/.gpuserve1}
-SITE2_TAR=${SITE2_TAR:-$BUNDLE/.gpuserve2/site2.tar.xz} MOONCAKE_TAR=${MOONCAKE_TAR:-$BUNDLE/.gpumc/mc312.tar.xz}
-JIT_CACHE=${JIT_CACHE:-$BUNDLE/.gpujitcache/jitcache.tgz}
 OUTD=${OUT:-/tmp/out}; mkdir -p "$OUTD"
 TMPD=${GPU_TMP:-/tmp}
 SERVE=${SERVE_DIR:-$TMPD/serve}; mkdir -p "$SERVE"
-export PYTHONPATH=$TMPD/site3:$TMPD/site2:$TMPD/site1:$REPO
-export LD_LIBRARY_PATH=$TMPD/site3/ibv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
-export LMCACHE_TRACK_USAGE=false
-export TVM_FFI_CACHE_DIR=$TMPD/jitcache/tvm-ffi TRITON_CACHE_DIR=$TMPD/jitcache/triton FLASHINFER_WORKSPACE_BASE=$TMPD/jitcache
-export TORCH_EXTENSIONS_DIR=$TMPD/jitcache/torch_extensions   # SGLang's native page hash, built at the first L3 lookup
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo
-command -v nvcc >/dev/null 2>&1 || export PATH=$PATH:/usr/local/cuda/bin
-[ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1 && export CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")")
+# shellcheck source=benchmarks/gpu/bundle.sh
+. "$REPO/benchmarks/gpu/bundle.sh"   # the bundle's paths, the environment, the install steps
 
 say() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
 
 phase_install1() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$TMPD/site1" \
-    "$SGLANG_WHEELS"/*.whl "$EXTRA_WHEELS"/*.whl 2>&1 | grep -v -E "WARNING: Target directory|already exists" | tail -3
+  install_wheels "$TMPD/site1" "$SGLANG_WHEELS" "$EXTRA_WHEELS"
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -V; nproc; free -g | head -2;
     df -h /tmp /dev/shm | tail -2
     # the media the file-backed stores write to: 2 GiB, flushed to the device (the write-through demand is in runs.jsonl)
@@ -58,14 +49,13 @@ phase_install1() {
   say "install1 done"
 }
 phase_install2() {
-  mkdir -p "$TMPD/site2" "$TMPD/site3"
-  xz -dc "$SITE2_TAR" | tar xf - -C "$TMPD/site2" || return 1
-  xz -dc "$MOONCAKE_TAR" | tar xf - -C "$TMPD/site3" && chmod +x "$TMPD/site3/mooncake/mooncake_master" || return 1
-  find "$TMPD/site1" "$TMPD/site2" -exec touch -h -d 2000-01-01 {} + 2>/dev/null   # JIT caches stay newer than headers
-  [ -f "$JIT_CACHE" ] && tar xzf "$JIT_CACHE" -C "$TMPD"   # an earlier run's kernels
+  unpack_site2 || return 1
+  install_mooncake "$MOONCAKE_TAR" || return 1
+  date_back_sites; load_jitcache
   python3 -c 'import mooncake.store, mooncake.engine, sglang_router, peercache.store, sglang' || return 1
   say "install2 done"
 }
+phase_install5() { install_lmcache; }
 phase_start() {
   [ -f "$SERVE/pid" ] && kill -0 "$(cat "$SERVE/pid")" 2>/dev/null && { say "already running"; return 0; }
   # shellcheck disable=SC2086

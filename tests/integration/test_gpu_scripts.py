@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU = ROOT / "benchmarks" / "gpu"
 PAGE = 64                              # run_e2e.sh's --page-size
 PAGE_BYTES = PAGE * 2 * 2 * 2 * 8 * 2  # the stand-in's page: 2 layers, K and V, 2 heads of 8, bfloat16
-SCRIPTS = {"prepare_serving.sh", "run_e2e.sh", "run_serving.sh", "run_vllm.sh"}
+SCRIPTS = {"bundle.sh", "prepare_serving.sh", "run_e2e.sh", "run_serving.sh", "run_vllm.sh"}
 
 
 # -- helpers ----------------------------------------------------------------------------------------------
@@ -585,8 +585,8 @@ def test_run_e2e_lmcache_in_front_phases(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_install_phases_unpack_the_carried_folders(tmp_path):
-    """The install phases of ``run_serving.sh`` (install1, install2) and ``run_e2e.sh`` (diag,
-    install1-5) on synthetic carried folders: tiny wheels, tar.xz archives with a fake ``mooncake``
+    """The install phases of ``run_serving.sh`` (install1, install2, install5) and ``run_e2e.sh`` (diag,
+    install1-5), both made of ``bundle.sh``'s steps, on synthetic carried folders: tiny wheels, tar.xz archives with a fake ``mooncake``
     package and ``mooncake_master`` or a stand-in for LMCache's bundle, a JIT cache tarball. Mocked: the wheels' and archives' contents and
     ``nvidia-smi``. Real: the scripts, pip (--no-index --target), xz/tar, the import checks (the fake
     mooncake modules shadow the installed ones through the scripts' PYTHONPATH) and the entry point of
@@ -653,17 +653,19 @@ def test_install_phases_unpack_the_carried_folders(tmp_path):
     assert (e_tmp / "jitcache" / "triton" / "kernel.bin").read_bytes() == b"cubin"
     # install5 (on its own: LMCache imports Mooncake's engine where one is installed, and these fake ones
     # have none): LMCache's bundle in site4, first on the path, and whether its CUDA ops load in diag.txt
-    l_tmp, l_out = tmp_path / "lmc_tmp", tmp_path / "lmc_out"
-    p = run(["bash", str(GPU / "run_e2e.sh"), "install5"], script_env(tmp_path, GPU_TMP=str(l_tmp), OUT=str(l_out)),
-            cwd, 200)
-    log = p.stdout + p.stderr
-    assert "=== phase install5 ok" in log and "installed lmcache into" in log, log
-    assert (l_tmp / "site4" / "lmcfake.py").read_text() == "VALUE = 45\n"
-    diag = (l_out / "diag.txt").read_text()
-    # the wheel's CUDA ops cannot load here, so install5 tried to build them from the source archive, and
-    # the build says why it cannot (no CUDA on this machine)
-    assert "lmcache.cuda_ops: ImportError" in diag and re.search(
-        r"build_lmcache_cuda_ops: (nvcc not found|torch .* sees no CUDA GPU)", diag), diag
+    # the same from run_serving.sh, for its lmcache_* configurations
+    for script, phase_ok in (("run_e2e.sh", "=== phase install5 ok"), ("run_serving.sh", "=== install5")):
+        l_tmp, l_out = tmp_path / f"lmc_tmp_{script}", tmp_path / f"lmc_out_{script}"
+        p = run(["bash", str(GPU / script), "install5"], script_env(tmp_path, GPU_TMP=str(l_tmp), OUT=str(l_out)),
+                cwd, 200)
+        log = p.stdout + p.stderr
+        assert phase_ok in log and "installed lmcache into" in log and "FAILED" not in log, (script, log)
+        assert (l_tmp / "site4" / "lmcfake.py").read_text() == "VALUE = 45\n"
+        diag = (l_out / "diag.txt").read_text()
+        # the wheel's CUDA ops cannot load here, so install5 tried to build them from the source archive, and
+        # the build says why it cannot (no CUDA on this machine)
+        assert "lmcache.cuda_ops: ImportError" in diag and re.search(
+            r"build_lmcache_cuda_ops: (nvcc not found|torch .* sees no CUDA GPU)", diag), (script, diag)
 
 
 def test_build_lmcache_cuda_ops_says_why_it_cannot_build(tmp_path):
