@@ -443,7 +443,9 @@ else:
             pages stay in its own shared segment); the pool forgets it before the next test."""
             from kvconnect.connectors.registry import create_store
 
-            store = create_store("peer_rdma", self.store_options())
+            # a read looks stale locations up once more only while a whole transfer still fits in
+            # its budget (the first pass done within 3 x rpc_timeout): room for that on a loaded host
+            store = create_store("peer_rdma", {**self.store_options(), "rpc_timeout": 2.0, "timeout": 20.0})
             holder = create_store("peer_rdma", {**self.store_options(), "placement": "local"})
             try:
                 body(store, holder)

@@ -24,7 +24,7 @@ import pytest
 from kvconnect.connectors.base import BackendUnavailable
 from kvconnect.connectors.buffers import HostBuffer
 from kvconnect.connectors.testing.mooncake import MasterProcess
-from kvconnect.connectors.testing.processes import child_env
+from kvconnect.connectors.testing.processes import child_env, free_port
 from kvconnect.connectors.registry import create_store
 from kvconnect.connectors.testing.conformance import PAGE, check_page, page_bytes
 from kvconnect.connectors.testing.mooncake import INNER, outer_test
@@ -164,7 +164,7 @@ def test_prefer_local_segment_keeps_pages_in_the_writers_segment(mooncake_cluste
     bigger segment exists (without it Mooncake spreads them: ~80% to the bigger one here):
     another process reads them byte-exact, and once the writer leaves, all of them are gone.
     Own master, so the shared cluster's placement is left as the other tests expect it."""
-    master = MasterProcess(None, rpc_port=50071, metrics_port=9023, lease_ttl_ms=500,
+    master = MasterProcess(None, rpc_port=free_port(), metrics_port=free_port(), lease_ttl_ms=500,
                            log_path=tmp_path / "master-local.log").start()
     opts = dict(master_server_address=master.address)
     big = create_store("mooncake", store_options(mooncake_cluster, global_segment_size="256mb", **opts))
@@ -196,7 +196,7 @@ def test_local_copy_reads_own_segment_pages_itself_and_others_through_mooncake(m
     all byte-exact. The copy holds Mooncake's read lease: a remove right after it waits
     for the lease. A store that could not finish its copy within lease_ttl/2 reports
     misses. Own master, so placement is only these stores'."""
-    master = MasterProcess(None, rpc_port=50072, metrics_port=9024, lease_ttl_ms=500,
+    master = MasterProcess(None, rpc_port=free_port(), metrics_port=free_port(), lease_ttl_ms=500,
                            log_path=tmp_path / "master-copy.log").start()
     opts = dict(master_server_address=master.address, prefer_local_segment=True)
     mine = create_store("mooncake", store_options(mooncake_cluster, **opts))
@@ -246,7 +246,7 @@ def test_master_killed_mid_load_returns_misses_in_time_then_recovers(mooncake_cl
     abandoned at op_timeout. Inline: Mooncake's client takes up to ~4.5 s to give up on a
     dead master whatever its RPC timeouts (measured 4.3-4.5 s with op_timeout 1.5 and 5), so
     inline is tested at the default op_timeout, 5 s."""
-    master = MasterProcess(None, rpc_port=50061, metrics_port=9013, lease_ttl_ms=500,
+    master = MasterProcess(None, rpc_port=free_port(), metrics_port=free_port(), lease_ttl_ms=500,
                            log_path=tmp_path / "master2.log").start()
     s = create_store("mooncake", store_options(mooncake_cluster, master_server_address=master.address,
                                                op_timeout=op_timeout, reconnect_interval=0.3,
@@ -409,7 +409,7 @@ def test_inline_stopped_master_fails_get_and_put_at_the_rpc_timeout(mooncake_clu
     unhealthy, so its next call short-circuits. SIGCONT: the same stores write and read
     byte-exact."""
     op_timeout = 5.0
-    master = MasterProcess(None, rpc_port=50062, metrics_port=9014, lease_ttl_ms=500,
+    master = MasterProcess(None, rpc_port=free_port(), metrics_port=free_port(), lease_ttl_ms=500,
                            log_path=tmp_path / "master-stop.log").start()
     opts = store_options(mooncake_cluster, master_server_address=master.address, op_timeout=op_timeout,
                          reconnect_interval=0.3, call_mode="inline")
@@ -472,7 +472,7 @@ def test_inline_stopped_holder_bounded_by_mooncake_and_never_writes_late(mooncak
     SIGCONT nothing writes into the caller's buffer; then bytes read back exactly.
     Own master with client_ttl 60 s: the stall outlasts the default 10 s, after which the
     master would unmount the holder's segment and its pages would be gone."""
-    master = MasterProcess(None, rpc_port=50063, metrics_port=9015, lease_ttl_ms=500,
+    master = MasterProcess(None, rpc_port=free_port(), metrics_port=free_port(), lease_ttl_ms=500,
                            log_path=tmp_path / "master-holder.log", extra_args=("--client_ttl=60",)).start()
     holder = mooncake_cluster.start_holder("64mb", master=master)
     op_timeout = 5.0
@@ -574,7 +574,7 @@ def test_one_batch_of_more_segments_than_mooncake_queues_per_peer(mooncake_clust
     Own master with Mooncake's default 10 s read lease: on a loaded 2-core machine one get of
     8192 segments outlasted the shared cluster's 0.5 s lease (LEASE_EXPIRED, the whole batch a
     miss), which is not what this test is about."""
-    master = MasterProcess(None, rpc_port=50073, metrics_port=9025, lease_ttl_ms=10000,
+    master = MasterProcess(None, rpc_port=free_port(), metrics_port=free_port(), lease_ttl_ms=10000,
                            log_path=tmp_path / "master-wide.log").start()
     mooncake_cluster.start_holder("160mb", master=master)
     s = create_store("mooncake", store_options(mooncake_cluster, global_segment_size=0,

@@ -32,6 +32,7 @@ if not INNER:
 else:
     from kvconnect.connectors.buffers import HostBuffer
     from kvconnect.connectors.testing.mooncake import MasterProcess
+    from kvconnect.connectors.testing.processes import free_port
     from kvconnect.connectors.registry import create_store
     from kvconnect.connectors.testing.conformance import PAGE, PageStoreConformance, check_page, page_bytes
     from kvconnect.connectors.testing.mooncake import mooncake_cluster, store_options  # noqa: F401 - fixture
@@ -107,7 +108,7 @@ else:
         reader's next get of them returns misses within op_timeout (its mapping still holds
         the old bytes, but the holder is gone, so they are not served), and never raises. A
         new store process removes the dead one's file and registry entry, and serves."""
-        master = MasterProcess(None, rpc_port=50073, metrics_port=9025, lease_ttl_ms=500,
+        master = MasterProcess(None, rpc_port=free_port(), metrics_port=free_port(), lease_ttl_ms=500,
                                log_path=tmp_path / "master-kill.log").start()
         sub = f"{shm_dir}-kill"
         first = _start_holder(mooncake_cluster, sub, segment="64mb", master=master)
