@@ -100,7 +100,6 @@ JSON
 # bytes of one page's K (or V) object: layers * 64 tokens * 8 kv heads * 128 dims * 2 bytes
 kv_half_page_bytes() { if [ "$1" = qwen3 ]; then echo $((64*64*8*128*2)); else echo $((32*64*8*128*2)); fi; }
 
-
 # -- the stores ------------------------------------------------------------------------------------------
 KVC_BASE='"backend_name":"kvconnect","module_path":"kvconnect.connectors.engines.sglang_hicache","class_name":"KVConnectStorage"'
 KVC="$KVC_BASE,\"interface_v1\":1"   # SGLang's zero-copy v1 batch interface

@@ -52,7 +52,7 @@ phase_install2() {
   unpack_site2 || return 1
   install_mooncake "$MOONCAKE_TAR" || return 1
   date_back_sites; load_jitcache
-  python3 -c 'import mooncake.store, mooncake.engine, sglang_router, peercache.store, sglang' || return 1
+  python3 -c 'import sglang_router, peercache.store, sglang' || return 1   # Mooncake: checked by install_mooncake
   say "install2 done"
 }
 phase_install5() { install_lmcache; }
